@@ -1,0 +1,425 @@
+/*
+ * headloss.h - fused kernels for the language-model head and around it.
+ *
+ * One C99 header, usable without the CUDA headers. Conventions shared by every call:
+ *
+ *  - Every function returns an hl_status_t. On failure nothing has been written to any output, and
+ *    hl_get_last_error() returns a message naming the argument and the value at fault (thread-local,
+ *    valid until the next call on the same thread). hl_get_error_string() names a status.
+ *  - Arguments travel in descriptors whose first member is struct_size: set it to sizeof(the struct)
+ *    so that later versions can add fields without breaking callers compiled against this one.
+ *    Zero-initialise the descriptor, then fill in what you use.
+ *  - Each descriptor names its backend explicitly: HL_BACKEND_CUDA takes device pointers (or managed
+ *    memory) and runs asynchronously on the stream passed; HL_BACKEND_CPU takes host pointers, runs
+ *    synchronously on the calling thread, accumulates in fp64 and ignores the stream. The CPU backend
+ *    is the reference the CUDA kernels are tested against.
+ *  - Sizes and strides are int64_t and counted in elements. A row stride of 0 means "packed" (equal
+ *    to the number of columns). Zero-size work (no rows or no columns) is a valid no-op.
+ *  - Results are deterministic: the same inputs give the same bits on every run.
+ */
+#ifndef HEADLOSS_H_
+#define HEADLOSS_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define HL_API __declspec(dllexport)
+#else
+#define HL_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Version, status, errors                                                                          */
+/* ------------------------------------------------------------------------------------------------ */
+
+#define HL_VERSION_MAJOR 0
+#define HL_VERSION_MINOR 1
+#define HL_VERSION_PATCH 0
+/* HL_VERSION_MAJOR * 10000 + HL_VERSION_MINOR * 100 + HL_VERSION_PATCH */
+#define HL_VERSION 100
+
+typedef enum {
+  HL_STATUS_SUCCESS = 0,
+  HL_STATUS_INVALID_VALUE = 1,          /* a bad argument: null pointer, shape, stride, option    */
+  HL_STATUS_NOT_SUPPORTED = 2,          /* valid, but not built in or not available here          */
+  HL_STATUS_MISALIGNED = 3,             /* a pointer or stride breaks a documented alignment rule */
+  HL_STATUS_INSUFFICIENT_WORKSPACE = 4, /* workspace smaller than the *_workspace_size answer     */
+  HL_STATUS_ALLOC_FAILED = 5,           /* host memory allocation failed                          */
+  HL_STATUS_CUDA_ERROR = 6,             /* a CUDA runtime call failed; the message has its text   */
+  HL_STATUS_NCCL_ERROR = 7,             /* an NCCL call failed; the message has its text          */
+  HL_STATUS_INTERNAL_ERROR = 8          /* a bug in headloss: please report the message           */
+} hl_status_t;
+
+/* The library's version as HL_VERSION encodes it. Compare with HL_VERSION to detect a mismatch
+ * between the header you compiled against and the library you loaded. */
+HL_API int hl_get_version(void);
+
+/* A static, human-readable name for a status ("HL_STATUS_INVALID_VALUE: invalid value"). */
+HL_API const char *hl_get_error_string(hl_status_t status);
+
+/* The detail of the last failure on this thread ("" after a success). */
+HL_API const char *hl_get_last_error(void);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Types shared by every op                                                                         */
+/* ------------------------------------------------------------------------------------------------ */
+
+typedef enum {
+  HL_DTYPE_NONE = 0,
+  HL_DTYPE_F32 = 1,
+  HL_DTYPE_F16 = 2,
+  HL_DTYPE_BF16 = 3,
+  HL_DTYPE_I32 = 4,
+  HL_DTYPE_I64 = 5
+} hl_dtype_t;
+
+typedef enum {
+  HL_BACKEND_CPU = 1, /* host pointers, fp64 reference arithmetic, synchronous */
+  HL_BACKEND_CUDA = 2 /* device pointers, asynchronous on the given stream     */
+} hl_backend_t;
+
+/* A CUDA stream; identical to cudaStream_t, so a cudaStream_t converts without a cast.
+ * NULL is the legacy default stream. */
+typedef struct CUstream_st *hl_stream_t;
+
+/* 1 if the backend can run here (for CUDA: the library was built with CUDA and a device is
+ * visible), else 0. */
+HL_API int hl_backend_is_available(hl_backend_t backend);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* RMSNorm                                                                                          */
+/* ------------------------------------------------------------------------------------------------ */
+/*
+ * rstd = 1 / sqrt(mean(s^2) + eps) per row, y = (s * rstd) * (offset + w), with s = x, or s = x + r
+ * when a residual r is fused in (then s is also written to residual_out).
+ *
+ * Casting modes (where rounding happens; statistics always in fp32):
+ *   LLAMA: s * rstd is rounded to x's dtype before the weight multiply (Llama, HF default).
+ *   GEMMA: everything in fp32, one rounding at the store (use with offset = 1 for Gemma).
+ *   NONE:  each step rounded to x's dtype (rstd, s * rstd, offset + w, the product).
+ * Without a weight, y = s * rstd (and offset must be 0).
+ *
+ * Layout: x, residual, residual_out, y are [rows, cols] with their own row strides (elements,
+ * 0 = packed); the last dimension is contiguous. residual and residual_out share x's dtype.
+ * Any cols and any alignment are accepted; 16-byte aligned pointers with cols and strides that are
+ * multiples of 16 bytes take the vectorised path.
+ * rstd (fp32, one per row) is written only when the pointer is non-NULL: inference passes NULL
+ * and saves the store. In-place (y == x) is allowed when the dtypes and strides agree.
+ */
+typedef enum {
+  HL_RMSNORM_CAST_LLAMA = 0,
+  HL_RMSNORM_CAST_GEMMA = 1,
+  HL_RMSNORM_CAST_NONE = 2
+} hl_rmsnorm_cast_t;
+
+typedef struct {
+  size_t struct_size; /* sizeof(hl_rmsnorm_fwd_args_t) */
+  hl_backend_t backend;
+  int64_t rows;
+  int64_t cols;
+  hl_rmsnorm_cast_t cast;
+  float eps;
+  float offset;
+
+  hl_dtype_t x_dtype; /* F32, F16 or BF16; also residual and residual_out */
+  const void *x;
+  int64_t x_stride;
+
+  const void *residual; /* optional: s = x + residual */
+  int64_t residual_stride;
+  void *residual_out; /* required with residual: receives s */
+  int64_t residual_out_stride;
+
+  hl_dtype_t weight_dtype; /* F32, F16 or BF16 */
+  const void *weight;      /* optional, [cols] */
+
+  hl_dtype_t y_dtype; /* F32, F16 or BF16 */
+  void *y;
+  int64_t y_stride;
+
+  float *rstd; /* optional, [rows] fp32 */
+} hl_rmsnorm_fwd_args_t;
+
+HL_API hl_status_t rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t stream);
+
+/*
+ * Backward of rmsnorm_fwd. With xhat = s * rstd and g = dy * (offset + w):
+ *   dx = rstd * (g - xhat * mean(g * xhat)) + dresidual_out,   dw = sum over rows of dy * xhat
+ * (in LLAMA mode xhat is rounded to x's dtype first, as in the forward). dx is the gradient of
+ * both x and the fused residual; dresidual_out (optional) is the gradient flowing into
+ * residual_out, and dresidual (optional) receives a copy of dx in x's dtype for callers that want
+ * two tensors. dw is reduced over rows in fp32 in a fixed order (deterministic) and stored in
+ * dw_dtype (F32 or the weight's dtype). rstd may be NULL: it is then recomputed from s and eps.
+ * The CUDA backend needs a workspace: ask rmsnorm_bwd_workspace_size.
+ */
+typedef struct {
+  size_t struct_size; /* sizeof(hl_rmsnorm_bwd_args_t) */
+  hl_backend_t backend;
+  int64_t rows;
+  int64_t cols;
+  hl_rmsnorm_cast_t cast;
+  float eps;    /* used only when rstd is NULL */
+  float offset;
+
+  hl_dtype_t x_dtype; /* dtype of x (the forward's s), dresidual_out, dx, dresidual */
+  const void *x;      /* the forward's s: x, or x + residual when fused */
+  int64_t x_stride;
+  const float *rstd;  /* optional, [rows] from the forward */
+
+  hl_dtype_t weight_dtype;
+  const void *weight; /* optional, [cols] */
+
+  hl_dtype_t dy_dtype; /* F32, F16 or BF16 */
+  const void *dy;
+  int64_t dy_stride;
+
+  const void *dresidual_out; /* optional, gradient of residual_out */
+  int64_t dresidual_out_stride;
+
+  void *dx;
+  int64_t dx_stride;
+  void *dresidual; /* optional copy of dx */
+  int64_t dresidual_stride;
+
+  hl_dtype_t dw_dtype; /* F32 or weight_dtype; required with a weight */
+  void *dw;            /* required with a weight, [cols] */
+
+  void *workspace;
+  size_t workspace_bytes;
+} hl_rmsnorm_bwd_args_t;
+
+HL_API hl_status_t rmsnorm_bwd_workspace_size(const hl_rmsnorm_bwd_args_t *args, size_t *bytes);
+HL_API hl_status_t rmsnorm_bwd(const hl_rmsnorm_bwd_args_t *args, hl_stream_t stream);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Gated DeltaNet backward: dq, dk, dw, dg of one chunked step                                      */
+/* ------------------------------------------------------------------------------------------------ */
+/*
+ * The chunk_bwd_dqkwg step of the chunked Gated DeltaNet backward (flash-linear-attention's
+ * chunk_bwd_kernel_dqkwg), chunk length 64. Per chunk c of n <= 64 rows and value head hv, with
+ * q/k head hq = hv / (HV / H), E = exp (or exp2 in log2 units), g the chunk-local cumulative gate
+ * and gl = g[n-1]:
+ *   ds = do v^T;  dq = do h^T;  dk = v dh^T;  dw = -dv h^T;  dgl = sum(h * dh) E(gl)
+ *   dq *= E(g_t) scale;  dk *= E(gl - g_t);  dgl += sum(dk * k)
+ *   ds[t,s] = (s <= t < n) ? ds E(g_t - g_s) scale : 0;  dq += ds k;  dk += ds^T q
+ *   dg[t] = sum_k dq[t,k] q[t,k] - sum_k dk[t,k] k[t,k];  dg[n-1] += dgl
+ * Without a gate E = 1. dg is the gradient w.r.t. the gate in natural-log units in both units
+ * (as fla: in log2 units the true d/dg carries a factor ln 2 that the caller's 1/ln 2 scaling of g
+ * cancels).
+ *
+ * GVA (HV a multiple of H): dq, dk have H heads and are the sums over the HV/H value heads sharing
+ * a q/k head; dg and dw are per value head, and each value head's dg uses its own contribution to
+ * dq, dk (before the sum).
+ *
+ * Gates: LOG / LOG2 take g [B,T,HV] fp32, already cumulated within each chunk, and produce dg.
+ * CONST_DECAY / CONST_DECAY_LOG2 take g_gamma [HV] fp32 with g_t = g_gamma (t + 1), t the row
+ * within the chunk (fla's g_gamma; fla 0.6 uses log2 units); as fla, they produce no dg (pass
+ * dg = NULL). NONE: no gate, no dg.
+ *
+ * Layouts (all contiguous, row-major, no strides): q, k, dq, dk [B,T,H,K]; v (the forward's
+ * v_new), do, dv [B,T,HV,V]; w, dw [B,T,HV,K]; h, dh [B,NT,HV,K,V] (h: state at the start of each
+ * chunk, dh: gradient of the state at its end); g, dg [B,T,HV]. q, k, v, do, dv, dq, dk, dw share
+ * one 16-bit dtype (F16 or BF16); h and dh share one dtype, that one or F32 (F32 states are rounded
+ * to the 16-bit dtype for the tensor-core products on the CUDA backend). dg is F32.
+ * dw is produced when dw is set; it needs dv (w itself is not read: dw does not depend on it).
+ *
+ * Variable length: cu_seqlens [num_seqs + 1] (I32 or I64) with B = 1, cu_seqlens[0] = 0,
+ * non-decreasing, ending at T. Chunks restart at each sequence start; num_chunks (the NT of h, dh)
+ * counts chunks of all sequences in order and is required (sum of ceil(len / 64)): it sizes the
+ * launch without reading cu_seqlens. The CUDA backend copies cu_seqlens to the host to check it and
+ * to build its chunk table in the workspace: a varlen call synchronises the stream once (as fla's
+ * prepare_chunk_indices does). Without cu_seqlens, num_chunks is ceil(T / 64) (0 = that).
+ *
+ * K and V: 1..256 each (64, 128 and 256 fastest; other sizes run through zero-padded tiles).
+ * reverse_cumsum = 1 writes dg already reverse-cumulated within each chunk (the caller's next
+ * step), in fp32. The CUDA backend needs a workspace only for varlen: ask
+ * gdn_bwd_dqkwg_workspace_size. Results are deterministic (no atomics).
+ */
+typedef enum {
+  HL_GDN_GATE_NONE = 0,
+  HL_GDN_GATE_LOG = 1,              /* g [B,T,HV], natural-log units: E = exp  */
+  HL_GDN_GATE_LOG2 = 2,             /* g [B,T,HV], log2 units: E = exp2        */
+  HL_GDN_GATE_CONST_DECAY = 3,      /* g_gamma [HV], natural-log units; no dg  */
+  HL_GDN_GATE_CONST_DECAY_LOG2 = 4  /* g_gamma [HV], log2 units (fla); no dg   */
+} hl_gdn_gate_t;
+
+typedef struct {
+  size_t struct_size; /* sizeof(hl_gdn_bwd_dqkwg_args_t) */
+  hl_backend_t backend;
+  int64_t B, T, H, HV, K, V;
+  int64_t num_chunks; /* NT of h and dh; required with cu_seqlens, else 0 or ceil(T / 64) */
+
+  hl_dtype_t dtype;   /* F16 or BF16: q, k, v, do, dv, dq, dk, dw */
+  hl_dtype_t h_dtype; /* dtype, or F32: h, dh */
+  const void *q, *k, *v, *do_, *h, *dh;
+  const void *dv; /* required with dw */
+  void *dq, *dk;
+  void *dw; /* optional */
+
+  hl_gdn_gate_t gate;
+  const float *g;       /* [B,T,HV] with LOG / LOG2 */
+  const float *g_gamma; /* [HV] with CONST_DECAY* */
+  float *dg;            /* [B,T,HV], required with LOG / LOG2, NULL otherwise */
+  int reverse_cumsum;   /* 1: dg reverse-cumulated within each chunk */
+  float scale;
+
+  hl_dtype_t cu_seqlens_dtype; /* I32 or I64 */
+  const void *cu_seqlens;      /* optional, [num_seqs + 1], B must be 1 */
+  int64_t num_seqs;
+
+  void *workspace;
+  size_t workspace_bytes;
+} hl_gdn_bwd_dqkwg_args_t;
+
+HL_API hl_status_t gdn_bwd_dqkwg_workspace_size(const hl_gdn_bwd_dqkwg_args_t *args, size_t *bytes);
+HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_t stream);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Fused LM-head loss plan                                                                          */
+/* ------------------------------------------------------------------------------------------------ */
+/*
+ * One pass of softmax statistics over logits [rows, vocab], then every requested loss, metric,
+ * per-token output and one combined gradient. With z_hat = softcap * tanh(logit_scale * z / softcap)
+ * (or logit_scale * z without a cap), lse = log sum_j exp(z_hat_j), p = softmax(z_hat), label y:
+ *
+ *   CE       (1 - eps) (lse - z_hat_y) + eps (lse - mean_j z_hat_j)      (eps = label_smoothing)
+ *   Z        lse^2
+ *   ENTROPY  H = lse - sum_j p_j z_hat_j   (as a loss: use a negative weight for a bonus)
+ *   DISTILL_FWD  KL(q || p_s), DISTILL_REV  KL(p_s || q); q = softmax(teacher / teacher_temperature),
+ *            p_s = softmax(z_hat / student_temperature); gradients as SPEC section 1 (no tau^2 factor)
+ *   GRPO     -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp_y - old_logprob)
+ *   GRPO_KL_REF  k3 = exp(ref - logp_y) - (ref - logp_y) - 1, weighted by kl_ref_beta
+ *
+ * A row is ignored when its label is negative (this covers the usual -100) or, with
+ * use_ignore_index, equal to ignore_index: it contributes to no term and no metric, and its
+ * gradient row is zero. Each reported term is sum_t w_t l_t / D (w_t: per-token weight, default 1;
+ * D: the divisor, default the sum of valid weights); loss = sum of weight_k * term_k; the gradient
+ * row t is (grad_scale / D) w_t d(loss_t)/dz, formed in fp32 and rounded once. Metrics are weighted
+ * means over valid rows (sum w x / sum w) or min / max over rows with w > 0.
+ *
+ * Logits and teacher logits share a dtype (F32, F16, BF16) and have row strides; labels are I32 or
+ * I64; weights, advantages, old / reference log-probs and every per-token output are fp32 [rows].
+ * The gradient goes to its own buffer or over the logits in place (grad == logits, same dtype and
+ * stride), in the logits' dtype or F32, written or accumulated (old + new in fp32, one rounding).
+ * Labels that are out of [0, vocab) and not ignored are an error (INVALID_VALUE, nothing written);
+ * on CUDA the check costs a stream synchronisation: HL_LOSS_UNCHECKED_LABELS skips it (then such a
+ * row yields NaN). Plans are immutable and may be used from several threads at once.
+ */
+typedef struct hl_loss_plan_st *hl_loss_plan_t;
+
+/* Terms (hl_loss_plan_desc_t.terms), each with its own weight. */
+#define HL_LOSS_CE (1u << 0)
+#define HL_LOSS_Z (1u << 1)
+#define HL_LOSS_ENTROPY (1u << 2)
+#define HL_LOSS_DISTILL_FWD (1u << 3) /* forward KL; exclusive with DISTILL_REV */
+#define HL_LOSS_DISTILL_REV (1u << 4) /* reverse KL */
+#define HL_LOSS_GRPO (1u << 5)
+#define HL_LOSS_GRPO_KL_REF (1u << 6)
+
+/* Options (hl_loss_plan_desc_t.flags). */
+#define HL_LOSS_UNCHECKED_LABELS (1u << 0) /* CUDA: no label check, no synchronisation */
+
+typedef enum {
+  HL_LOSS_GRAD_NONE = 0,      /* evaluation: no gradient */
+  HL_LOSS_GRAD_WRITE = 1,     /* grad = dloss/dlogits */
+  HL_LOSS_GRAD_ACCUMULATE = 2 /* grad += dloss/dlogits (sum in fp32, one rounding) */
+} hl_loss_grad_mode_t;
+
+typedef struct {
+  size_t struct_size; /* sizeof(hl_loss_plan_desc_t) */
+  hl_backend_t backend;
+  int64_t vocab;           /* columns of the logits */
+  hl_dtype_t logits_dtype; /* F32, F16 or BF16; teacher logits share it */
+  hl_dtype_t labels_dtype; /* I32 or I64; NONE when no labels are passed */
+  unsigned terms;          /* HL_LOSS_CE | ... */
+  unsigned flags;          /* HL_LOSS_UNCHECKED_LABELS */
+  float ce_weight, z_weight, entropy_weight, distill_weight, grpo_weight, kl_ref_beta;
+  float label_smoothing;     /* in [0, 1) */
+  float logit_scale;         /* 0 means 1 */
+  float softcap;             /* 0: no cap */
+  float teacher_temperature; /* 0 means 1 */
+  float student_temperature; /* 0 means 1 */
+  float eps_low, eps_high;   /* GRPO clip range; 0 means 0.2 */
+  int use_ignore_index;      /* 1: labels equal to ignore_index are ignored too */
+  int64_t ignore_index;
+  hl_loss_grad_mode_t grad_mode;
+  hl_dtype_t grad_dtype;     /* logits_dtype or F32; with a gradient */
+  /* Tensor parallelism (a later version): this rank's first column and the full vocabulary.
+   * Must be 0 and 0 (or vocab) today. */
+  int64_t vocab_start;
+  int64_t vocab_global;
+} hl_loss_plan_desc_t;
+
+/* Indices of hl_loss_args_t.scalars. A metric whose inputs were not passed is 0. */
+typedef enum {
+  HL_LOSS_OUT_LOSS = 0,      /* sum of weight_k * term_k */
+  HL_LOSS_OUT_CE,            /* each term: sum_t w_t l_t / D */
+  HL_LOSS_OUT_Z,
+  HL_LOSS_OUT_ENTROPY,
+  HL_LOSS_OUT_DISTILL,
+  HL_LOSS_OUT_GRPO,
+  HL_LOSS_OUT_KL_REF,
+  HL_LOSS_OUT_DIVISOR,       /* D as used */
+  HL_LOSS_OUT_WEIGHT_SUM,    /* sum of w over valid rows */
+  HL_LOSS_OUT_VALID_ROWS,    /* rows not ignored */
+  HL_LOSS_OUT_LSE_MEAN,      /* weighted means over valid rows: */
+  HL_LOSS_OUT_ENTROPY_MEAN,
+  HL_LOSS_OUT_LOGP_MEAN,     /* needs labels */
+  HL_LOSS_OUT_ACCURACY,      /* argmax (first maximal column) == label; needs labels */
+  HL_LOSS_OUT_RATIO_MEAN,    /* needs old_logprobs */
+  HL_LOSS_OUT_RATIO_MIN,
+  HL_LOSS_OUT_RATIO_MAX,
+  HL_LOSS_OUT_CLIP_LOW,      /* fraction with A < 0 and r < 1 - eps_low; needs advantages too */
+  HL_LOSS_OUT_CLIP_HIGH,     /* fraction with A > 0 and r > 1 + eps_high */
+  HL_LOSS_OUT_CLIP_ANY,      /* fraction with r outside [1 - eps_low, 1 + eps_high] */
+  HL_LOSS_OUT_K3_OLD,        /* mean of r - log r - 1, KL(old || new) */
+  HL_LOSS_OUT_KL_REF_MEAN,   /* needs ref_logprobs */
+  HL_LOSS_OUT_ADV_MEAN,      /* needs advantages */
+  HL_LOSS_OUT_ADV_MIN,
+  HL_LOSS_OUT_ADV_MAX,
+  HL_LOSS_OUT_DISTILL_KL_MEAN, /* needs teacher logits and a distillation term */
+  HL_LOSS_NUM_SCALARS
+} hl_loss_scalar_t;
+
+typedef struct {
+  size_t struct_size; /* sizeof(hl_loss_args_t) */
+  int64_t rows;
+  const void *logits; /* [rows, vocab] */
+  int64_t logits_stride;
+  const void *labels;  /* [rows]; required by CE, GRPO, GRPO_KL_REF; NULL: every row valid */
+  const float *weights; /* optional [rows] */
+  const void *teacher_logits; /* [rows, vocab], required by distillation */
+  int64_t teacher_stride;
+  const float *advantages;   /* [rows], required by GRPO */
+  const float *old_logprobs; /* [rows], required by GRPO */
+  const float *ref_logprobs; /* [rows], required by GRPO_KL_REF */
+  double divisor;     /* D; 0: the sum of valid weights */
+  float grad_scale;   /* 0 means 1 */
+  void *grad;         /* [rows, vocab] in grad_dtype; required with a gradient */
+  int64_t grad_stride;
+  float *scalars;     /* optional [HL_LOSS_NUM_SCALARS] */
+  float *token_loss;  /* optional [rows]: sum_k weight_k l_k (unweighted by w_t, D); 0 if ignored */
+  float *token_logp;  /* optional [rows]: z_hat_y - lse; 0 if ignored */
+  float *token_entropy; /* optional [rows] */
+  float *token_lse;     /* optional [rows] */
+} hl_loss_args_t;
+
+/* Validates the description once and picks a specialised kernel. */
+HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_plan_t *plan);
+/* Workspace for executing on `rows` rows (0 on the CPU backend). */
+HL_API hl_status_t hl_loss_plan_get_workspace_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes);
+/* workspace: device memory (CUDA), 16-byte aligned, at least the size asked for; NULL if 0. */
+HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                        void *workspace, size_t workspace_bytes, hl_stream_t stream);
+HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* HEADLOSS_H_ */

@@ -1,0 +1,37 @@
+// Host-side CUDA helpers for the kernels' launchers: checked calls and cached device facts.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common.h"
+
+// Returns HL_STATUS_CUDA_ERROR with the call and the runtime's message when expr fails.
+#define HL_CUDA_TRY(expr)                                                                  \
+  do {                                                                                     \
+    cudaError_t hl_cuda_err_ = (expr);                                                     \
+    if (hl_cuda_err_ != cudaSuccess)                                                       \
+      return ::hl::fail(HL_STATUS_CUDA_ERROR, "%s:%d: %s failed: %s (%s)", __FILE__, __LINE__, \
+                        #expr, cudaGetErrorName(hl_cuda_err_), cudaGetErrorString(hl_cuda_err_)); \
+  } while (0)
+
+// Checks the launch that was just made (configuration errors surface here, not later).
+#define HL_CUDA_TRY_LAUNCH() HL_CUDA_TRY(cudaGetLastError())
+
+namespace hl::cuda {
+
+// Multiprocessor count of the current device (cached per device).
+int sm_count();
+
+// How many blocks of `kernel` with `threads` threads and `smem` dynamic shared memory fit on one
+// multiprocessor. Call it once per kernel instantiation and cache the answer.
+template <class Kernel>
+int blocks_per_sm(Kernel kernel, int threads, size_t smem = 0) {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 1;
+  }
+  return n > 0 ? n : 1;
+}
+
+}  // namespace hl::cuda

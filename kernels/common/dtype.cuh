@@ -1,0 +1,72 @@
+// Device-side dtype plumbing: the C++ type behind each hl_dtype_t, fp32 conversions, 16-byte
+// vector packs, and a dispatcher that turns a run-time dtype into a template argument.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "headloss.h"
+
+namespace hl::cuda {
+
+template <class T> struct TypeTag { using type = T; };
+
+// Calls f(TypeTag<T>{}) for the float dtype dt; false if dt is not a float dtype.
+template <class F>
+bool dispatch_float(hl_dtype_t dt, F &&f) {
+  switch (dt) {
+    case HL_DTYPE_F32: f(TypeTag<float>{}); return true;
+    case HL_DTYPE_F16: f(TypeTag<__half>{}); return true;
+    case HL_DTYPE_BF16: f(TypeTag<__nv_bfloat16>{}); return true;
+    default: return false;
+  }
+}
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <class T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// v rounded to T and back: where a casting mode rounds an intermediate.
+template <class T> __device__ __forceinline__ float round_to(float v) { return to_float(from_float<T>(v)); }
+
+// Reads element i of a float array whose dtype is known only at run time.
+__device__ __forceinline__ float load_as_float(const void *p, hl_dtype_t dt, int64_t i) {
+  switch (dt) {
+    case HL_DTYPE_F16: return __half2float(static_cast<const __half *>(p)[i]);
+    case HL_DTYPE_BF16: return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
+    default: return static_cast<const float *>(p)[i];
+  }
+}
+
+// Writes element i of a float array whose dtype is known only at run time.
+__device__ __forceinline__ void store_from_float(void *p, hl_dtype_t dt, int64_t i, float v) {
+  switch (dt) {
+    case HL_DTYPE_F16: static_cast<__half *>(p)[i] = __float2half_rn(v); break;
+    case HL_DTYPE_BF16: static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v); break;
+    default: static_cast<float *>(p)[i] = v; break;
+  }
+}
+
+// N elements of T moved as one access (16 bytes when N * sizeof(T) == 16).
+template <class T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <class T, int N>
+__device__ __forceinline__ Pack<T, N> load_pack(const T *p) {
+  return *reinterpret_cast<const Pack<T, N> *>(p);
+}
+template <class T, int N>
+__device__ __forceinline__ void store_pack(T *p, const Pack<T, N> &v) {
+  *reinterpret_cast<Pack<T, N> *>(p) = v;
+}
+
+}  // namespace hl::cuda

@@ -1,0 +1,367 @@
+// RMSNorm backward. Rows that fit in registers take rmsnorm_bwd_regs: one read of x and dy, one
+// write of dx, and dw accumulated in registers across the rows a block visits, then written as
+// one fp32 partial row per block. Other rows take two kernels: per-row statistics, then column
+// tiles that write dx and a partial dw per chunk of rows. A last kernel sums the partials in a
+// fixed order, so dw is deterministic without atomics.
+#include <algorithm>
+
+#include "common/cuda_util.h"
+#include "rmsnorm/common.cuh"
+#include "rmsnorm/rmsnorm.h"
+
+namespace hl::rmsnorm {
+namespace {
+
+struct BwdParams {
+  int64_t rows, cols;
+  const void *x;
+  int64_t xs;
+  const float *rstd;
+  float eps, inv_cols;
+  const void *w;
+  hl_dtype_t wdt;
+  float offset;
+  bool round_mid;  // LLAMA and NONE: dw uses s * rstd rounded to x's dtype, as the forward did
+  bool none_mode;
+  const void *dy;
+  int64_t dys;
+  const void *dro;  // gradient of residual_out, optional
+  int64_t dros;
+  void *dx;
+  int64_t dxs;
+  void *dres;  // optional copy of dx
+  int64_t dress;
+  float *partial;  // partial dw rows, [parts, cols]; NULL without a weight
+  float2 *stats;   // per-row (rstd, mean(g * xhat)) for the tiled path
+};
+
+// dx for one pack, with the fused residual's gradient added; also stores the copy.
+template <class Tx, class Tdy, int VEC>
+__device__ __forceinline__ void store_dx(const BwdParams &p, int64_t row, int64_t col,
+                                         const Pack<Tx, VEC> &s, const Pack<Tdy, VEC> &dy,
+                                         const float *wf, float rstd, float mean) {
+  float d[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    const float xhat = to_float(s.v[e]) * rstd;
+    d[e] = rstd * (to_float(dy.v[e]) * wf[e] - xhat * mean);
+  }
+  if (p.dro) {
+    const Pack<Tx, VEC> g = load_pack<Tx, VEC>(static_cast<const Tx *>(p.dro) + row * p.dros + col);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) d[e] += to_float(g.v[e]);
+  }
+  Pack<Tx, VEC> out;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) out.v[e] = from_float<Tx>(d[e]);
+  store_pack(static_cast<Tx *>(p.dx) + row * p.dxs + col, out);
+  if (p.dres) store_pack(static_cast<Tx *>(p.dres) + row * p.dress + col, out);
+}
+
+// dw contribution of one pack: dy * xhat, xhat rounded as the forward rounded it.
+template <class Tx, class Tdy, int VEC>
+__device__ __forceinline__ void add_dw(const BwdParams &p, const Pack<Tx, VEC> &s,
+                                       const Pack<Tdy, VEC> &dy, float rstd, float *acc) {
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    float xhat = to_float(s.v[e]) * rstd;
+    if (p.round_mid) xhat = round_to<Tx>(xhat);
+    acc[e] += to_float(dy.v[e]) * xhat;
+  }
+}
+
+template <class Tx, class Tdy, int VEC, int TPR, int VPT, int R, int BLOCK>
+__global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
+  using Sum = RowSum<TPR, BLOCK>;
+  constexpr int G = BLOCK / TPR, W = TPR * VPT * VEC;  // W: columns a group covers
+  __shared__ typename Sum::Storage smem;
+  __shared__ float dw_groups[G > 1 ? G * W : 1];
+  const int lane = threadIdx.x % TPR, group = threadIdx.x / TPR;
+
+  float wf[VPT][VEC], dw[VPT][VEC];
+#pragma unroll
+  for (int v = 0; v < VPT; ++v)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const int64_t col = int64_t(v * TPR + lane) * VEC + e;
+      wf[v][e] = col < p.cols ? weight_factor<Tx>(p.w, p.wdt, p.offset, p.none_mode, col) : 0.0f;
+      dw[v][e] = 0.0f;
+    }
+
+  const int64_t step = int64_t(gridDim.x) * G * R;
+  for (int64_t base = int64_t(blockIdx.x) * G * R; base < p.rows; base += step) {
+    const int64_t row0 = base + int64_t(group) * R;
+    Pack<Tx, VEC> s[R][VPT];
+    Pack<Tdy, VEC> dy[R][VPT];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * TPR + lane) * VEC;
+        if (row0 + r < p.rows && col < p.cols) {
+          s[r][v] = load_pack<Tx, VEC>(static_cast<const Tx *>(p.x) + (row0 + r) * p.xs + col);
+          dy[r][v] = load_pack<Tdy, VEC>(static_cast<const Tdy *>(p.dy) + (row0 + r) * p.dys + col);
+        } else {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            s[r][v].v[e] = from_float<Tx>(0.0f);
+            dy[r][v].v[e] = from_float<Tdy>(0.0f);
+          }
+        }
+      }
+    float rstd[R], mean[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (p.rstd) {
+        rstd[r] = row0 + r < p.rows ? p.rstd[row0 + r] : 0.0f;
+      } else {
+        float ss = 0.0f;
+#pragma unroll
+        for (int v = 0; v < VPT; ++v)
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) ss += to_float(s[r][v].v[e]) * to_float(s[r][v].v[e]);
+        rstd[r] = rsqrtf(Sum::sum(ss, smem) * p.inv_cols + p.eps);
+      }
+      float dot = 0.0f;  // sum of g * s; times rstd it is sum of g * xhat
+#pragma unroll
+      for (int v = 0; v < VPT; ++v)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) dot += to_float(dy[r][v].v[e]) * wf[v][e] * to_float(s[r][v].v[e]);
+      mean[r] = Sum::sum(dot, smem) * rstd[r] * p.inv_cols;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (row0 + r >= p.rows) break;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * TPR + lane) * VEC;
+        if (col >= p.cols) continue;
+        store_dx<Tx, Tdy, VEC>(p, row0 + r, col, s[r][v], dy[r][v], wf[v], rstd[r], mean[r]);
+        if (p.partial) add_dw<Tx, Tdy, VEC>(p, s[r][v], dy[r][v], rstd[r], dw[v]);
+      }
+    }
+  }
+  if (!p.partial) return;
+  float *out = p.partial + int64_t(blockIdx.x) * p.cols;
+  if constexpr (G == 1) {
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const int64_t col = int64_t(v * TPR + lane) * VEC + e;
+        if (col < p.cols) out[col] = dw[v][e];
+      }
+  } else {  // sum the groups' columns in shared memory, in group order
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) dw_groups[group * W + (v * TPR + lane) * VEC + e] = dw[v][e];
+    __syncthreads();
+    for (int c = threadIdx.x; c < W && c < p.cols; c += BLOCK) {
+      float t = 0.0f;
+      for (int g = 0; g < G; ++g) t += dw_groups[g * W + c];
+      out[c] = t;
+    }
+  }
+}
+
+// Tiled path, step 1: per-row rstd and mean(g * xhat), a block per row.
+template <class Tx, class Tdy, int VEC, int BLOCK>
+__global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_stats(const BwdParams p) {
+  using Sum = RowSum<BLOCK, BLOCK>;
+  __shared__ typename Sum::Storage smem;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    float ss = 0.0f, dot = 0.0f;
+    for (int64_t col = int64_t(threadIdx.x) * VEC; col < p.cols; col += int64_t(BLOCK) * VEC) {
+      const Pack<Tx, VEC> s = load_pack<Tx, VEC>(static_cast<const Tx *>(p.x) + row * p.xs + col);
+      const Pack<Tdy, VEC> dy = load_pack<Tdy, VEC>(static_cast<const Tdy *>(p.dy) + row * p.dys + col);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float sv = to_float(s.v[e]);
+        ss += sv * sv;
+        dot += to_float(dy.v[e]) * weight_factor<Tx>(p.w, p.wdt, p.offset, p.none_mode, col + e) * sv;
+      }
+    }
+    const float rstd = p.rstd ? p.rstd[row] : rsqrtf(Sum::sum(ss, smem) * p.inv_cols + p.eps);
+    const float mean = Sum::sum(dot, smem) * rstd * p.inv_cols;
+    if (threadIdx.x == 0) p.stats[row] = make_float2(rstd, mean);
+  }
+}
+
+// Tiled path, step 2: a block covers 32 packs of columns and one chunk of rows; it writes dx and
+// the chunk's partial dw row.
+constexpr int kTileY = 8;
+template <class Tx, class Tdy, int VEC>
+__global__ void __launch_bounds__(32 * kTileY) rmsnorm_bwd_tiles(const BwdParams p, int64_t chunk_rows) {
+  __shared__ float dw_rows[kTileY][32 * VEC + 1];
+  const int64_t col = (int64_t(blockIdx.x) * 32 + threadIdx.x) * VEC;
+  const int64_t r0 = int64_t(blockIdx.y) * chunk_rows;
+  const int64_t r1 = r0 + chunk_rows < p.rows ? r0 + chunk_rows : p.rows;
+  float wf[VEC], dw[VEC] = {};
+  const bool live = col < p.cols;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e)
+    wf[e] = live ? weight_factor<Tx>(p.w, p.wdt, p.offset, p.none_mode, col + e) : 0.0f;
+  if (live)
+    for (int64_t row = r0 + threadIdx.y; row < r1; row += kTileY) {
+      const float2 st = p.stats[row];
+      const Pack<Tx, VEC> s = load_pack<Tx, VEC>(static_cast<const Tx *>(p.x) + row * p.xs + col);
+      const Pack<Tdy, VEC> dy = load_pack<Tdy, VEC>(static_cast<const Tdy *>(p.dy) + row * p.dys + col);
+      store_dx<Tx, Tdy, VEC>(p, row, col, s, dy, wf, st.x, st.y);
+      if (p.partial) add_dw<Tx, Tdy, VEC>(p, s, dy, st.x, dw);
+    }
+  if (!p.partial) return;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) dw_rows[threadIdx.y][threadIdx.x * VEC + e] = dw[e];
+  __syncthreads();
+  for (int c = threadIdx.y * 32 + threadIdx.x; c < 32 * VEC; c += 32 * kTileY) {
+    const int64_t gc = int64_t(blockIdx.x) * 32 * VEC + c;
+    if (gc >= p.cols) continue;
+    float t = 0.0f;
+    for (int y = 0; y < kTileY; ++y) t += dw_rows[y][c];
+    p.partial[int64_t(blockIdx.y) * p.cols + gc] = t;
+  }
+}
+
+// dw[c] = sum over parts of partial[part][c], in part order: 32 columns by 32 part-slices a block.
+__global__ void __launch_bounds__(1024) rmsnorm_dw_reduce(const float *partial, int64_t parts,
+                                                          int64_t cols, void *dw, hl_dtype_t dt) {
+  __shared__ float acc[32][33];
+  const int64_t col = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  float t = 0.0f;
+  if (col < cols)
+    for (int64_t b = threadIdx.y; b < parts; b += 32) t += partial[b * cols + col];
+  acc[threadIdx.y][threadIdx.x] = t;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float s = 0.0f;
+    for (int y = 0; y < 32; ++y) s += acc[y][threadIdx.x];
+    store_from_float(dw, dt, col, s);
+  }
+}
+
+// Which kernels run and how much workspace they need. Computed the same way for the workspace
+// query and the launch.
+struct BwdPlan {
+  int shape = -1;        // register kernel shape, or -1 for the tiled path
+  int64_t parts = 0;     // partial dw rows: blocks of the register kernel or row chunks
+  int64_t chunk_rows = 0;
+  size_t stats_bytes = 0, bytes = 0;
+  bool vec = false;      // 16-byte packs
+};
+
+template <class Tx, class Tdy>
+struct Bwd {
+  static constexpr int VEC = 16 / sizeof(Tx);
+  static constexpr int kStatsBlock = 512;
+
+  static BwdPlan plan(const hl_rmsnorm_bwd_args_t &a) {
+    BwdPlan pl;
+    pl.vec = a.cols % VEC == 0 && rows_aligned(a.x, a.x_stride, sizeof(Tx), 16) &&
+             rows_aligned(a.dy, a.dy_stride, sizeof(Tdy), VEC * sizeof(Tdy)) &&
+             rows_aligned(a.dresidual_out, a.dresidual_out_stride, sizeof(Tx), 16) &&
+             rows_aligned(a.dx, a.dx_stride, sizeof(Tx), 16) &&
+             rows_aligned(a.dresidual, a.dresidual_stride, sizeof(Tx), 16);
+    pl.shape = pl.vec ? shape_for(a.cols / VEC) : -1;
+    if (pl.shape >= 0) {
+      with_shape(pl.shape, [&](auto I) {
+        constexpr Shape sh = kShapes[decltype(I)::value];
+        const int64_t per_block = int64_t(sh.block / sh.tpr) * sh.rows_at_once;
+        const int64_t want = (a.rows + per_block - 1) / per_block;
+        const int64_t cap = int64_t(sm_count()) * occupancy_regs<sh.tpr, sh.vpt, sh.rows_at_once, sh.block>();
+        pl.parts = std::min(want, cap);
+        return HL_STATUS_SUCCESS;
+      });
+    } else {
+      const int vec = pl.vec ? VEC : 1;
+      const int64_t strips = (a.cols + 32 * vec - 1) / (32 * vec);
+      const int64_t chunks = std::clamp<int64_t>((4 * sm_count() + strips - 1) / strips, 1,
+                                                 std::min<int64_t>(std::max<int64_t>(a.rows, 1), 1024));
+      pl.chunk_rows = (a.rows + chunks - 1) / chunks;
+      pl.parts = a.rows ? (a.rows + pl.chunk_rows - 1) / pl.chunk_rows : 0;
+      pl.stats_bytes = (size_t(a.rows) * sizeof(float2) + 255) / 256 * 256;
+    }
+    pl.bytes = pl.stats_bytes + (a.weight ? size_t(pl.parts) * size_t(a.cols) * sizeof(float) : 0);
+    return pl;
+  }
+
+  template <int TPR, int VPT, int R, int BLOCK>
+  static int occupancy_regs() {
+    static const int occ = blocks_per_sm(rmsnorm_bwd_regs<Tx, Tdy, VEC, TPR, VPT, R, BLOCK>, BLOCK);
+    return occ;
+  }
+
+  static hl_status_t run(const hl_rmsnorm_bwd_args_t &a, BwdParams p, hl_stream_t stream) {
+    const BwdPlan pl = plan(a);
+    char *ws = static_cast<char *>(a.workspace);
+    p.stats = reinterpret_cast<float2 *>(ws);
+    p.partial = a.weight ? reinterpret_cast<float *>(ws + pl.stats_bytes) : nullptr;
+    if (a.rows > 0 && pl.shape >= 0) {
+      HL_TRY(with_shape(pl.shape, [&](auto I) {
+        constexpr Shape sh = kShapes[decltype(I)::value];
+        rmsnorm_bwd_regs<Tx, Tdy, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block>
+            <<<unsigned(pl.parts), sh.block, 0, stream>>>(p);
+        HL_CUDA_TRY_LAUNCH();
+        return HL_STATUS_SUCCESS;
+      }));
+    } else if (a.rows > 0) {
+      HL_TRY(pl.vec ? tiled<VEC>(p, pl, stream) : tiled<1>(p, pl, stream));
+    }
+    if (a.weight) {
+      rmsnorm_dw_reduce<<<unsigned((a.cols + 31) / 32), dim3(32, 32), 0, stream>>>(
+          p.partial, pl.parts, a.cols, a.dw, a.dw_dtype);
+      HL_CUDA_TRY_LAUNCH();
+    }
+    return HL_STATUS_SUCCESS;
+  }
+
+  template <int V>
+  static hl_status_t tiled(const BwdParams &p, const BwdPlan &pl, hl_stream_t stream) {
+    static const int occ = blocks_per_sm(rmsnorm_bwd_stats<Tx, Tdy, V, kStatsBlock>, kStatsBlock);
+    const int64_t grid = std::min<int64_t>(p.rows, int64_t(sm_count()) * occ);
+    rmsnorm_bwd_stats<Tx, Tdy, V, kStatsBlock><<<unsigned(grid), kStatsBlock, 0, stream>>>(p);
+    HL_CUDA_TRY_LAUNCH();
+    const dim3 tiles(unsigned((p.cols + 32 * V - 1) / (32 * V)), unsigned(pl.parts));
+    rmsnorm_bwd_tiles<Tx, Tdy, V><<<tiles, dim3(32, kTileY), 0, stream>>>(p, pl.chunk_rows);
+    HL_CUDA_TRY_LAUNCH();
+    return HL_STATUS_SUCCESS;
+  }
+};
+
+BwdParams make_params(const hl_rmsnorm_bwd_args_t &a) {
+  BwdParams p{};
+  p.rows = a.rows; p.cols = a.cols;
+  p.x = a.x; p.xs = a.x_stride; p.rstd = a.rstd;
+  p.eps = a.eps; p.inv_cols = 1.0f / float(a.cols);
+  p.w = a.weight; p.wdt = a.weight_dtype; p.offset = a.offset;
+  p.round_mid = a.cast != HL_RMSNORM_CAST_GEMMA; p.none_mode = a.cast == HL_RMSNORM_CAST_NONE;
+  p.dy = a.dy; p.dys = a.dy_stride; p.dro = a.dresidual_out; p.dros = a.dresidual_out_stride;
+  p.dx = a.dx; p.dxs = a.dx_stride; p.dres = a.dresidual; p.dress = a.dresidual_stride;
+  return p;
+}
+
+// Calls f(Bwd<Tx, Tdy>{}) for the arguments' dtypes.
+template <class F>
+void with_types(const hl_rmsnorm_bwd_args_t &a, F &&f) {
+  dispatch_float(a.x_dtype, [&](auto tx) {
+    dispatch_float(a.dy_dtype, [&](auto td) {
+      f(Bwd<typename decltype(tx)::type, typename decltype(td)::type>{});
+    });
+  });
+}
+
+}  // namespace
+
+size_t cuda_bwd_workspace_bytes(const hl_rmsnorm_bwd_args_t &a) {
+  size_t bytes = 0;
+  with_types(a, [&](auto b) { bytes = decltype(b)::plan(a).bytes; });
+  return bytes;
+}
+
+hl_status_t cuda_bwd(const hl_rmsnorm_bwd_args_t &a, hl_stream_t stream) {
+  hl_status_t st = HL_STATUS_INTERNAL_ERROR;
+  with_types(a, [&](auto b) { st = decltype(b)::run(a, make_params(a), stream); });
+  return st;
+}
+
+}  // namespace hl::rmsnorm

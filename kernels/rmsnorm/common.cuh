@@ -1,0 +1,90 @@
+// Pieces shared by the RMSNorm forward and backward kernels.
+#pragma once
+
+#include <cub/block/block_reduce.cuh>
+#include <type_traits>
+
+#include "common/dtype.cuh"
+
+namespace hl::rmsnorm {
+using namespace hl::cuda;
+
+// offset + w[col] as the casting mode uses it (rounded to x's dtype in NONE mode); 1 without a
+// weight. Read once per thread and kept in registers across rows.
+template <class Tx>
+__device__ __forceinline__ float weight_factor(const void *w, hl_dtype_t wdt, float offset,
+                                               bool none_mode, int64_t col) {
+  if (!w) return 1.0f;
+  const float f = offset + load_as_float(w, wdt, col);
+  return none_mode ? round_to<Tx>(f) : f;
+}
+
+// Sum over the TPR threads that share a row. Groups of up to a warp reduce with a butterfly,
+// so every lane gets the sum without a broadcast; a whole block uses CUB and shared memory.
+template <int TPR, int BLOCK>
+struct RowSum {
+  static_assert(TPR <= 32 || TPR == BLOCK, "a row is a sub-warp group or the whole block");
+  struct Storage {
+    typename cub::BlockReduce<float, BLOCK>::TempStorage reduce;
+    float total;
+  };
+  __device__ __forceinline__ static float sum(float v, Storage &s) {
+    if constexpr (TPR <= 32) {
+#pragma unroll
+      for (int o = TPR / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+      return v;
+    } else {
+      const float t = cub::BlockReduce<float, BLOCK>(s.reduce).Sum(v);
+      if (threadIdx.x == 0) s.total = t;
+      __syncthreads();
+      const float r = s.total;
+      __syncthreads();  // the storage is reused by the next row
+      return r;
+    }
+  }
+};
+
+// Register-cached kernel shapes: a row of cols = VEC * TPR * VPT elements is held by TPR threads,
+// VPT packs of VEC elements each; a group processes R rows at a time so that enough loads are in
+// flight for short rows. Indexed by the number of packs per row (a power of two, up to 4096).
+struct Shape {
+  int tpr, vpt, rows_at_once, block;
+};
+constexpr Shape kShapes[] = {
+    {8, 1, 4, 256},    // <= 8 packs   (64 bf16)
+    {16, 1, 4, 256},   // <= 16        (128)
+    {32, 1, 4, 256},   // <= 32        (256)
+    {32, 2, 2, 256},   // <= 64        (512)
+    {32, 4, 1, 256},   // <= 128       (1024)
+    {64, 4, 1, 64},    // <= 256       (2048): a block per row from here on
+    {128, 4, 1, 128},  // <= 512       (4096)
+    {256, 4, 1, 256},  // <= 1024      (8192)
+    {512, 4, 1, 512},  // <= 2048      (16384)
+    {1024, 4, 1, 1024} // <= 4096      (32768)
+};
+constexpr int kNumShapes = int(sizeof(kShapes) / sizeof(kShapes[0]));
+
+// Index of the smallest shape that holds `packs` packs per row, or -1 when none does.
+inline int shape_for(int64_t packs) {
+  for (int i = 0; i < kNumShapes; ++i)
+    if (packs <= int64_t(kShapes[i].tpr) * kShapes[i].vpt) return i;
+  return -1;
+}
+
+// Calls f(std::integral_constant<int, I>{}) for I == idx, turning a shape index into a constant.
+template <int I = 0, class F>
+hl_status_t with_shape(int idx, F &&f) {
+  if constexpr (I < kNumShapes) {
+    if (idx == I) return f(std::integral_constant<int, I>{});
+    return with_shape<I + 1>(idx, static_cast<F &&>(f));
+  } else {
+    return HL_STATUS_INTERNAL_ERROR;
+  }
+}
+
+// True when p and every row start (p + k * stride elements) are aligned to `bytes`.
+inline bool rows_aligned(const void *p, int64_t stride, size_t elem, size_t bytes) {
+  return !p || (reinterpret_cast<uintptr_t>(p) % bytes == 0 && (uint64_t(stride) * elem) % bytes == 0);
+}
+
+}  // namespace hl::rmsnorm

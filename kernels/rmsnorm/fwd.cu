@@ -1,0 +1,209 @@
+// RMSNorm forward. Rows that fit in registers (up to 4096 16-byte packs) take rmsnorm_fwd_regs:
+// one HBM read of x (and the residual), one write of y (and the sum), rstd only when asked.
+// Longer or unaligned rows take rmsnorm_fwd_rows, a block per row that reads the row twice
+// (the second time mostly from L2).
+#include "common/cuda_util.h"
+#include "rmsnorm/common.cuh"
+#include "rmsnorm/rmsnorm.h"
+
+namespace hl::rmsnorm {
+namespace {
+
+struct FwdParams {
+  int64_t rows, cols;
+  const void *x;
+  int64_t xs;
+  const void *res;
+  int64_t rs;
+  void *res_out;
+  int64_t ros;
+  const void *w;
+  hl_dtype_t wdt;
+  float offset;
+  void *y;
+  int64_t ys;
+  float *rstd;
+  float eps, inv_cols;
+  bool round_mid;  // LLAMA and NONE round s * rstd to x's dtype
+  bool none_mode;  // NONE also rounds rstd and offset + w
+};
+
+// s = x (+ residual, rounded to x's dtype as it is stored) for one pack.
+template <class Tx, int VEC>
+__device__ __forceinline__ void load_s(const FwdParams &p, int64_t row, int64_t col,
+                                       Pack<Tx, VEC> &s) {
+  s = load_pack<Tx, VEC>(static_cast<const Tx *>(p.x) + row * p.xs + col);
+  if (p.res) {
+    const Pack<Tx, VEC> r = load_pack<Tx, VEC>(static_cast<const Tx *>(p.res) + row * p.rs + col);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) s.v[e] = from_float<Tx>(to_float(s.v[e]) + to_float(r.v[e]));
+  }
+}
+
+template <class Tx, class Ty, int VEC>
+__device__ __forceinline__ void store_y(const FwdParams &p, int64_t row, int64_t col,
+                                        const Pack<Tx, VEC> &s, float rstd, const float *wf) {
+  Pack<Ty, VEC> y;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    float v = to_float(s.v[e]) * rstd;
+    if (p.round_mid) v = round_to<Tx>(v);
+    y.v[e] = from_float<Ty>(v * wf[e]);
+  }
+  store_pack(static_cast<Ty *>(p.y) + row * p.ys + col, y);
+  if (p.res_out) store_pack(static_cast<Tx *>(p.res_out) + row * p.ros + col, s);
+}
+
+__device__ __forceinline__ float row_rstd(const FwdParams &p, float sumsq) {
+  return rsqrtf(sumsq * p.inv_cols + p.eps);
+}
+
+template <class Tx, class Ty, int VEC, int TPR, int VPT, int R, int BLOCK>
+__global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_regs(const FwdParams p) {
+  using Sum = RowSum<TPR, BLOCK>;
+  __shared__ typename Sum::Storage smem;
+  constexpr int G = BLOCK / TPR;
+  const int lane = threadIdx.x % TPR, group = threadIdx.x / TPR;
+
+  float wf[VPT][VEC];
+#pragma unroll
+  for (int v = 0; v < VPT; ++v)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const int64_t col = int64_t(v * TPR + lane) * VEC + e;
+      wf[v][e] = col < p.cols ? weight_factor<Tx>(p.w, p.wdt, p.offset, p.none_mode, col) : 0.0f;
+    }
+
+  // The loop bound is the block's first row so that every thread of a warp runs the same
+  // iterations (the row sums shuffle across the whole warp).
+  const int64_t step = int64_t(gridDim.x) * G * R;
+  for (int64_t base = int64_t(blockIdx.x) * G * R; base < p.rows; base += step) {
+    const int64_t row0 = base + int64_t(group) * R;
+    Pack<Tx, VEC> s[R][VPT];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * TPR + lane) * VEC;
+        if (row0 + r < p.rows && col < p.cols) {
+          load_s(p, row0 + r, col, s[r][v]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) s[r][v].v[e] = from_float<Tx>(0.0f);
+        }
+      }
+    float rstd[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float ss = 0.0f;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) ss += to_float(s[r][v].v[e]) * to_float(s[r][v].v[e]);
+      rstd[r] = row_rstd(p, Sum::sum(ss, smem));
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = row0 + r;
+      if (row >= p.rows) break;
+      if (p.rstd && lane == 0) p.rstd[row] = rstd[r];
+      const float rr = p.none_mode ? round_to<Tx>(rstd[r]) : rstd[r];
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * TPR + lane) * VEC;
+        if (col < p.cols) store_y<Tx, Ty, VEC>(p, row, col, s[r][v], rr, wf[v]);
+      }
+    }
+  }
+}
+
+// Any row length and alignment: a block per row, two passes (sum of squares, then y).
+template <class Tx, class Ty, int VEC, int BLOCK>
+__global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_rows(const FwdParams p) {
+  using Sum = RowSum<BLOCK, BLOCK>;
+  __shared__ typename Sum::Storage smem;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    float ss = 0.0f;
+    for (int64_t col = int64_t(threadIdx.x) * VEC; col < p.cols; col += int64_t(BLOCK) * VEC) {
+      Pack<Tx, VEC> s;
+      load_s(p, row, col, s);
+      if (p.res_out) store_pack(static_cast<Tx *>(p.res_out) + row * p.ros + col, s);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) ss += to_float(s.v[e]) * to_float(s.v[e]);
+    }
+    const float rstd = row_rstd(p, Sum::sum(ss, smem));
+    if (p.rstd && threadIdx.x == 0) p.rstd[row] = rstd;
+    const float rr = p.none_mode ? round_to<Tx>(rstd) : rstd;
+    // The second pass reads s back (from residual_out when fused: this thread wrote it).
+    const Tx *src = p.res_out ? static_cast<const Tx *>(p.res_out) : static_cast<const Tx *>(p.x);
+    const int64_t ss_stride = p.res_out ? p.ros : p.xs;
+    for (int64_t col = int64_t(threadIdx.x) * VEC; col < p.cols; col += int64_t(BLOCK) * VEC) {
+      const Pack<Tx, VEC> s = load_pack<Tx, VEC>(src + row * ss_stride + col);
+      float wf[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) wf[e] = weight_factor<Tx>(p.w, p.wdt, p.offset, p.none_mode, col + e);
+      Pack<Ty, VEC> y;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        float v = to_float(s.v[e]) * rr;
+        if (p.round_mid) v = round_to<Tx>(v);
+        y.v[e] = from_float<Ty>(v * wf[e]);
+      }
+      store_pack(static_cast<Ty *>(p.y) + row * p.ys + col, y);
+    }
+  }
+}
+
+template <class Kernel>
+hl_status_t launch(Kernel kernel, int block, int64_t rows_per_block, const FwdParams &p,
+                   int occupancy, hl_stream_t stream) {
+  const int64_t want = (p.rows + rows_per_block - 1) / rows_per_block;
+  const int64_t cap = int64_t(sm_count()) * occupancy;
+  kernel<<<unsigned(want < cap ? want : cap), block, 0, stream>>>(p);
+  HL_CUDA_TRY_LAUNCH();
+  return HL_STATUS_SUCCESS;
+}
+
+template <class Tx, class Ty>
+hl_status_t fwd_typed(const FwdParams &p, hl_stream_t stream) {
+  constexpr int VEC = 16 / sizeof(Tx);
+  const bool aligned =
+      p.cols % VEC == 0 && rows_aligned(p.x, p.xs, sizeof(Tx), 16) &&
+      rows_aligned(p.res, p.rs, sizeof(Tx), 16) && rows_aligned(p.res_out, p.ros, sizeof(Tx), 16) &&
+      rows_aligned(p.y, p.ys, sizeof(Ty), VEC * sizeof(Ty));
+  const int shape = aligned ? shape_for(p.cols / VEC) : -1;
+  if (shape >= 0)
+    return with_shape(shape, [&](auto I) {
+      constexpr Shape sh = kShapes[decltype(I)::value];
+      auto k = rmsnorm_fwd_regs<Tx, Ty, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block>;
+      static const int occ = blocks_per_sm(k, sh.block);
+      return launch(k, sh.block, int64_t(sh.block / sh.tpr) * sh.rows_at_once, p, occ, stream);
+    });
+  constexpr int BLOCK = 512;
+  if (aligned) {
+    auto k = rmsnorm_fwd_rows<Tx, Ty, VEC, BLOCK>;
+    static const int occ = blocks_per_sm(k, BLOCK);
+    return launch(k, BLOCK, 1, p, occ, stream);
+  }
+  auto k = rmsnorm_fwd_rows<Tx, Ty, 1, BLOCK>;
+  static const int occ = blocks_per_sm(k, BLOCK);
+  return launch(k, BLOCK, 1, p, occ, stream);
+}
+
+}  // namespace
+
+hl_status_t cuda_fwd(const hl_rmsnorm_fwd_args_t &a, hl_stream_t stream) {
+  const FwdParams p{a.rows, a.cols, a.x, a.x_stride, a.residual, a.residual_stride,
+                    a.residual_out, a.residual_out_stride, a.weight, a.weight_dtype, a.offset,
+                    a.y, a.y_stride, a.rstd, a.eps, 1.0f / float(a.cols),
+                    a.cast != HL_RMSNORM_CAST_GEMMA, a.cast == HL_RMSNORM_CAST_NONE};
+  hl_status_t st = HL_STATUS_INTERNAL_ERROR;
+  dispatch_float(a.x_dtype, [&](auto tx) {
+    dispatch_float(a.y_dtype, [&](auto ty) {
+      st = fwd_typed<typename decltype(tx)::type, typename decltype(ty)::type>(p, stream);
+    });
+  });
+  return st == HL_STATUS_INTERNAL_ERROR ? fail(st, "rmsnorm_fwd: no kernel for this case") : st;
+}
+
+}  // namespace hl::rmsnorm
