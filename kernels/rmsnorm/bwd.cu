@@ -23,6 +23,7 @@ struct BwdParams {
   float offset;
   bool round_mid;  // LLAMA and NONE: dw uses s * rstd rounded to x's dtype, as the forward did
   bool none_mode;
+  bool w_vec;  // the weight can be read in packs
   const void *dy;
   int64_t dys;
   const void *dro;  // gradient of residual_out, optional
@@ -70,23 +71,30 @@ __device__ __forceinline__ void add_dw(const BwdParams &p, const Pack<Tx, VEC> &
   }
 }
 
+// dw: blocks of up to 256 threads accumulate it in registers (sub-warp groups then sum their
+// columns in shared memory, in group order); 512-thread blocks, short of registers, keep the dw
+// row in dynamic shared memory, where every column has one owner thread (no barrier needed).
 template <class Tx, class Tdy, int VEC, int TPR, int VPT, int R, int BLOCK>
 __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
   using Sum = RowSum<TPR, BLOCK>;
   constexpr int G = BLOCK / TPR, W = TPR * VPT * VEC;  // W: columns a group covers
+  constexpr bool kCacheW = kCacheWeight<BLOCK>, kDwRow = !kCacheW;
   __shared__ typename Sum::Storage smem;
   __shared__ float dw_groups[G > 1 ? G * W : 1];
+  extern __shared__ float dw_row[];  // kDwRow: [VEC][W / VEC], element e of pack k at e * W / VEC + k
   const int lane = threadIdx.x % TPR, group = threadIdx.x / TPR;
 
-  float wf[VPT][VEC], dw[VPT][VEC];
+  float wf[kCacheW ? VPT : 1][VEC], dw[kDwRow ? 1 : VPT][VEC] = {};
+  if constexpr (kDwRow)
+    if (p.partial)
 #pragma unroll
-  for (int v = 0; v < VPT; ++v)
+      for (int v = 0; v < VPT; ++v)
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const int64_t col = int64_t(v * TPR + lane) * VEC + e;
-      wf[v][e] = col < p.cols ? weight_factor<Tx>(p.w, p.wdt, p.offset, p.none_mode, col) : 0.0f;
-      dw[v][e] = 0.0f;
-    }
+        for (int e = 0; e < VEC; ++e) dw_row[e * (W / VEC) + v * TPR + lane] = 0.0f;
+  if constexpr (kCacheW)
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+      weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, int64_t(v * TPR + lane) * VEC, p.cols, wf[v]);
 
   const int64_t step = int64_t(gridDim.x) * G * R;
   for (int64_t base = int64_t(blockIdx.x) * G * R; base < p.rows; base += step) {
@@ -124,9 +132,13 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
       }
       float dot = 0.0f;  // sum of g * s; times rstd it is sum of g * xhat
 #pragma unroll
-      for (int v = 0; v < VPT; ++v)
+      for (int v = 0; v < VPT; ++v) {
+        if constexpr (!kCacheW)
+          weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, int64_t(v * TPR + lane) * VEC, p.cols, wf[0]);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) dot += to_float(dy[r][v].v[e]) * wf[v][e] * to_float(s[r][v].v[e]);
+        for (int e = 0; e < VEC; ++e)
+          dot += to_float(dy[r][v].v[e]) * wf[kCacheW ? v : 0][e] * to_float(s[r][v].v[e]);
+      }
       mean[r] = Sum::sum(dot, smem) * rstd[r] * p.inv_cols;
     }
 #pragma unroll
@@ -136,20 +148,31 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * TPR + lane) * VEC;
         if (col >= p.cols) continue;
-        store_dx<Tx, Tdy, VEC>(p, row0 + r, col, s[r][v], dy[r][v], wf[v], rstd[r], mean[r]);
-        if (p.partial) add_dw<Tx, Tdy, VEC>(p, s[r][v], dy[r][v], rstd[r], dw[v]);
+        if constexpr (!kCacheW) weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col, p.cols, wf[0]);
+        store_dx<Tx, Tdy, VEC>(p, row0 + r, col, s[r][v], dy[r][v], wf[kCacheW ? v : 0], rstd[r], mean[r]);
+        if (!p.partial) continue;
+        if constexpr (!kDwRow) {
+          add_dw<Tx, Tdy, VEC>(p, s[r][v], dy[r][v], rstd[r], dw[v]);
+        } else {
+          add_dw<Tx, Tdy, VEC>(p, s[r][v], dy[r][v], rstd[r], dw[0]);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            dw_row[e * (W / VEC) + v * TPR + lane] += dw[0][e];
+            dw[0][e] = 0.0f;
+          }
+        }
       }
     }
   }
   if (!p.partial) return;
   float *out = p.partial + int64_t(blockIdx.x) * p.cols;
-  if constexpr (G == 1) {
+  if constexpr (kDwRow || G == 1) {
 #pragma unroll
     for (int v = 0; v < VPT; ++v)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         const int64_t col = int64_t(v * TPR + lane) * VEC + e;
-        if (col < p.cols) out[col] = dw[v][e];
+        if (col < p.cols) out[col] = kDwRow ? dw_row[e * (W / VEC) + v * TPR + lane] : dw[kDwRow ? 0 : v][e];
       }
   } else {  // sum the groups' columns in shared memory, in group order
 #pragma unroll
@@ -199,9 +222,7 @@ __global__ void __launch_bounds__(32 * kTileY) rmsnorm_bwd_tiles(const BwdParams
   const int64_t r1 = r0 + chunk_rows < p.rows ? r0 + chunk_rows : p.rows;
   float wf[VEC], dw[VEC] = {};
   const bool live = col < p.cols;
-#pragma unroll
-  for (int e = 0; e < VEC; ++e)
-    wf[e] = live ? weight_factor<Tx>(p.w, p.wdt, p.offset, p.none_mode, col + e) : 0.0f;
+  weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col, p.cols, wf);
   if (live)
     for (int64_t row = r0 + threadIdx.y; row < r1; row += kTileY) {
       const float2 st = p.stats[row];
@@ -268,7 +289,7 @@ struct Bwd {
         constexpr Shape sh = kShapes[decltype(I)::value];
         const int64_t per_block = int64_t(sh.block / sh.tpr) * sh.rows_at_once;
         const int64_t want = (a.rows + per_block - 1) / per_block;
-        const int64_t cap = int64_t(sm_count()) * occupancy_regs<sh.tpr, sh.vpt, sh.rows_at_once, sh.block>();
+        const int64_t cap = int64_t(sm_count()) * regs_kernel<sh.tpr, sh.vpt, sh.rows_at_once, sh.block>().occupancy;
         pl.parts = std::min(want, cap);
         return HL_STATUS_SUCCESS;
       });
@@ -285,10 +306,24 @@ struct Bwd {
     return pl;
   }
 
+  // A register kernel, its dynamic shared memory (the dw row of a block-per-row shape) and how
+  // many blocks fit on a multiprocessor; the shared-memory limit is raised once.
+  struct Launch {
+    void (*kernel)(BwdParams);
+    size_t smem;
+    int occupancy;
+  };
   template <int TPR, int VPT, int R, int BLOCK>
-  static int occupancy_regs() {
-    static const int occ = blocks_per_sm(rmsnorm_bwd_regs<Tx, Tdy, VEC, TPR, VPT, R, BLOCK>, BLOCK);
-    return occ;
+  static const Launch &regs_kernel() {
+    static const Launch l = [] {
+      auto k = rmsnorm_bwd_regs<Tx, Tdy, VEC, TPR, VPT, R, BLOCK>;
+      const size_t smem = kCacheWeight<BLOCK> ? 0 : size_t(TPR) * VPT * VEC * sizeof(float);
+      if (smem > 48 * 1024 &&
+          cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
+        (void)cudaGetLastError();  // the launch reports it
+      return Launch{k, smem, blocks_per_sm(k, BLOCK, smem)};
+    }();
+    return l;
   }
 
   static hl_status_t run(const hl_rmsnorm_bwd_args_t &a, BwdParams p, hl_stream_t stream) {
@@ -299,8 +334,8 @@ struct Bwd {
     if (a.rows > 0 && pl.shape >= 0) {
       HL_TRY(with_shape(pl.shape, [&](auto I) {
         constexpr Shape sh = kShapes[decltype(I)::value];
-        rmsnorm_bwd_regs<Tx, Tdy, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block>
-            <<<unsigned(pl.parts), sh.block, 0, stream>>>(p);
+        const Launch &l = regs_kernel<sh.tpr, sh.vpt, sh.rows_at_once, sh.block>();
+        l.kernel<<<unsigned(pl.parts), sh.block, l.smem, stream>>>(p);
         HL_CUDA_TRY_LAUNCH();
         return HL_STATUS_SUCCESS;
       }));
@@ -328,13 +363,19 @@ struct Bwd {
   }
 };
 
-BwdParams make_params(const hl_rmsnorm_bwd_args_t &a) {
+// The weight can be read VEC elements at a time.
+bool weight_vec(const void *w, hl_dtype_t wdt, int vec) {
+  return w && reinterpret_cast<uintptr_t>(w) % (size_t(vec) * dtype_size(wdt)) == 0;
+}
+
+BwdParams make_params(const hl_rmsnorm_bwd_args_t &a, int vec) {
   BwdParams p{};
   p.rows = a.rows; p.cols = a.cols;
   p.x = a.x; p.xs = a.x_stride; p.rstd = a.rstd;
   p.eps = a.eps; p.inv_cols = 1.0f / float(a.cols);
   p.w = a.weight; p.wdt = a.weight_dtype; p.offset = a.offset;
   p.round_mid = a.cast != HL_RMSNORM_CAST_GEMMA; p.none_mode = a.cast == HL_RMSNORM_CAST_NONE;
+  p.w_vec = weight_vec(a.weight, a.weight_dtype, vec);
   p.dy = a.dy; p.dys = a.dy_stride; p.dro = a.dresidual_out; p.dros = a.dresidual_out_stride;
   p.dx = a.dx; p.dxs = a.dx_stride; p.dres = a.dresidual; p.dress = a.dresidual_stride;
   return p;
@@ -360,7 +401,7 @@ size_t cuda_bwd_workspace_bytes(const hl_rmsnorm_bwd_args_t &a) {
 
 hl_status_t cuda_bwd(const hl_rmsnorm_bwd_args_t &a, hl_stream_t stream) {
   hl_status_t st = HL_STATUS_INTERNAL_ERROR;
-  with_types(a, [&](auto b) { st = decltype(b)::run(a, make_params(a), stream); });
+  with_types(a, [&](auto b) { st = decltype(b)::run(a, make_params(a, decltype(b)::VEC), stream); });
   return st;
 }
 

@@ -19,6 +19,31 @@ __device__ __forceinline__ float weight_factor(const void *w, hl_dtype_t wdt, fl
   return none_mode ? round_to<Tx>(f) : f;
 }
 
+// Weight factors of the VEC columns starting at col (0 past the end of the row). w_vec: the
+// weight is aligned for one VEC-element access and col + VEC <= cols.
+template <class Tw, int VEC>
+__device__ __forceinline__ void load_weights(const void *w, int64_t col, float *f) {
+  const Pack<Tw, VEC> p = load_pack<Tw, VEC>(static_cast<const Tw *>(w) + col);
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) f[e] = to_float(p.v[e]);
+}
+template <class Tx, int VEC>
+__device__ __forceinline__ void weight_pack(const void *w, hl_dtype_t wdt, float offset,
+                                            bool none_mode, bool w_vec, int64_t col, int64_t cols,
+                                            float *wf) {
+  if (w && w_vec) {
+    if (wdt == HL_DTYPE_BF16) load_weights<__nv_bfloat16, VEC>(w, col, wf);
+    else if (wdt == HL_DTYPE_F16) load_weights<__half, VEC>(w, col, wf);
+    else load_weights<float, VEC>(w, col, wf);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) wf[e] = none_mode ? round_to<Tx>(offset + wf[e]) : offset + wf[e];
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < VEC; ++e)
+    wf[e] = col + e < cols ? weight_factor<Tx>(w, wdt, offset, none_mode, col + e) : 0.0f;
+}
+
 // Sum over the TPR threads that share a row. Groups of up to a warp reduce with a butterfly,
 // so every lane gets the sum without a broadcast; a whole block uses CUB and shared memory.
 template <int TPR, int BLOCK>
@@ -46,7 +71,9 @@ struct RowSum {
 
 // Register-cached kernel shapes: a row of cols = VEC * TPR * VPT elements is held by TPR threads,
 // VPT packs of VEC elements each; a group processes R rows at a time so that enough loads are in
-// flight for short rows. Indexed by the number of packs per row (a power of two, up to 4096).
+// flight for short rows. Indexed by the number of packs per row (a power of two, up to 2048).
+// Blocks of up to 256 threads (255 registers each) keep the weight in registers across the rows
+// they visit; 512-thread blocks (128 registers) read it per row from L1 instead.
 struct Shape {
   int tpr, vpt, rows_at_once, block;
 };
@@ -60,7 +87,7 @@ constexpr Shape kShapes[] = {
     {128, 4, 1, 128},  // <= 512       (4096)
     {256, 4, 1, 256},  // <= 1024      (8192)
     {512, 4, 1, 512},  // <= 2048      (16384)
-    {1024, 4, 1, 1024} // <= 4096      (32768)
+    // Longer rows would need 1024 threads (64 registers each) or 8 packs a thread: both spill.
 };
 constexpr int kNumShapes = int(sizeof(kShapes) / sizeof(kShapes[0]));
 
@@ -81,6 +108,9 @@ hl_status_t with_shape(int idx, F &&f) {
     return HL_STATUS_INTERNAL_ERROR;
   }
 }
+
+template <int BLOCK>
+constexpr bool kCacheWeight = BLOCK <= 256;
 
 // True when p and every row start (p + k * stride elements) are aligned to `bytes`.
 inline bool rows_aligned(const void *p, int64_t stride, size_t elem, size_t bytes) {

@@ -1,4 +1,4 @@
-// RMSNorm forward. Rows that fit in registers (up to 4096 16-byte packs) take rmsnorm_fwd_regs:
+// RMSNorm forward. Rows that fit in registers (up to 2048 16-byte packs, 16K bf16) take rmsnorm_fwd_regs:
 // one HBM read of x (and the residual), one write of y (and the sum), rstd only when asked.
 // Longer or unaligned rows take rmsnorm_fwd_rows, a block per row that reads the row twice
 // (the second time mostly from L2).
@@ -26,6 +26,7 @@ struct FwdParams {
   float eps, inv_cols;
   bool round_mid;  // LLAMA and NONE round s * rstd to x's dtype
   bool none_mode;  // NONE also rounds rstd and offset + w
+  bool w_vec;      // the weight can be read in 16-byte packs
 };
 
 // s = x (+ residual, rounded to x's dtype as it is stored) for one pack.
@@ -65,14 +66,12 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_regs(const FwdParams p) {
   constexpr int G = BLOCK / TPR;
   const int lane = threadIdx.x % TPR, group = threadIdx.x / TPR;
 
-  float wf[VPT][VEC];
+  constexpr bool kCacheW = kCacheWeight<BLOCK>;
+  float wf[kCacheW ? VPT : 1][VEC];
+  if constexpr (kCacheW)
 #pragma unroll
-  for (int v = 0; v < VPT; ++v)
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const int64_t col = int64_t(v * TPR + lane) * VEC + e;
-      wf[v][e] = col < p.cols ? weight_factor<Tx>(p.w, p.wdt, p.offset, p.none_mode, col) : 0.0f;
-    }
+    for (int v = 0; v < VPT; ++v)
+      weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, int64_t(v * TPR + lane) * VEC, p.cols, wf[v]);
 
   // The loop bound is the block's first row so that every thread of a warp runs the same
   // iterations (the row sums shuffle across the whole warp).
@@ -111,7 +110,9 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_regs(const FwdParams p) {
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * TPR + lane) * VEC;
-        if (col < p.cols) store_y<Tx, Ty, VEC>(p, row, col, s[r][v], rr, wf[v]);
+        if (col >= p.cols) continue;
+        if constexpr (!kCacheW) weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col, p.cols, wf[0]);
+        store_y<Tx, Ty, VEC>(p, row, col, s[r][v], rr, wf[kCacheW ? v : 0]);
       }
     }
   }
@@ -140,8 +141,7 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_rows(const FwdParams p) {
     for (int64_t col = int64_t(threadIdx.x) * VEC; col < p.cols; col += int64_t(BLOCK) * VEC) {
       const Pack<Tx, VEC> s = load_pack<Tx, VEC>(src + row * ss_stride + col);
       float wf[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) wf[e] = weight_factor<Tx>(p.w, p.wdt, p.offset, p.none_mode, col + e);
+      weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col, p.cols, wf);
       Pack<Ty, VEC> y;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
@@ -165,8 +165,9 @@ hl_status_t launch(Kernel kernel, int block, int64_t rows_per_block, const FwdPa
 }
 
 template <class Tx, class Ty>
-hl_status_t fwd_typed(const FwdParams &p, hl_stream_t stream) {
+hl_status_t fwd_typed(FwdParams p, hl_stream_t stream) {
   constexpr int VEC = 16 / sizeof(Tx);
+  p.w_vec = p.w && reinterpret_cast<uintptr_t>(p.w) % (VEC * dtype_size(p.wdt)) == 0;
   const bool aligned =
       p.cols % VEC == 0 && rows_aligned(p.x, p.xs, sizeof(Tx), 16) &&
       rows_aligned(p.res, p.rs, sizeof(Tx), 16) && rows_aligned(p.res_out, p.ros, sizeof(Tx), 16) &&
@@ -196,7 +197,7 @@ hl_status_t cuda_fwd(const hl_rmsnorm_fwd_args_t &a, hl_stream_t stream) {
   const FwdParams p{a.rows, a.cols, a.x, a.x_stride, a.residual, a.residual_stride,
                     a.residual_out, a.residual_out_stride, a.weight, a.weight_dtype, a.offset,
                     a.y, a.y_stride, a.rstd, a.eps, 1.0f / float(a.cols),
-                    a.cast != HL_RMSNORM_CAST_GEMMA, a.cast == HL_RMSNORM_CAST_NONE};
+                    a.cast != HL_RMSNORM_CAST_GEMMA, a.cast == HL_RMSNORM_CAST_NONE, false};
   hl_status_t st = HL_STATUS_INTERNAL_ERROR;
   dispatch_float(a.x_dtype, [&](auto tx) {
     dispatch_float(a.y_dtype, [&](auto ty) {

@@ -63,7 +63,9 @@ def check_forward(dev, rng, rows, cols, xdt, cast, residual, layout="packed", wa
                                out=y, residual_out=s, rstd=rstd)
     y_ref, s_ref, rstd_ref = rmsnorm_ref(x, w, r, eps=EPS, offset=offset, cast=cast, xdt=xdt)
     what = f"{rows}x{cols} x={xdt} y={ydt} w={None if w is None else w.dtype} {cast} res={residual} {layout}"
-    assert rel_err(dev.get(out.y), y_ref) <= TOL[ydt], what
+    # Where the mode rounds s * rstd to x's dtype, a tie may round the other way than in fp64.
+    tol = TOL[ydt] if cast == "gemma" else max(TOL[ydt], TOL[xdt] / 20)
+    assert rel_err(dev.get(out.y), y_ref) <= tol, what
     if residual:
         assert rel_err(dev.get(out.residual_out), s_ref) <= TOL[xdt] / 4, what
     if want_rstd:

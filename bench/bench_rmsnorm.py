@@ -1,0 +1,135 @@
+"""RMSNorm forward and backward, headloss against PyTorch (eager, F.rms_norm, torch.compile) and
+Liger, side by side in one run (bf16, llama casting, weight). Bandwidth counts x read + y
+written (forward) and x, dy read + dx written (backward); % is of the measured copy bandwidth."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch._functorch.config
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import headloss  # noqa: E402
+from common import copy_bandwidth_gbs, header, median_ms, table  # noqa: E402
+
+SHAPES = [(262144, 128), (131072, 256), (32768, 4096), (8192, 16384), (4096, 4096),
+          (65536, 2048), (1024, 4096)]
+EPS = 1e-6
+
+
+def eager(x, w):
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    return (xf * r).to(x.dtype) * w
+
+
+torch._functorch.config.donated_buffer = False  # the backward is timed repeatedly
+compiled = torch.compile(eager)
+
+try:
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+except Exception as e:  # noqa: BLE001
+    print(f"liger unavailable: {e}")
+    LigerRMSNormFunction = None
+
+
+def sets_for(nbytes_one: int) -> int:
+    """How many input sets to rotate through so that they do not all sit in L2 (50 MB)."""
+    return max(1, min(8, -(-200_000_000 // max(nbytes_one, 1))))
+
+
+def bench_shape(M, N, bw):
+    k = sets_for(2 * M * N * 2)
+    xs = [torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
+    dys = [torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
+    w = (1 + 0.1 * torch.randn(N, device="cuda")).to(torch.bfloat16)
+    i = [0]
+
+    def rot():
+        i[0] = (i[0] + 1) % k
+
+    x = lambda: xs[i[0]]  # noqa: E731
+    dy = lambda: dys[i[0]]  # noqa: E731
+    y = torch.empty_like(xs[0])
+    rstd = torch.empty(M, device="cuda", dtype=torch.float32)
+    fwd = {
+        "headloss": lambda: headloss.rmsnorm_fwd(x(), w, eps=EPS, out=y),
+        "headloss+rstd": lambda: headloss.rmsnorm_fwd(x(), w, eps=EPS, out=y, rstd=rstd),
+        "torch eager": lambda: eager(x(), w),
+        "F.rms_norm": lambda: F.rms_norm(x(), (N,), w, EPS),
+        "torch.compile": lambda: compiled(x(), w),
+    }
+    if LigerRMSNormFunction is not None:
+        fwd["liger"] = lambda: LigerRMSNormFunction.apply(x(), w, EPS, 0.0, "llama")
+    fwd_bytes = 2 * M * N * 2
+    res = {}
+    for name, fn in fwd.items():
+        try:
+            res[name] = median_ms(fn, rotate=rot)
+        except Exception as e:  # noqa: BLE001
+            print(f"{name} fwd {M}x{N} failed: {e}")
+    # Backward: ours from a saved rstd; peers through autograd (their own backward kernels).
+    dx = torch.empty_like(xs[0])
+    dw = torch.empty(N, device="cuda", dtype=torch.float32)
+    bwd = {"headloss": lambda: headloss.rmsnorm_bwd(dy(), x(), w, rstd, eps=EPS, dx=dx, dw=dw)}
+    wg = w.clone().requires_grad_(True)
+    xg = [t.clone().requires_grad_(True) for t in xs]
+    outs_c = [compiled(t, wg) for t in xg]
+    bwd["torch.compile"] = lambda: torch.autograd.grad(outs_c[i[0]], (xg[i[0]], wg), dy(), retain_graph=True)
+    if LigerRMSNormFunction is not None:
+        outs_l = [LigerRMSNormFunction.apply(t, wg, EPS, 0.0, "llama") for t in xg]
+        bwd["liger"] = lambda: torch.autograd.grad(outs_l[i[0]], (xg[i[0]], wg), dy(), retain_graph=True)
+    bres = {}
+    for name, fn in bwd.items():
+        try:
+            bres[name] = median_ms(fn, rotate=rot)
+        except Exception as e:  # noqa: BLE001
+            print(f"{name} bwd {M}x{N} failed: {e}")
+    bwd_bytes = 3 * M * N * 2
+    return res, fwd_bytes, bres, bwd_bytes
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="write the Markdown table here")
+    args = ap.parse_args()
+    headloss.rmsnorm(torch.randn(8, 64, device="cuda"))  # load the module before timing
+    bw = copy_bandwidth_gbs()
+    lines = [f"# RMSNorm benchmark\n\n{header()}, copy bandwidth {bw:.0f} GB/s (read + write)\n"]
+    fwd_rows, bwd_rows = [], []
+    for M, N in SHAPES:
+        res, fb, bres, bb = bench_shape(M, N, bw)
+        ours = res["headloss"]
+        peers = {k: v for k, v in res.items() if not k.startswith("headloss")}
+        best = min(peers, key=peers.get)
+        gbs = lambda ms: fb / ms / 1e6  # noqa: E731
+        fwd_rows.append([f"{M}x{N}", f"{ours * 1e3:.1f}", f"{gbs(ours):.0f} ({100 * gbs(ours) / bw:.0f}%)",
+                         f"{res['headloss+rstd'] * 1e3:.1f}"] +
+                        [f"{gbs(res[k]):.0f}" if k in res else "-" for k in
+                         ["torch eager", "F.rms_norm", "torch.compile", "liger"]] +
+                        [f"{peers[best] / ours:.2f}x ({best})"])
+        bours = bres["headloss"]
+        bgbs = lambda ms: bb / ms / 1e6  # noqa: E731
+        bpeers = {k: v for k, v in bres.items() if k != "headloss"}
+        bbest = min(bpeers, key=bpeers.get) if bpeers else None
+        bwd_rows.append([f"{M}x{N}", f"{bours * 1e3:.1f}", f"{bgbs(bours):.0f} ({100 * bgbs(bours) / bw:.0f}%)"] +
+                        [f"{bgbs(bres[k]):.0f}" if k in bres else "-" for k in ["torch.compile", "liger"]] +
+                        [f"{bpeers[bbest] / bours:.2f}x ({bbest})" if bbest else "-"])
+    lines.append("## Forward (bf16, weight, llama casting, no rstd store unless noted)\n")
+    lines.append(table(fwd_rows, ["M x N", "headloss us", "headloss GB/s (% copy)", "headloss+rstd us",
+                                  "eager GB/s", "F.rms_norm GB/s", "compile GB/s", "liger GB/s",
+                                  "best peer / headloss"]))
+    lines.append("\n## Backward (dx and dw; bytes: x, dy read + dx written)\n")
+    lines.append(table(bwd_rows, ["M x N", "headloss us", "headloss GB/s (% copy)", "compile GB/s",
+                                  "liger GB/s", "best peer / headloss"]))
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Timing helpers shared by the benchmarks: median CUDA-event timings, the measured copy
+bandwidth, and a results table written as Markdown."""
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+
+import torch
+
+
+def median_ms(fn, *, warmup: int = 10, iters: int = 50, rotate=None) -> float:
+    """Median GPU time of fn() in ms, timed with CUDA events one call at a time. `rotate`, when given,
+    is called before each timed call (outside the timed region) to move to fresh inputs, so
+    inputs smaller than the L2 cache are not timed from it."""
+    for _ in range(warmup):
+        if rotate:
+            rotate()
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if rotate:
+            rotate()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # Keep the GPU busy while the host queues the call, so the time is the GPU's alone and
+        # not the host's (Python) overhead; bench/rmsnorm_latency.c measures the launch path.
+        torch.cuda._sleep(2_000_000)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), warmup=3, iters=20)
+    return 2 * nbytes / ms / 1e6
+
+
+def header() -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or os.environ.get("HL_COMMIT", "unknown")
+    return (f"device: {torch.cuda.get_device_name()}, date: {datetime.date.today()}, "
+            f"commit: {commit}, torch {torch.__version__}")
+
+
+def table(rows: list[list], head: list[str]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# What the GPU machine runs, in one call: build for Hopper, run every test (GPU ones for real),
+# run GPU tests under compute-sanitizer (memcheck, racecheck), run the benchmarks, and leave
+# logs and tables in $OUT. Steps: tools/device.sh [build] [test] [sanitize] [bench-NAME ...]
+# (default: all; bench-NAME runs bench/bench_NAME.py; `bench` runs every benchmark).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/headloss-out}
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize bench)
+want() { local s; for s in "${steps[@]}"; do [[ $s == "$1" || $s == "$1"-* && $1 == bench ]] && return 0; done; return 1; }
+status=0
+
+export NCCL_NVLS_ENABLE=0
+# Carried peer wheels (see bench/NOTES.md): installed into a private folder.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} HEADLOSS_LIBRARY=$PWD/lib/libheadloss.so PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+
+# Always build: the other steps need the library.
+echo "== build (sm_90a; ptxas report in $OUT/ptxas.txt)"
+cmake -S . -B build-device -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+  -DHL_PTXAS_VERBOSE=ON -DHL_BUILD_TESTS=OFF >/dev/null &&
+  cmake --build build-device -j "$(nproc)" 2>"$OUT/ptxas.txt" >/dev/null || { tail -40 "$OUT/ptxas.txt"; exit 1; }
+grep -E "spill" "$OUT/ptxas.txt" | grep -v " 0 bytes spill stores, 0 bytes spill loads" | sort | uniq -c | head -20
+
+if want test; then
+  echo "== tests"
+  python3 -m pytest tests/python -q -rs -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -25
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  build-device/examples/rmsnorm_example || status=1
+fi
+
+if want sanitize; then
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool (GPU RMSNorm tests, a subset of sizes)"
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 --target-processes all \
+      python3 -m pytest tests/python/test_rmsnorm.py -q -p no:cacheprovider \
+      -k "gpu and (float32 or bfloat16) and (-128- or -1000- or -4096- or -40000- or many_rows or in_place)" \
+      >"$OUT/sanitize-$tool.txt" 2>&1
+    rc=$?
+    tail -4 "$OUT/sanitize-$tool.txt"
+    [ $rc = 0 ] || { echo "sanitizer $tool: exit $rc"; status=1; }
+  done
+fi
+
+for s in "${steps[@]}"; do
+  case $s in
+    bench) names=$(ls bench/bench_*.py | sed 's#bench/bench_\(.*\)\.py#\1#') ;;
+    bench-*) names=${s#bench-} ;;
+    *) continue ;;
+  esac
+  for n in $names; do
+    echo "== bench $n"
+    python3 "bench/bench_$n.py" --out "$OUT/bench_$n.md" 2>&1 | tail -40 || status=1
+  done
+  if [[ $s == bench || $s == bench-rmsnorm ]]; then
+    build-device/bench/rmsnorm_latency | tee "$OUT/rmsnorm_latency.txt"
+  fi
+done
+exit $status
