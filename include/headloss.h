@@ -308,7 +308,7 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  * stride), in the logits' dtype or F32, written or accumulated (old + new in fp32, one rounding).
  * Labels that are out of [0, vocab) and not ignored are an error (INVALID_VALUE, nothing written);
  * on CUDA the check costs a stream synchronisation: HL_LOSS_UNCHECKED_LABELS skips it (then such a
- * row yields NaN). Plans are immutable and may be used from several threads at once.
+ * row's loss is infinite). Plans are immutable and may be used from several threads at once.
  */
 typedef struct hl_loss_plan_st *hl_loss_plan_t;
 

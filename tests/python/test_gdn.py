@@ -1,0 +1,312 @@
+"""gdn_bwd_dqkwg against the independent fp64 NumPy reference (ref_gdn.py): the CPU backend in CI,
+the CUDA backend where a GPU is visible. Fresh random inputs every call; outputs poisoned with NaN."""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import ref_gdn as ref  # noqa: E402
+
+import headloss  # noqa: E402
+from headloss import gdn as hg  # noqa: E402
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BT = ref.BT
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def chunk_local_cumsum(x, B, T, cu):
+    """Cumulative sum of x [B,T,HV] restarting at every chunk (and sequence) start."""
+    out = np.empty_like(x)
+    for b, t0, n, _ in ref.chunks(B, T, cu):
+        out[b, t0:t0 + n] = np.cumsum(x[b, t0:t0 + n], axis=0)
+    return out
+
+
+def make(rng, B, T, H, HV, K, V, *, gate="log", dw=False, cu=None, h_f32=False):
+    """Random inputs as float64 arrays holding values exactly representable in the 16-bit dtype."""
+    nt = len(ref.chunks(B, T, cu)) // (1 if cu is not None else B)
+    def r16(*shape, s=1.0):
+        return (rng.standard_normal(shape) * s).astype(ml_dtypes.bfloat16).astype(np.float64)
+    x = dict(q=r16(B, T, H, K, s=K ** -0.5), k=r16(B, T, H, K, s=K ** -0.5), v=r16(B, T, HV, V),
+             do=r16(B, T, HV, V), h=r16(B, nt, HV, K, V), dh=r16(B, nt, HV, K, V, s=0.1))
+    if h_f32:
+        x["h"] = (rng.standard_normal((B, nt, HV, K, V))).astype(np.float32).astype(np.float64)
+    x["dv"] = r16(B, T, HV, V) if dw else None
+    x["g"] = x["g_gamma"] = None
+    if gate in ("log", "log2"):
+        ls = -np.log1p(np.exp(-(rng.standard_normal((B, T, HV)) + 2.0)))  # log-sigmoid, mostly small
+        if gate == "log2":
+            ls = ls / np.log(2.0)
+        x["g"] = chunk_local_cumsum(ls, B, T, cu).astype(np.float32).astype(np.float64)
+    elif gate in ("const", "const2"):
+        x["g_gamma"] = (-rng.random(HV) * 0.1 - 0.01).astype(np.float32).astype(np.float64)
+    return x
+
+
+def reference(x, gate, cu, scale, cumsum=False, form="new"):
+    return ref.gdn_bwd_dqkwg(x["q"], x["k"], x["v"], x["do"], x["h"], x["dh"], scale=scale, g=x["g"],
+                             g_gamma=x["g_gamma"], log2=gate in ("log2", "const2"), dv=x["dv"],
+                             cu_seqlens=cu, dg_form=form, reverse_cumsum=cumsum)
+
+
+def poisoned_out(like_q, x, HV, K, alloc):
+    B, T = like_q.shape[:2]
+    return hg.GDNGrads(alloc(like_q.shape, "q"), alloc(like_q.shape, "q"),
+                       None if x["dv"] is None else alloc((B, T, HV, K), "q"),
+                       None if x["g"] is None else alloc((B, T, HV), "f32"))
+
+
+def run_numpy(x, gate, cu, scale, dtype, cumsum=False, h_f32=False):
+    npdt = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}[dtype]
+    c = lambda a, dt=npdt: None if a is None else np.ascontiguousarray(a.astype(dt))
+    hdt = np.float32 if h_f32 else npdt
+    q = c(x["q"])
+    B, T, H, K = q.shape
+    HV = x["v"].shape[2]
+    alloc = lambda shape, kind: np.full(shape, np.nan, dtype=npdt if kind == "q" else np.float32)
+    out = poisoned_out(q, x, HV, K, alloc)
+    cu_a = None if cu is None else np.asarray(cu, np.int32)
+    return hg.gdn_bwd_dqkwg(q, c(x["k"]), c(x["v"]), c(x["do"]), c(x["h"], hdt), c(x["dh"], hdt), scale=scale,
+                            g=c(x["g"], np.float32), g_gamma=c(x["g_gamma"], np.float32),
+                            gate_log2=gate in ("log2", "const2"), dv=c(x["dv"]), cu_seqlens=cu_a,
+                            reverse_cumsum=cumsum, out=out)
+
+
+def check_all(got, want, tol):
+    for name, g, w in zip(("dq", "dk", "dw", "dg"), got, want):
+        assert (g is None) == (w is None), name
+        if w is None:
+            continue
+        g = np.asarray(g, np.float64) if not hasattr(g, "cpu") else g.cpu().double().numpy()
+        assert np.isfinite(g).all(), f"{name}: non-finite values (unwritten output?)"
+        e = rel(g, w)
+        assert e <= tol, f"{name}: relative error {e:.2e} > {tol}"
+
+
+# ---------------------------------------------------------------- the reference itself (NumPy only)
+
+def test_reference_old_and_new_dg_agree():
+    rng = np.random.default_rng(1)
+    for gate in ("log", "log2"):
+        x = make(rng, 1, 150, 2, 4, 16, 24, gate=gate)
+        new = reference(x, gate, None, 0.3)[3]
+        old = reference(x, gate, None, 0.3, form="old")[3]
+        assert rel(old, new) < 1e-12
+
+
+@pytest.mark.parametrize("log2", [False, True])
+def test_reference_finite_differences(log2):
+    rng = np.random.default_rng(2)
+    n, K, V, s, e = 9, 5, 6, 0.7, 1e-6
+    q, k = rng.standard_normal((n, K)), rng.standard_normal((n, K))
+    v, do = rng.standard_normal((n, V)), rng.standard_normal((n, V))
+    h, dh = rng.standard_normal((K, V)), rng.standard_normal((K, V))
+    gam = np.cumsum(-rng.random(n) * 0.3)
+    dq, dk, _, dg, _ = ref.chunk_terms(q, k, v, do, h, dh, gam, s, log2)
+    f = lambda **kw: ref.chunk_loss(kw.get("q", q), kw.get("k", k), v, do, h, dh, kw.get("gam", gam), s, log2)
+    def fd(name, x):
+        out = np.zeros_like(x)
+        for i in np.ndindex(x.shape):
+            d = np.zeros_like(x)
+            d[i] = e
+            out[i] = (f(**{name: x + d}) - f(**{name: x - d})) / (2 * e)
+        return out
+    unit = np.log(2.0) if log2 else 1.0  # dg is w.r.t. the natural-log gate
+    assert np.abs(fd("q", q) - dq).max() < 1e-6
+    assert np.abs(fd("k", k) - dk).max() < 1e-6
+    assert np.abs(fd("gam", gam) / unit - dg).max() < 1e-6
+
+
+# ---------------------------------------------------------------- CPU backend
+
+CPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
+    (2, 130, 2, 2, 32, 48, "log", True, None),
+    (1, 64, 1, 1, 16, 16, "log2", False, None),
+    (2, 70, 1, 3, 24, 8, "none", True, None),       # GVA, no gate
+    (1, 100, 2, 4, 12, 20, "const", False, None),
+    (1, 100, 1, 2, 60, 100, "const2", True, None),  # padded K, V
+    (1, 211, 2, 4, 16, 32, "log", True, [0, 30, 30, 175, 211]),  # varlen: short, empty, ragged
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c[6]}-B{c[0]}T{c[1]}H{c[2]}HV{c[3]}K{c[4]}V{c[5]}")
+def test_cpu_matches_reference(case):
+    B, T, H, HV, K, V, gate, dw, cu = case
+    rng = np.random.default_rng()
+    x = make(rng, B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu)
+    got = run_numpy(x, gate, cu, 0.25, "bf16")
+    check_all(got, reference(x, gate, cu, 0.25), 0.004)  # bf16 output rounding only
+
+
+def test_cpu_fp16_fp32_state_and_fused_cumsum():
+    rng = np.random.default_rng()
+    x = make(rng, 1, 150, 1, 2, 32, 32, gate="log2", h_f32=True)
+    got = run_numpy(x, "log2", None, 0.5, "f16", cumsum=True, h_f32=True)
+    check_all(got, reference(x, "log2", None, 0.5, cumsum=True), 1e-3)
+
+
+def test_cpu_finite_differences_of_chunk_loss():
+    """The library's dq, dk, dg (fp16 in, one chunk) against finite differences of the loss."""
+    rng = np.random.default_rng()
+    n, K, V, s = 11, 8, 8, 0.5
+    x = make(rng, 1, n, 1, 1, K, V, gate="log")
+    got = run_numpy(x, "log", None, s, "f16")
+    q, k, v, do, h, dh, gam = (x["q"][0, :, 0], x["k"][0, :, 0], x["v"][0, :, 0], x["do"][0, :, 0],
+                               x["h"][0, 0, 0], x["dh"][0, 0, 0], x["g"][0, :, 0])
+    f = lambda q=q, k=k, gam=gam: ref.chunk_loss(q, k, v, do, h, dh, gam, s, False)
+    e = 1e-5
+    def fd(name, arr):
+        out = np.zeros_like(arr)
+        for i in np.ndindex(arr.shape):
+            d = np.zeros_like(arr)
+            d[i] = e
+            out[i] = (f(**{name: arr + d}) - f(**{name: arr - d})) / (2 * e)
+        return out
+    assert rel(np.asarray(got.dq, np.float64)[0, :, 0], fd("q", q)) < 2e-3
+    assert rel(np.asarray(got.dk, np.float64)[0, :, 0], fd("k", k)) < 2e-3
+    assert rel(np.asarray(got.dg, np.float64)[0, :, 0], fd("gam", gam)) < 1e-5
+
+
+def _raw_args(**over):
+    """A valid CPU descriptor over tiny NumPy buffers, with fields overridden."""
+    B, T, H, HV, K, V = 1, 10, 1, 1, 8, 8
+    bufs = {n: np.zeros(s, np.float16) for n, s in dict(q=(T * K,), k=(T * K,), v=(T * V,), do=(T * V,),
+                                                       h=(K * V,), dh=(K * V,), dq=(T * K,), dk=(T * K,)).items()}
+    g, dg = np.zeros(T, np.float32), np.zeros(T, np.float32)
+    a = hg._Args(ctypes.sizeof(hg._Args), 1, B, T, H, HV, K, V, 0, 2, 2,
+                 *(bufs[n].ctypes.data for n in ("q", "k", "v", "do", "h", "dh")), 0,
+                 bufs["dq"].ctypes.data, bufs["dk"].ctypes.data, 0, hg.GATE_LOG, g.ctypes.data, 0,
+                 dg.ctypes.data, 0, 1.0)
+    for key, val in over.items():
+        setattr(a, key, val)
+    return a, (bufs, g, dg)
+
+
+@pytest.mark.parametrize("over,status,needle", [
+    (dict(K=300), 2, "K is 300"),
+    (dict(V=0), 1, "V is 0"),
+    (dict(HV=3, H=2), 1, "multiple of H"),
+    (dict(dtype=1), 1, "dtype is F32"),
+    (dict(gate=0), 1, "g is set"),
+    (dict(dg=0), 1, "dg is NULL"),
+    (dict(num_chunks=5), 1, "num_chunks is 5"),
+    (dict(B=2, num_chunks=1, cu_seqlens=1), 1, "B = 1"),
+    (dict(struct_size=4), 1, "struct_size"),
+])
+def test_bad_arguments(over, status, needle):
+    a, keep = _raw_args(**over)
+    r = hg._run(ctypes.byref(a), None)
+    assert r == status
+    assert needle in headloss._lib.lib.hl_get_last_error().decode()
+
+
+@pytest.mark.parametrize("cu,chunks,needle", [([0, 6, 4, 10], 2, "decreases"), ([0, 4, 9], 2, "must end at T"),
+                                              ([1, 4, 10], 2, "must be 0"), ([0, 4, 10], 3, "cu_seqlens makes 2")])
+def test_bad_cu_seqlens(cu, chunks, needle):
+    c = np.asarray(cu, np.int64)
+    a, keep = _raw_args(cu_seqlens=c.ctypes.data, cu_seqlens_dtype=5, num_seqs=len(cu) - 1, num_chunks=chunks)
+    assert hg._run(ctypes.byref(a), None) == 1
+    assert needle in headloss._lib.lib.hl_get_last_error().decode()
+
+
+def test_output_aliasing_input_rejected():
+    a, keep = _raw_args()
+    a.dq = a.q
+    assert hg._run(ctypes.byref(a), None) == 1
+    assert "overlaps" in headloss._lib.lib.hl_get_last_error().decode() or "in-place" in headloss._lib.lib.hl_get_last_error().decode()
+
+
+def test_shape_mismatch_in_python():
+    rng = np.random.default_rng()
+    x = make(rng, 1, 64, 1, 1, 16, 16, gate="none")
+    c = lambda a: a.astype(ml_dtypes.bfloat16)
+    with pytest.raises(ValueError):
+        hg.gdn_bwd_dqkwg(c(x["q"]), c(x["k"][:, :, :, :8]), c(x["v"]), c(x["do"]), c(x["h"]), c(x["dh"]))
+
+
+# ---------------------------------------------------------------- CUDA backend
+
+GPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
+    (2, 200, 2, 2, 128, 128, "log", True, None),
+    (1, 256, 2, 2, 64, 64, "log2", False, None),
+    (1, 190, 1, 1, 256, 256, "log2", True, None),
+    (2, 130, 2, 4, 128, 128, "log", True, None),                  # GVA
+    (1, 150, 2, 4, 64, 128, "none", False, None),
+    (1, 150, 1, 2, 128, 64, "const2", True, None),
+    (1, 100, 1, 1, 60, 100, "log", True, None),                   # padded K, V
+    (1, 130, 1, 1, 100, 60, "const", False, None),
+    (1, 400, 2, 4, 128, 128, "log2", True, [0, 17, 17, 200, 333, 400]),  # varlen, GVA
+]
+
+
+def _torch():
+    if not headloss.cuda_available():
+        pytest.skip("no CUDA device visible (or library built without CUDA)")
+    return pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[6]}-B{c[0]}T{c[1]}H{c[2]}HV{c[3]}K{c[4]}V{c[5]}"
+                         + ("-varlen" if c[8] else ""))
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_cuda_matches_reference(case, dtype):
+    torch = _torch()
+    B, T, H, HV, K, V, gate, dw, cu = case
+    x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu)
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    d = lambda a, dt=tdt: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
+    q = d(x["q"])
+    alloc = lambda shape, kind: torch.full(shape, float("nan"), device="cuda",
+                                           dtype=tdt if kind == "q" else torch.float32)
+    out = poisoned_out(q, x, HV, K, alloc)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    got = hg.gdn_bwd_dqkwg(q, d(x["k"]), d(x["v"]), d(x["do"]), d(x["h"]), d(x["dh"]), scale=K ** -0.5,
+                           g=d(x["g"], torch.float32), g_gamma=d(x["g_gamma"], torch.float32),
+                           gate_log2=gate in ("log2", "const2"), dv=d(x["dv"]), cu_seqlens=cu_t, out=out)
+    torch.cuda.synchronize()
+    check_all(got, reference(x, gate, cu, K ** -0.5), 0.003 if dtype == "bf16" else 0.001)
+
+
+def test_cuda_fp32_state_and_fused_cumsum():
+    torch = _torch()
+    x = make(np.random.default_rng(), 1, 200, 1, 2, 128, 128, gate="log", dw=True, h_f32=True)
+    d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
+    got = hg.gdn_bwd_dqkwg(d(x["q"]), d(x["k"]), d(x["v"]), d(x["do"]), d(x["h"], torch.float32),
+                           d(x["dh"], torch.float32), scale=0.1, g=d(x["g"], torch.float32), dv=d(x["dv"]),
+                           reverse_cumsum=True)
+    torch.cuda.synchronize()
+    check_all(got, reference(x, "log", None, 0.1, cumsum=True), 0.003)
+
+
+def test_cuda_many_chunks_varlen():
+    """More than 65535 chunks in all (grid limits), short sequences, no gate: spot-checked."""
+    torch = _torch()
+    S = 70000
+    lens = np.random.default_rng().integers(1, 40, S)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    T, K, V = int(cu[-1]), 64, 64
+    dev = "cuda"
+    q = torch.randn(1, T, 1, K, device=dev, dtype=torch.bfloat16) * 0.125
+    k = torch.randn_like(q)
+    v = torch.randn(1, T, 1, V, device=dev, dtype=torch.bfloat16)
+    do = torch.randn_like(v)
+    h = torch.randn(1, S, 1, K, V, device=dev, dtype=torch.bfloat16)
+    dh = torch.randn_like(h)
+    got = hg.gdn_bwd_dqkwg(q, k, v, do, h, dh, scale=0.125, cu_seqlens=torch.from_numpy(cu).to(dev))
+    torch.cuda.synchronize()
+    t = lambda a: a.double().cpu().numpy()
+    for s in (0, S // 2, S - 1):  # one sequence = one chunk each
+        a, b = int(cu[s]), int(cu[s + 1])
+        w = ref.chunk_terms(t(q)[0, a:b, 0], t(k)[0, a:b, 0], t(v)[0, a:b, 0], t(do)[0, a:b, 0],
+                            t(h)[0, s, 0], t(dh)[0, s, 0], None, 0.125, False)
+        assert rel(t(got.dq)[0, a:b, 0], w[0]) < 0.003
+        assert rel(t(got.dk)[0, a:b, 0], w[1]) < 0.003
