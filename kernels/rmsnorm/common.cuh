@@ -20,7 +20,7 @@ __device__ __forceinline__ float weight_factor(const void *w, hl_dtype_t wdt, fl
 }
 
 // Weight factors of the VEC columns starting at col (0 past the end of the row). w_vec: the
-// weight is aligned for one VEC-element access and col + VEC <= cols.
+// weight is aligned for one VEC-element access (used only for packs inside the row).
 template <class Tw, int VEC>
 __device__ __forceinline__ void load_weights(const void *w, int64_t col, float *f) {
   const Pack<Tw, VEC> p = load_pack<Tw, VEC>(static_cast<const Tw *>(w) + col);
@@ -31,7 +31,7 @@ template <class Tx, int VEC>
 __device__ __forceinline__ void weight_pack(const void *w, hl_dtype_t wdt, float offset,
                                             bool none_mode, bool w_vec, int64_t col, int64_t cols,
                                             float *wf) {
-  if (w && w_vec) {
+  if (w && w_vec && col + VEC <= cols) {
     if (wdt == HL_DTYPE_BF16) load_weights<__nv_bfloat16, VEC>(w, col, wf);
     else if (wdt == HL_DTYPE_F16) load_weights<__half, VEC>(w, col, wf);
     else load_weights<float, VEC>(w, col, wf);
