@@ -1,0 +1,168 @@
+"""Benchmark of the fused loss plan against its peers on one GPU, side by side in one run.
+
+Rows: N x V bf16 logits. Columns: the time of a device-to-device copy of the logits (the floor:
+one read + one write), headloss CE with gradient (and % of the copy bandwidth), headloss CE + z,
+headloss CE + z + entropy + GRPO + KL-ref with every metric and per-token output (and its ratio
+to CE alone), Liger CE + z (if importable), torch.compile and eager PyTorch CE + z + entropy
+(forward + backward). Times are medians of CUDA-event timings after warm-up.
+
+Usage: python3 bench/bench_loss.py [--out table.md] [--shapes 8192x32000,...] [--no-compile]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import headloss  # noqa: E402
+from headloss import loss as hloss  # noqa: E402
+
+SHAPES = "8192x32000,8192x128256,4096x262144,65536x32000"
+
+
+def timeit(fn, iters=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+class Direct:
+    """One plan with its arguments built once, so the timed call is the C call alone."""
+
+    def __init__(self, logits, labels, terms, extra=None, token_outputs=False, **opts):
+        N, V = logits.shape
+        self.plan = hloss.LossPlan(V, "bfloat16", terms=terms, device="cuda", check_labels=False, **opts)
+        self.grad = torch.empty_like(logits)
+        self.scalars = torch.empty(len(hloss.SCALARS), device="cuda")
+        a = hloss._Args(ctypes.sizeof(hloss._Args), N, logits.data_ptr(), V)
+        a.labels = labels.data_ptr()
+        for k, t in (extra or {}).items():
+            setattr(a, k, t.data_ptr())
+        a.grad, a.grad_stride, a.scalars = self.grad.data_ptr(), V, self.scalars.data_ptr()
+        self.toks = []
+        if token_outputs:
+            self.toks = [torch.empty(N, device="cuda") for _ in range(4)]
+            a.token_loss, a.token_logp, a.token_entropy, a.token_lse = (t.data_ptr() for t in self.toks)
+        self.args = a
+        self.nbytes = self.plan.workspace_bytes(N)
+        self.ws = torch.empty(self.nbytes // 4 + 4, device="cuda")
+        self.stream = torch.cuda.current_stream().cuda_stream
+
+    def __call__(self):
+        hloss.check(hloss._execute(self.plan._handle, ctypes.byref(self.args), self.ws.data_ptr(),
+                                   self.nbytes, self.stream))
+
+
+def torch_ce_z_ent(logits, labels):
+    x = logits.float()
+    lse = torch.logsumexp(x, -1)
+    ce = torch.nn.functional.cross_entropy(x, labels, ignore_index=-100)
+    p = torch.softmax(x, -1)
+    ent = (lse - (p * x).sum(-1)).mean()
+    return ce + 1e-4 * (lse ** 2).mean() - 1e-2 * ent
+
+
+def fwd_bwd(fn, logits, labels):
+    def run():
+        logits.grad = None
+        fn(logits, labels).backward()
+    return run
+
+
+def liger_ce_z():
+    try:
+        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+    except Exception as e:  # noqa: BLE001
+        print(f"# Liger unavailable: {type(e).__name__}: {e}", flush=True)
+        return None
+    return LigerCrossEntropyLoss(lse_square_scale=1e-4, return_z_loss=False)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--peer-max-elems", type=float, default=1.1e9, help="skip eager/compile above this N*V")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    liger = liger_ce_z()
+    compiled = None if args.no_compile else torch.compile(torch_ce_z_ent)
+    head = ("| N x V | copy floor | CE+grad | % of copy BW | CE+z | CE+z+H+GRPO+KL+metrics | ratio to CE | "
+            "Liger CE+z | CE vs Liger | torch.compile CE+z+H | eager CE+z+H |")
+    lines = [f"Device: {dev}; bf16 logits, bf16 gradient to its own buffer; headloss library "
+             f"{headloss.version()}; median of CUDA-event timings (ms).", "", head,
+             "|" + "---|" * (head.count("|") - 1)]
+    print("\n".join(lines), flush=True)
+    for shape in args.shapes.split(","):
+        N, V = map(int, shape.split("x"))
+        logits = (torch.randn(N, V, device="cuda") * 2).to(torch.bfloat16)
+        labels = torch.randint(0, V, (N,), device="cuda")
+        labels[::17] = -100
+        adv = torch.randn(N, device="cuda")
+        old = -torch.rand(N, device="cuda") * 8 - 4
+        ref = -torch.rand(N, device="cuda") * 8 - 4
+        copy_dst = torch.empty_like(logits)
+        t_copy = timeit(lambda: copy_dst.copy_(logits))
+        del copy_dst
+        ce = Direct(logits, labels, ("ce",))
+        t_ce = timeit(ce)
+        del ce
+        cez = Direct(logits, labels, ("ce", "z"), z_weight=1e-4)
+        t_cez = timeit(cez)
+        del cez
+        full = Direct(logits, labels, ("ce", "z", "entropy", "grpo", "kl_ref"),
+                      {"advantages": adv, "old_logprobs": old, "ref_logprobs": ref},
+                      token_outputs=True, z_weight=1e-4, entropy_weight=-1e-2, kl_ref_beta=0.04)
+        t_full = timeit(full)
+        del full
+        torch.cuda.empty_cache()
+        t_liger = t_comp = t_eager = None
+        if liger is not None:
+            x = logits.detach().requires_grad_(True)
+            t_liger = timeit(fwd_bwd(lambda a, b: liger(a, b), x, labels))
+            del x
+        small = N * V <= args.peer_max_elems
+        if small:
+            x = logits.detach().requires_grad_(True)
+            if compiled is not None:
+                t0 = time.time()
+                fwd_bwd(compiled, x, labels)()
+                print(f"# torch.compile warm-up {time.time() - t0:.1f} s", flush=True)
+                t_comp = timeit(fwd_bwd(compiled, x, labels), iters=10)
+            t_eager = timeit(fwd_bwd(torch_ce_z_ent, x, labels), iters=5, warmup=1)
+            del x
+        torch.cuda.empty_cache()
+        f = lambda t: "n/a" if t is None else f"{t:.3f}"  # noqa: E731
+        r = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
+        line = (f"| {N} x {V} | {t_copy:.3f} | {t_ce:.3f} | {100 * t_copy / t_ce:.0f}% | {t_cez:.3f} | "
+                f"{t_full:.3f} | {t_full / t_ce:.3f} | {f(t_liger)} | {r(t_liger, t_ce)} | "
+                f"{f(t_comp)} | {f(t_eager)} |")
+        lines.append(line)
+        print(line, flush=True)
+        del logits
+        torch.cuda.empty_cache()
+    lines += ["", "copy floor: torch copy_ of the logits (1 read + 1 write). CE vs Liger: Liger's time over "
+              "ours (>1: we are faster). Labels unchecked (HL_LOSS_UNCHECKED_LABELS) as the peers do."]
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

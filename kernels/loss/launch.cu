@@ -1,0 +1,251 @@
+// The loss plan on CUDA: the kernel and its cluster / shared-memory shape are chosen once per plan;
+// an execution runs three kernels on the stream:
+//   prep:   the divisor D (sum of valid weights, fixed order) and the label check;
+//   rows:   statistics, per-row record, gradient (row_kernel.cuh);
+//   reduce: per-row records to the scalars, in a fixed order (no atomics: deterministic).
+#include <climits>
+#include <cstring>
+
+#include "common/cuda_util.h"
+#include "common/dtype.cuh"
+#include "loss/loss.h"
+#include "loss/params.cuh"
+
+namespace hl::loss {
+namespace cuda {
+namespace {
+
+constexpr int kReduceThreads = 1024;
+constexpr size_t kPrepBytes = 16;             // kd, D (floats), first bad row (int64)
+constexpr size_t kKeepTarget = 72 * 1024;     // a slice this small lets 3 CTAs share an SM
+constexpr size_t kStaticSmemSlack = 8 * 1024; // the kernel's own shared memory, rounded up
+
+struct PrepArgs {
+  const void *labels;
+  const float *weights;
+  int64_t rows, vocab, ignore_index;
+  double divisor;
+  float grad_scale;
+  bool labels64, use_ignore;
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+__global__ void __launch_bounds__(kReduceThreads) prep_kernel(const PrepArgs a, float *prep) {
+  __shared__ float wsum[32];
+  __shared__ long long wbad[32];
+  float w = 0.0f;
+  long long bad = LLONG_MAX;
+  for (int64_t i = threadIdx.x; i < a.rows; i += kReduceThreads) {
+    const RowInputs<float> in = read_inputs<float>(a.labels, a.labels64, a.weights, nullptr,
+                                                   nullptr, nullptr, i, a.use_ignore, a.ignore_index);
+    if (!in.valid) continue;
+    w += in.w;
+    if (in.has_label && in.label >= a.vocab && bad == LLONG_MAX) bad = i;
+  }
+  w = warp_sum(w);
+  for (int off = 16; off > 0; off >>= 1) {
+    const long long o = __shfl_xor_sync(0xffffffffu, bad, off);
+    bad = o < bad ? o : bad;
+  }
+  if (threadIdx.x % 32 == 0) wsum[threadIdx.x / 32] = w, wbad[threadIdx.x / 32] = bad;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (int i = 1; i < kReduceThreads / 32; ++i) {
+    w += wsum[i];
+    bad = wbad[i] < bad ? wbad[i] : bad;
+  }
+  const float D = a.divisor > 0 ? float(a.divisor) : w;
+  const float gs = a.grad_scale == 0.0f ? 1.0f : a.grad_scale;
+  prep[0] = D > 0.0f ? gs / D : 0.0f;
+  prep[1] = D;
+  reinterpret_cast<long long *>(prep)[1] = bad;
+}
+
+__global__ void __launch_bounds__(kReduceThreads)
+reduce_kernel(const float *rec, int64_t rows, const float *prep, bool has_ratio, bool has_adv,
+              unsigned terms, float *out) {
+  constexpr int K = kRecFields + 4;  // the sums, then ratio min / max, advantage min / max
+  __shared__ float part[kReduceThreads / 32][K];
+  float acc[K];
+  for (int k = 0; k < kRecFields; ++k) acc[k] = 0.0f;
+  acc[kRecFields] = acc[kRecFields + 2] = INFINITY;
+  acc[kRecFields + 1] = acc[kRecFields + 3] = -INFINITY;
+  for (int64_t i = threadIdx.x; i < rows; i += kReduceThreads) {
+    const float w = rec[R_W * rows + i];
+    for (int k = 0; k < kRecFields; ++k) {
+      const float x = rec[k * rows + i];
+      acc[k] += (k == R_W || k == R_VALID) ? x : w * x;
+    }
+    if (w > 0.0f) {
+      const float ratio = rec[R_RATIO * rows + i], adv = rec[R_ADV * rows + i];
+      acc[kRecFields] = fminf(acc[kRecFields], ratio);
+      acc[kRecFields + 1] = fmaxf(acc[kRecFields + 1], ratio);
+      acc[kRecFields + 2] = fminf(acc[kRecFields + 2], adv);
+      acc[kRecFields + 3] = fmaxf(acc[kRecFields + 3], adv);
+    }
+  }
+  for (int k = 0; k < K; ++k)
+    for (int off = 16; off > 0; off >>= 1) {
+      const float o = __shfl_xor_sync(0xffffffffu, acc[k], off);
+      acc[k] = k < kRecFields ? acc[k] + o : ((k - kRecFields) % 2 ? fmaxf(acc[k], o) : fminf(acc[k], o));
+    }
+  if (threadIdx.x % 32 == 0)
+    for (int k = 0; k < K; ++k) part[threadIdx.x / 32][k] = acc[k];
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (int w = 1; w < kReduceThreads / 32; ++w)
+    for (int k = 0; k < K; ++k) {
+      const float o = part[w][k];
+      acc[k] = k < kRecFields ? acc[k] + o : ((k - kRecFields) % 2 ? fmaxf(acc[k], o) : fminf(acc[k], o));
+    }
+  finish_scalars<float>(acc, acc[kRecFields], acc[kRecFields + 1], acc[kRecFields + 2],
+                        acc[kRecFields + 3], prep[1], has_ratio, has_adv, terms, out);
+}
+
+const void *pick(hl_dtype_t dt, bool grad, bool cap, int distill) {
+  switch (dt) {
+    case HL_DTYPE_F32: return pick_row_kernel<float>(grad, cap, distill);
+    case HL_DTYPE_F16: return pick_row_kernel<__half>(grad, cap, distill);
+    default: return pick_row_kernel<__nv_bfloat16>(grad, cap, distill);
+  }
+}
+
+// Columns per CTA when a row is split over `cluster` CTAs: a whole number of 16-byte vectors.
+int64_t slice_cols(int64_t vocab, int cluster, int vec) {
+  const int64_t per = (vocab + cluster - 1) / cluster;
+  return (per + vec - 1) / vec * vec;
+}
+
+}  // namespace
+
+// Resident clusters (or CTAs without clusters) of this kernel shape; 0 if it cannot run.
+static int max_clusters(const CudaChoice &c) {
+  if (c.cluster == 1) return hl::cuda::blocks_per_sm(c.kernel, c.threads, c.smem) * hl::cuda::sm_count();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(c.cluster));
+  cfg.blockDim = dim3(unsigned(c.threads));
+  cfg.dynamicSmemBytes = c.smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(c.cluster);
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, c.kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+}  // namespace cuda
+
+hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
+  using namespace cuda;
+  const hl_loss_plan_desc_t &d = p.desc;
+  CudaChoice c;
+  c.kernel = pick(d.logits_dtype, d.grad_mode != HL_LOSS_GRAD_NONE, p.opt.cap > 0, p.opt.distill);
+  c.threads = kThreads;
+  int dev = 0, major = 0, optin = 0;
+  HL_CUDA_TRY(cudaGetDevice(&dev));
+  HL_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  HL_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const size_t elt = dtype_size(d.logits_dtype), cap_bytes = size_t(optin) - kStaticSmemSlack;
+  const int vec = int(16 / elt);
+  const auto bytes = [&](int cl) { return size_t(slice_cols(d.vocab, cl, vec)) * elt; };
+  // The smallest cluster whose slices fit the target; Hopper clusters go to 8 CTAs portably and
+  // 16 with the non-portable opt-in. A row too long for that is re-read from global memory.
+  const int max_cluster = major >= 9 ? 16 : 1;
+  c.cluster = 1;
+  while (c.cluster < max_cluster && bytes(c.cluster) > kKeepTarget) c.cluster *= 2;
+  c.keep_row = bytes(c.cluster) <= cap_bytes;
+  if (!c.keep_row && c.cluster > 8) c.cluster = 8;
+  c.smem = c.keep_row ? bytes(c.cluster) : 0;
+  HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem)));
+  if (c.cluster > 8)
+    HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  c.grid = max_clusters(c) * c.cluster;
+  if (c.grid == 0)
+    return fail(HL_STATUS_NOT_SUPPORTED,
+                "%s: no cluster of %d CTAs with %zu bytes of shared memory fits this device (vocab "
+                "%lld)", fn, c.cluster, c.smem, (long long)d.vocab);
+  p.cuda = c;
+  return HL_STATUS_SUCCESS;
+}
+
+size_t cuda_workspace_bytes(const hl_loss_plan_st &p, int64_t rows) {
+  return cuda::kPrepBytes + (size_t(rows) * kRecFields * sizeof(float) + 15) / 16 * 16;
+}
+
+hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                         void *workspace, hl_stream_t stream) {
+  using namespace cuda;
+  const hl_loss_plan_desc_t &d = p.desc;
+  const CudaChoice &c = p.cuda;
+  float *prep = static_cast<float *>(workspace);
+  float *records = prep + kPrepBytes / sizeof(float);
+  const bool l64 = d.labels_dtype == HL_DTYPE_I64;
+  if (a.rows == 0) {
+    if (a.scalars) HL_CUDA_TRY(cudaMemsetAsync(a.scalars, 0, HL_LOSS_NUM_SCALARS * sizeof(float), stream));
+    return HL_STATUS_SUCCESS;
+  }
+  const PrepArgs pa{a.labels, a.weights, a.rows, d.vocab, d.ignore_index, a.divisor, a.grad_scale,
+                    l64, d.use_ignore_index != 0};
+  prep_kernel<<<1, kReduceThreads, 0, stream>>>(pa, prep);
+  HL_CUDA_TRY_LAUNCH();
+  if (a.labels && !(d.flags & HL_LOSS_UNCHECKED_LABELS)) {
+    long long bad = 0;
+    HL_CUDA_TRY(cudaMemcpyAsync(&bad, prep + 2, sizeof bad, cudaMemcpyDeviceToHost, stream));
+    HL_CUDA_TRY(cudaStreamSynchronize(stream));
+    if (bad != LLONG_MAX) {
+      int64_t y = 0;
+      HL_CUDA_TRY(cudaMemcpy(&y, static_cast<const char *>(a.labels) + bad * (l64 ? 8 : 4),
+                             l64 ? 8 : 4, cudaMemcpyDeviceToHost));
+      if (!l64) y = int64_t(int32_t(y));
+      return fail(HL_STATUS_INVALID_VALUE,
+                  "%s: labels[%lld] is %lld, outside [0, vocab = %lld) and not ignored", fn, bad,
+                  (long long)y, (long long)d.vocab);
+    }
+  }
+  Params k{};
+  k.logits = a.logits, k.teacher = a.teacher_logits, k.labels = a.labels, k.grad = a.grad;
+  k.logits_stride = a.logits_stride, k.teacher_stride = a.teacher_stride, k.grad_stride = a.grad_stride;
+  k.weights = a.weights, k.adv = a.advantages, k.old_logp = a.old_logprobs, k.ref_logp = a.ref_logprobs;
+  k.tok_loss = a.token_loss, k.tok_logp = a.token_logp, k.tok_entropy = a.token_entropy;
+  k.tok_lse = a.token_lse;
+  k.records = records, k.prep = prep, k.rows = a.rows, k.vocab = d.vocab;
+  k.slice = slice_cols(d.vocab, c.cluster, int(16 / dtype_size(d.logits_dtype)));
+  k.o = p.opt, k.ignore_index = d.ignore_index;
+  k.labels64 = l64, k.use_ignore = d.use_ignore_index != 0;
+  k.grad_f32 = d.grad_dtype == HL_DTYPE_F32 && d.logits_dtype != HL_DTYPE_F32;
+  k.accumulate = d.grad_mode == HL_LOSS_GRAD_ACCUMULATE, k.keep_row = c.keep_row;
+
+  const int64_t clusters = std::min<int64_t>(a.rows, c.grid / c.cluster);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(clusters * c.cluster));
+  cfg.blockDim = dim3(unsigned(c.threads));
+  cfg.dynamicSmemBytes = c.smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(c.cluster);
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = c.cluster > 1 ? 1 : 0;
+  void *args[] = {&k};
+  HL_CUDA_TRY(cudaLaunchKernelExC(&cfg, c.kernel, args));
+  if (a.scalars) {
+    reduce_kernel<<<1, kReduceThreads, 0, stream>>>(records, a.rows, prep,
+                                                    a.labels && a.old_logprobs, a.advantages != nullptr,
+                                                    d.terms, a.scalars);
+    HL_CUDA_TRY_LAUNCH();
+  }
+  return HL_STATUS_SUCCESS;
+}
+
+}  // namespace hl::loss

@@ -1,0 +1,364 @@
+// The loss plan's row kernel. A cluster of CTAs owns one row at a time (a persistent grid loops
+// over rows); each CTA owns one slice of the row's vocabulary.
+//   pass 1: read the slice once (16-byte loads), keep it in shared memory, and fold it into
+//           per-thread online softmax statistics (RowStats); merge threads, then the cluster's
+//           CTAs through distributed shared memory, in a fixed order (deterministic);
+//   finish: row_math.h's finish_row turns the merged record into losses, metrics, coefficients;
+//   pass 2: the gradient of the slice from shared memory, fp32, one rounding at the store.
+// Terms that are off cost nothing: the gradient, the soft-cap and distillation are template
+// arguments; the other terms only change per-row coefficients.
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include <climits>
+#include <type_traits>
+
+#include "common/dtype.cuh"
+#include "loss/params.cuh"
+
+namespace hl::loss::cuda {
+
+using hl::cuda::Pack;
+using hl::cuda::to_float;
+using hl::cuda::from_float;
+
+// 2^x in one MUFU instruction (exp2f adds a denormal fix-up; results below 2^-126 flush to 0).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_exp(float x) { return ex2(x * kLog2e); }
+
+// z_hat from a raw logit; with a cap, t = tanh(scale z / cap) is kept for the chain factor.
+template <bool CAP>
+__device__ __forceinline__ float zhat(float x, const Options &o, float &t) {
+  if (!CAP) return x * o.scale;
+  const float y = x * o.scale / o.cap;
+  t = 1.0f - __fdividef(2.0f, __expf(2.0f * y) + 1.0f);
+  return o.cap * t;
+}
+
+// Moves a thread's student sums to a larger max mn (rare: only when a new max appears).
+// Without distillation a thread keeps b as sum e z (one FMA a column), made relative to m only
+// when the block merges (block_merge); with it, as sum e (z - m) like the other sums.
+template <int DISTILL>
+__device__ __forceinline__ void raise_max(RowStats<float> &st, float mn, float inv_ts) {
+  const float f = rescale(st.m, mn), d = shift(st.m, mn);
+  st.b = DISTILL ? moved(f, st.b, st.s, d) : st.b * f;
+  st.s *= f;
+  if (DISTILL) {
+    const float fs = rescale(st.m, mn, inv_ts);
+    st.bs = moved(fs, st.bs, st.ss, d);
+    st.ss *= fs;
+    st.cs *= fs;
+    st.ct += st.st * d;
+  }
+  st.m = mn;
+}
+
+__device__ __forceinline__ void raise_teacher_max(RowStats<float> &st, float mn) {
+  const float f = rescale(st.mt, mn), d = shift(st.mt, mn);
+  st.bt = moved(f, st.bt, st.st, d);
+  st.st *= f;
+  st.ct *= f;
+  st.cs += st.ss * d;
+  st.mt = mn;
+}
+
+// Folds n consecutive columns starting at j0 into a thread's statistics.
+template <int DISTILL, int N>
+__device__ __forceinline__ void accumulate(RowStats<float> &st, const float (&z)[N],
+                                           const float (&v)[N], int64_t j0, float inv_ts) {
+  float zm = z[0];
+#pragma unroll
+  for (int k = 1; k < N; ++k) zm = fmaxf(zm, z[k]);
+  if (zm > st.m) {  // columns only grow, so the first k reaching the new max is the argmax
+    raise_max<DISTILL>(st, zm, inv_ts);
+    int first = N - 1;
+#pragma unroll
+    for (int k = N - 1; k >= 0; --k) first = z[k] == zm ? k : first;
+    st.amax = j0 + first;
+  }
+  if (DISTILL) {
+    float vm = v[0];
+#pragma unroll
+    for (int k = 1; k < N; ++k) vm = fmaxf(vm, v[k]);
+    if (vm > st.mt) raise_teacher_max(st, vm);
+  }
+  const float ml = st.m * kLog2e;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const float d = z[k] - st.m, e = ex2(fmaf(z[k], kLog2e, -ml));
+    st.s += e;
+    st.b = fmaf(e, DISTILL ? d : z[k], st.b);
+    st.sum += z[k];
+    if (DISTILL) {
+      const float dt = v[k] - st.mt, et = fast_exp(dt), es = fast_exp(d * inv_ts);
+      st.st += et;
+      st.bt = fmaf(et, dt, st.bt);
+      st.ct = fmaf(et, d, st.ct);
+      st.ss += es;
+      st.bs = fmaf(es, d, st.bs);
+      st.cs = fmaf(es, dt, st.cs);
+    }
+  }
+}
+
+// Shared-memory scratch of the block-wide merge.
+struct MergeScratch {
+  float max[kThreads / 32];
+  float sums[kThreads / 32][10];
+  long long amax[kThreads / 32];
+};
+
+// The same block-wide maximum in every thread (fixed order).
+__device__ __forceinline__ float block_max(float v, MergeScratch &sh) {
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  if (threadIdx.x % 32 == 0) sh.max[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = sh.max[0];
+  for (int w = 1; w < kThreads / 32; ++w) v = fmaxf(v, sh.max[w]);
+  __syncthreads();
+  return v;
+}
+
+// Merges every thread's record into one (thread 0 holds it), cheaply: the block's maxima first,
+// then each thread moves its sums to them (in parallel), then plain sums in a fixed order.
+template <int DISTILL>
+__device__ __forceinline__ RowStats<float> block_merge(RowStats<float> st, MergeScratch &sh,
+                                                       float inv_ts) {
+  const float M = block_max(st.m, sh), Mt = DISTILL ? block_max(st.mt, sh) : st.mt;
+  long long amax = st.m == M ? st.amax : LLONG_MAX;
+  if (st.m < M) raise_max<DISTILL>(st, M, inv_ts);
+  if (!DISTILL) st.b = st.s > 0.0f ? st.b - M * st.s : 0.0f;  // sum e z -> sum e (z - M)
+  if (DISTILL && st.mt < Mt) raise_teacher_max(st, Mt);
+  constexpr int F = DISTILL ? 10 : 4;  // zy (index 3) reduces by max, the rest by sum
+  float f[10] = {st.s, st.b, st.sum, st.zy, st.st, st.bt, st.ct, st.ss, st.bs, st.cs};
+  for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+    for (int i = 0; i < F; ++i) {
+      const float o = __shfl_xor_sync(0xffffffffu, f[i], off);
+      f[i] = i == 3 ? fmaxf(f[i], o) : f[i] + o;
+    }
+    const long long o = __shfl_xor_sync(0xffffffffu, amax, off);
+    amax = o < amax ? o : amax;
+  }
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) {
+#pragma unroll
+    for (int i = 0; i < F; ++i) sh.sums[warp][i] = f[i];
+    sh.amax[warp] = amax;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int w = 1; w < kThreads / 32; ++w) {
+#pragma unroll
+      for (int i = 0; i < F; ++i) f[i] = i == 3 ? fmaxf(f[i], sh.sums[w][i]) : f[i] + sh.sums[w][i];
+      amax = sh.amax[w] < amax ? sh.amax[w] : amax;
+    }
+  st.m = M, st.mt = Mt, st.amax = amax;
+  st.s = f[0], st.b = f[1], st.sum = f[2], st.zy = f[3];
+  if (DISTILL) st.st = f[4], st.bt = f[5], st.ct = f[6], st.ss = f[7], st.bs = f[8], st.cs = f[9];
+  return st;
+}
+
+// VEC columns of a row as one 16-byte pack when aligned, else element by element.
+template <class T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_cols(const T *p, bool aligned) {
+  if (aligned) return hl::cuda::load_pack<T, VEC>(p);
+  Pack<T, VEC> r;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) r.v[k] = p[k];
+  return r;
+}
+
+template <class G, int VEC>
+__device__ __forceinline__ void store_grad(G *p, const float (&g)[VEC], bool aligned, bool acc) {
+  constexpr int W = 16 / sizeof(G);  // elements per 16-byte store
+#pragma unroll
+  for (int h = 0; h < VEC; h += W) {
+    Pack<G, W> out;
+    if (acc) out = load_cols<G, W>(p + h, aligned);
+#pragma unroll
+    for (int k = 0; k < W; ++k)
+      out.v[k] = from_float<G>(acc ? to_float(out.v[k]) + g[h + k] : g[h + k]);
+    if (aligned) hl::cuda::store_pack<G, W>(p + h, out);
+    else
+#pragma unroll
+      for (int k = 0; k < W; ++k) p[h + k] = out.v[k];
+  }
+}
+
+constexpr int kBatch = 4;
+// 3 CTAs per SM (80 registers, a few spilled outside the column loops) beat 2 (128 registers, no
+// spills) by 15-25% on H100: more rows in flight hide each row's merge and finish.
+constexpr int kMinBlocks = 3;
+
+template <class T, bool GRAD, bool CAP, int DISTILL>
+__global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel(const Params p) {
+  constexpr int VEC = 16 / sizeof(T);
+  using V = Pack<T, VEC>;
+  extern __shared__ uint4 smem_raw[];
+  V *slice_smem = reinterpret_cast<V *>(smem_raw);
+  __shared__ RowStats<float> cta_stats[2];
+  __shared__ MergeScratch scratch;
+  __shared__ RowResult<float> row;
+#if __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank()), csize = int(cluster.num_blocks());
+#else
+  const int rank = 0, csize = 1;
+#endif
+  const Options &o = p.o;
+  const int tid = threadIdx.x;
+  const int64_t lo = min(p.vocab, rank * p.slice), hi = min(p.vocab, lo + p.slice);
+  const int64_t nvec = (hi - lo) / VEC, tail_lo = lo + nvec * VEC;
+  const float kd = p.prep[0];
+  int parity = 0;
+  for (int64_t r = blockIdx.x / csize; r < p.rows; r += gridDim.x / csize, parity ^= 1) {
+    const T *x = static_cast<const T *>(p.logits) + r * p.logits_stride + lo;
+    const T *u = DISTILL ? static_cast<const T *>(p.teacher) + r * p.teacher_stride + lo : nullptr;
+    const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                         (!DISTILL || reinterpret_cast<uintptr_t>(u) % 16 == 0);
+    const RowInputs<float> in = read_inputs<float>(p.labels, p.labels64, p.weights, p.adv,
+                                                   p.old_logp, p.ref_logp, r, p.use_ignore,
+                                                   p.ignore_index);
+    RowStats<float> st = empty_stats<float>();
+    float t[VEC], z[VEC], v[VEC] = {};
+    // The label's logit, read by one thread before any gradient of this row is written.
+    const bool owns_label = tid == 0 && in.label >= lo && in.label < hi;
+    const T label_raw = owns_label ? x[in.label - lo] : T(0.0f);
+    // kBatch loads in flight per thread before any is used: enough bytes in flight for HBM.
+    // Thread tid owns vectors tid + k * kThreads in both passes, so the kept slice needs no sync.
+    for (int64_t i0 = tid; i0 < nvec; i0 += kBatch * kThreads) {
+      V raw[kBatch], traw[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t i = i0 + b * kThreads;
+        if (i >= nvec) break;
+        raw[b] = load_cols<T, VEC>(x + i * VEC, aligned);
+        if (DISTILL) traw[b] = load_cols<T, VEC>(u + i * VEC, aligned);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t i = i0 + b * kThreads;
+        if (i >= nvec) break;
+        if (p.keep_row) slice_smem[i] = raw[b];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) z[k] = zhat<CAP>(to_float(raw[b].v[k]), o, t[k]);
+        if (DISTILL)
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) v[k] = to_float(traw[b].v[k]) * o.inv_tt;
+        accumulate<DISTILL>(st, z, v, lo + i * VEC, o.inv_ts);
+      }
+    }
+    if (tid == 0)  // the last slice's columns past the last full vector
+      for (int64_t j = tail_lo; j < hi; ++j) {
+        float z1[1], v1[1] = {0.0f}, t1;
+        z1[0] = zhat<CAP>(to_float(x[j - lo]), o, t1);
+        if (DISTILL) v1[0] = to_float(u[j - lo]) * o.inv_tt;
+        accumulate<DISTILL>(st, z1, v1, j, o.inv_ts);
+      }
+    if (owns_label) {
+      float tl;
+      st.zy = zhat<CAP>(to_float(label_raw), o, tl);
+    }
+    st = block_merge<DISTILL>(st, scratch, o.inv_ts);
+    if (tid == 0) cta_stats[parity] = st;
+#if __CUDA_ARCH__ >= 900
+    if (csize > 1) cluster.sync();
+    else
+#endif
+      __syncthreads();
+    if (tid == 0) {
+      RowStats<float> all = cta_stats[parity];
+#if __CUDA_ARCH__ >= 900
+      if (csize > 1) {  // every CTA merges the same records in the same order: rank 0 first
+        all = *cluster.map_shared_rank(&cta_stats[parity], 0);
+        for (int c = 1; c < csize; ++c)
+          all = merge(all, *cluster.map_shared_rank(&cta_stats[parity], c), o.inv_ts);
+      }
+#endif
+      row = finish_row(all, in, o, kd);
+      if (rank == 0) {
+        for (int k = 0; k < kRecFields; ++k) p.records[k * p.rows + r] = row.rec[k];
+        if (p.tok_loss) p.tok_loss[r] = row.token_loss;
+        if (p.tok_logp) p.tok_logp[r] = row.logp;
+        if (p.tok_entropy) p.tok_entropy[r] = row.entropy;
+        if (p.tok_lse) p.tok_lse[r] = row.lse;
+      }
+    }
+    __syncthreads();
+    if (GRAD) {
+      const RowResult<float> rr = row;  // coefficients in registers for the loop
+      const float lse2 = rr.lse * kLog2e;
+      const auto ex = [](float a) { return fast_exp(a); };
+      const auto grad_cols = [&](const float (&zz)[VEC], const float (&tt)[VEC],
+                                 const float (&vv)[VEC], int64_t j0, int n, float (&g)[VEC]) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          if (k >= n) break;
+          const float pk = ex2(fmaf(zz[k], kLog2e, -lse2));
+          const float gk = grad_elem<DISTILL>(rr, o, zz[k], vv[k], pk, ex);
+          g[k] = CAP ? gk * fmaf(-tt[k], tt[k], 1.0f) : gk;
+        }
+        if (in.label >= j0 && in.label < j0 + n)  // one vector of the row: the label's term
+#pragma unroll
+          for (int k = 0; k < VEC; ++k)
+            if (j0 + k == in.label) g[k] += CAP ? rr.cy * fmaf(-tt[k], tt[k], 1.0f) : rr.cy;
+      };
+      const auto write = [&](auto *gp) {
+        using G = typename std::remove_pointer<decltype(gp)>::type;
+        G *grow = gp + r * p.grad_stride + lo;
+        const bool galigned = aligned && reinterpret_cast<uintptr_t>(grow) % 16 == 0;
+        for (int64_t i = tid; i < nvec; i += kThreads) {
+          const V raw = p.keep_row ? slice_smem[i] : load_cols<T, VEC>(x + i * VEC, aligned);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) z[k] = zhat<CAP>(to_float(raw.v[k]), o, t[k]);
+          if (DISTILL) {
+            const V tr = load_cols<T, VEC>(u + i * VEC, aligned);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) v[k] = to_float(tr.v[k]) * o.inv_tt;
+          }
+          float g[VEC];
+          grad_cols(z, t, v, lo + i * VEC, VEC, g);
+          store_grad<G, VEC>(grow + i * VEC, g, galigned, p.accumulate);
+        }
+        if (tid == 0)
+          for (int64_t j = tail_lo; j < hi; ++j) {
+            float z1[VEC] = {}, t1[VEC] = {}, v1[VEC] = {}, g1[VEC];
+            z1[0] = zhat<CAP>(to_float(x[j - lo]), o, t1[0]);
+            if (DISTILL) v1[0] = to_float(u[j - lo]) * o.inv_tt;
+            grad_cols(z1, t1, v1, j, 1, g1);
+            G *gj = grow + (j - lo);
+            *gj = from_float<G>(p.accumulate ? to_float(*gj) + g1[0] : g1[0]);
+          }
+      };
+      if (p.grad_f32) write(static_cast<float *>(p.grad));
+      else write(static_cast<T *>(p.grad));
+    }
+  }
+#if __CUDA_ARCH__ >= 900
+  if (csize > 1) cluster.sync();  // peers may still read this CTA's records
+#endif
+}
+
+template <class T, bool GRAD, bool CAP>
+const void *pick_distill(int distill) {
+  switch (distill) {
+    case kDistillFwd: return reinterpret_cast<const void *>(row_kernel<T, GRAD, CAP, kDistillFwd>);
+    case kDistillRev: return reinterpret_cast<const void *>(row_kernel<T, GRAD, CAP, kDistillRev>);
+    default: return reinterpret_cast<const void *>(row_kernel<T, GRAD, CAP, kDistillNone>);
+  }
+}
+
+template <class T>
+const void *pick_row_kernel(bool grad, bool cap, int distill) {
+  if (grad) return cap ? pick_distill<T, true, true>(distill) : pick_distill<T, true, false>(distill);
+  return cap ? pick_distill<T, false, true>(distill) : pick_distill<T, false, false>(distill);
+}
+
+}  // namespace hl::loss::cuda

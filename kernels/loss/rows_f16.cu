@@ -1,0 +1,6 @@
+// Row kernels for __half logits (one file per dtype so that they compile in parallel).
+#include "loss/row_kernel.cuh"
+
+namespace hl::loss::cuda {
+template const void *pick_row_kernel<__half>(bool grad, bool cap, int distill);
+}  // namespace hl::loss::cuda

@@ -1,0 +1,20 @@
+"""headloss: fused kernels for the language-model head, over the libheadloss C library.
+
+Arrays from NumPy run on the CPU backend (fp64 reference arithmetic); arrays from PyTorch, CuPy
+and JAX on the GPU run on the CUDA backend, on the array's current stream. Errors raise
+HeadlossError with the library's message.
+
+Framework front ends (imported on demand, so the package needs neither): headloss.torch_ops
+(PyTorch custom ops and the RMSNorm module, torch.compile-ready), headloss.torch_loss (the loss
+plan as an autograd function and module) and headloss.jax (XLA FFI custom calls for jax.jit).
+"""
+from ._lib import HeadlossError, cuda_available, version
+from .rmsnorm import RMSNormGrads, RMSNormOutput, rmsnorm, rmsnorm_bwd, rmsnorm_fwd
+from .gdn import GDNGrads, gdn_bwd_dqkwg
+from .loss import LossOutput, LossPlan, fused_loss
+
+__version__ = version()
+__all__ = ["HeadlossError", "cuda_available", "version", "rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd",
+           "RMSNormOutput", "RMSNormGrads"]
+__all__ += ["gdn_bwd_dqkwg", "GDNGrads"]
+__all__ += ["LossPlan", "LossOutput", "fused_loss"]

@@ -1,0 +1,282 @@
+// hl_loss_plan_* entry points: validate the description once at creation and every call's
+// arguments at execution, then hand over to a backend.
+#include <cmath>
+
+#include "../common.h"
+#include "../cpu/scalar.h"
+#include "loss.h"
+
+namespace hl::loss {
+namespace {
+
+constexpr unsigned kAllTerms = HL_LOSS_CE | HL_LOSS_Z | HL_LOSS_ENTROPY | HL_LOSS_DISTILL_FWD |
+                               HL_LOSS_DISTILL_REV | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF;
+constexpr unsigned kLabelTerms = HL_LOSS_CE | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF;
+
+hl_status_t check_finite(const char *fn, const char *arg, float v) {
+  if (!std::isfinite(v)) return fail(HL_STATUS_INVALID_VALUE, "%s: %s is not finite", fn, arg);
+  return HL_STATUS_SUCCESS;
+}
+
+// A value that must be > 0, where 0 selects the default `def`.
+hl_status_t positive_or_default(const char *fn, const char *arg, float v, float def, float *out) {
+  HL_TRY(check_finite(fn, arg, v));
+  if (v < 0.0f)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: %s is %g; must be > 0 (or 0 for the default %g)", fn,
+                arg, double(v), double(def));
+  *out = v == 0.0f ? def : v;
+  return HL_STATUS_SUCCESS;
+}
+
+hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
+  HL_TRY(check_backend(fn, d.backend));
+  if (d.vocab < 1)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: vocab is %lld; must be >= 1", fn, (long long)d.vocab);
+  HL_TRY(check_float_dtype(fn, "logits_dtype", d.logits_dtype));
+  if (d.labels_dtype != HL_DTYPE_NONE && d.labels_dtype != HL_DTYPE_I32 &&
+      d.labels_dtype != HL_DTYPE_I64)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: labels_dtype is %s (%d); expected I32, I64 or NONE",
+                fn, dtype_name(d.labels_dtype), int(d.labels_dtype));
+  if (d.terms & ~kAllTerms)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: terms has unknown bits 0x%x", fn, d.terms & ~kAllTerms);
+  if (d.flags & ~unsigned(HL_LOSS_UNCHECKED_LABELS))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: flags has unknown bits 0x%x", fn,
+                d.flags & ~unsigned(HL_LOSS_UNCHECKED_LABELS));
+  if ((d.terms & HL_LOSS_DISTILL_FWD) && (d.terms & HL_LOSS_DISTILL_REV))
+    return fail(HL_STATUS_INVALID_VALUE,
+                "%s: terms has both HL_LOSS_DISTILL_FWD and HL_LOSS_DISTILL_REV; pick one", fn);
+  if ((d.terms & kLabelTerms) && d.labels_dtype == HL_DTYPE_NONE)
+    return fail(HL_STATUS_INVALID_VALUE,
+                "%s: CE, GRPO and GRPO_KL_REF need labels, but labels_dtype is NONE", fn);
+  const float weights[] = {d.ce_weight, d.z_weight, d.entropy_weight, d.distill_weight,
+                           d.grpo_weight, d.kl_ref_beta};
+  const char *names[] = {"ce_weight", "z_weight", "entropy_weight", "distill_weight",
+                         "grpo_weight", "kl_ref_beta"};
+  for (int i = 0; i < 6; ++i) HL_TRY(check_finite(fn, names[i], weights[i]));
+  if (!(d.label_smoothing >= 0.0f && d.label_smoothing < 1.0f))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: label_smoothing is %g; must be in [0, 1)", fn,
+                double(d.label_smoothing));
+  float tt = 1.0f, ts = 1.0f;
+  HL_TRY(positive_or_default(fn, "logit_scale", d.logit_scale, 1.0f, &o.scale));
+  HL_TRY(positive_or_default(fn, "teacher_temperature", d.teacher_temperature, 1.0f, &tt));
+  HL_TRY(positive_or_default(fn, "student_temperature", d.student_temperature, 1.0f, &ts));
+  HL_TRY(positive_or_default(fn, "eps_low", d.eps_low, 0.2f, &o.eps_low));
+  HL_TRY(positive_or_default(fn, "eps_high", d.eps_high, 0.2f, &o.eps_high));
+  HL_TRY(check_finite(fn, "softcap", d.softcap));
+  if (d.softcap < 0.0f)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: softcap is %g; must be >= 0 (0: no cap)", fn,
+                double(d.softcap));
+  if (d.grad_mode != HL_LOSS_GRAD_NONE && d.grad_mode != HL_LOSS_GRAD_WRITE &&
+      d.grad_mode != HL_LOSS_GRAD_ACCUMULATE)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: grad_mode is %d; use HL_LOSS_GRAD_NONE, _WRITE or "
+                "_ACCUMULATE", fn, int(d.grad_mode));
+  if (d.grad_mode == HL_LOSS_GRAD_NONE) {
+    d.grad_dtype = HL_DTYPE_NONE;
+  } else {
+    if (d.grad_dtype == HL_DTYPE_NONE) d.grad_dtype = d.logits_dtype;
+    if (d.grad_dtype != d.logits_dtype && d.grad_dtype != HL_DTYPE_F32)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: grad_dtype is %s; use F32 or logits_dtype (%s)", fn,
+                  dtype_name(d.grad_dtype), dtype_name(d.logits_dtype));
+  }
+  if (d.vocab_start != 0 || (d.vocab_global != 0 && d.vocab_global != d.vocab))
+    return fail(HL_STATUS_NOT_SUPPORTED,
+                "%s: vocab_start is %lld and vocab_global %lld; vocabulary sharding (tensor "
+                "parallelism) is not in this version: use 0 and 0", fn,
+                (long long)d.vocab_start, (long long)d.vocab_global);
+  const auto on = [&](unsigned t, float w) { return (d.terms & t) ? w : 0.0f; };
+  o.ce_w = on(HL_LOSS_CE, d.ce_weight);
+  o.z_w = on(HL_LOSS_Z, d.z_weight);
+  o.ent_w = on(HL_LOSS_ENTROPY, d.entropy_weight);
+  o.dist_w = on(HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV, d.distill_weight);
+  o.grpo_w = on(HL_LOSS_GRPO, d.grpo_weight);
+  o.beta = on(HL_LOSS_GRPO_KL_REF, d.kl_ref_beta);
+  o.smoothing = (d.terms & HL_LOSS_CE) ? d.label_smoothing : 0.0f;
+  o.cap = d.softcap;
+  o.inv_tt = 1.0f / tt;
+  o.inv_ts = 1.0f / ts;
+  o.distill = (d.terms & HL_LOSS_DISTILL_FWD) ? kDistillFwd
+              : (d.terms & HL_LOSS_DISTILL_REV) ? kDistillRev : kDistillNone;
+  o.terms = d.terms;
+  o.vocab = d.vocab;
+  return HL_STATUS_SUCCESS;
+}
+
+// One optional argument: element alignment and memory kind.
+hl_status_t check_ptr(const char *fn, hl_backend_t backend, const char *name, const void *p,
+                      hl_dtype_t dt) {
+  if (!p) return HL_STATUS_SUCCESS;
+  HL_TRY(check_element_aligned(fn, name, p, dt));
+  return check_location(fn, name, p, backend);
+}
+
+// An argument that `what` requires.
+hl_status_t require(const char *fn, const char *name, const void *p, const char *what) {
+  if (!p) return fail(HL_STATUS_INVALID_VALUE, "%s: %s is NULL; %s needs it", fn, name, what);
+  return HL_STATUS_SUCCESS;
+}
+
+hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args_t &a) {
+  const hl_loss_plan_desc_t &d = p.desc;
+  const hl_backend_t be = d.backend;
+  HL_TRY(check_positive(fn, "rows", a.rows));
+  if (!std::isfinite(a.divisor) || a.divisor < 0)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: divisor is %g; must be finite and >= 0 (0: the sum "
+                "of valid weights)", fn, a.divisor);
+  HL_TRY(check_finite(fn, "grad_scale", a.grad_scale));
+  if (a.labels && d.labels_dtype == HL_DTYPE_NONE)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: labels is set but the plan's labels_dtype is NONE", fn);
+  if (a.teacher_logits && p.opt.distill == kDistillNone)
+    return fail(HL_STATUS_INVALID_VALUE,
+                "%s: teacher_logits is set but the plan has no distillation term", fn);
+  const bool grad = d.grad_mode != HL_LOSS_GRAD_NONE;
+  if (!grad && a.grad)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: grad is set but the plan's grad_mode is NONE", fn);
+  if (a.rows == 0) return HL_STATUS_SUCCESS;
+  HL_TRY(check_not_null(fn, "logits", a.logits));
+  if (p.needs_labels) HL_TRY(require(fn, "labels", a.labels, "CE, GRPO or GRPO_KL_REF"));
+  if (p.opt.distill != kDistillNone) HL_TRY(require(fn, "teacher_logits", a.teacher_logits, "distillation"));
+  if (d.terms & HL_LOSS_GRPO) {
+    HL_TRY(require(fn, "advantages", a.advantages, "GRPO"));
+    HL_TRY(require(fn, "old_logprobs", a.old_logprobs, "GRPO"));
+  }
+  if (d.terms & HL_LOSS_GRPO_KL_REF) HL_TRY(require(fn, "ref_logprobs", a.ref_logprobs, "GRPO_KL_REF"));
+  if (grad) HL_TRY(require(fn, "grad", a.grad, "a plan with a gradient"));
+  const int64_t V = d.vocab;
+  HL_TRY(resolve_stride(fn, "logits", a.logits_stride, V, &a.logits_stride));
+  if (a.teacher_logits) HL_TRY(resolve_stride(fn, "teacher_logits", a.teacher_stride, V, &a.teacher_stride));
+  if (a.grad) HL_TRY(resolve_stride(fn, "grad", a.grad_stride, V, &a.grad_stride));
+  if (a.grad && a.grad == a.logits) {
+    if (d.grad_dtype != d.logits_dtype || a.grad_stride != a.logits_stride)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: grad is the logits (in place) but its dtype or "
+                  "stride differs from theirs", fn);
+    if (d.grad_mode == HL_LOSS_GRAD_ACCUMULATE)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: grad is the logits (in place): it cannot be "
+                  "accumulated into; use HL_LOSS_GRAD_WRITE", fn);
+  }
+  struct P { const char *name; const void *ptr; hl_dtype_t dt; };
+  const P ptrs[] = {
+      {"logits", a.logits, d.logits_dtype}, {"labels", a.labels, d.labels_dtype},
+      {"weights", a.weights, HL_DTYPE_F32}, {"teacher_logits", a.teacher_logits, d.logits_dtype},
+      {"advantages", a.advantages, HL_DTYPE_F32}, {"old_logprobs", a.old_logprobs, HL_DTYPE_F32},
+      {"ref_logprobs", a.ref_logprobs, HL_DTYPE_F32}, {"grad", a.grad, d.grad_dtype},
+      {"scalars", a.scalars, HL_DTYPE_F32}, {"token_loss", a.token_loss, HL_DTYPE_F32},
+      {"token_logp", a.token_logp, HL_DTYPE_F32}, {"token_entropy", a.token_entropy, HL_DTYPE_F32},
+      {"token_lse", a.token_lse, HL_DTYPE_F32}};
+  for (const P &q : ptrs) HL_TRY(check_ptr(fn, be, q.name, q.ptr, q.dt));
+  const int64_t N = a.rows;
+  const Buffer bufs[] = {
+      {"logits", a.logits, N, V, a.logits_stride, d.logits_dtype, false},
+      {"labels", a.labels, N, 1, 1, d.labels_dtype, false},
+      {"weights", a.weights, N, 1, 1, HL_DTYPE_F32, false},
+      {"teacher_logits", a.teacher_logits, N, V, a.teacher_stride, d.logits_dtype, false},
+      {"advantages", a.advantages, N, 1, 1, HL_DTYPE_F32, false},
+      {"old_logprobs", a.old_logprobs, N, 1, 1, HL_DTYPE_F32, false},
+      {"ref_logprobs", a.ref_logprobs, N, 1, 1, HL_DTYPE_F32, false},
+      {"grad", a.grad, N, V, a.grad_stride, d.grad_dtype, true},
+      {"scalars", a.scalars, 1, HL_LOSS_NUM_SCALARS, HL_LOSS_NUM_SCALARS, HL_DTYPE_F32, true},
+      {"token_loss", a.token_loss, N, 1, 1, HL_DTYPE_F32, true},
+      {"token_logp", a.token_logp, N, 1, 1, HL_DTYPE_F32, true},
+      {"token_entropy", a.token_entropy, N, 1, 1, HL_DTYPE_F32, true},
+      {"token_lse", a.token_lse, N, 1, 1, HL_DTYPE_F32, true},
+  };
+  return check_aliasing(fn, bufs, int(sizeof bufs / sizeof bufs[0]));
+}
+
+// Host labels: the first one that is out of range and not ignored.
+hl_status_t check_host_labels(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a) {
+  if (!a.labels) return HL_STATUS_SUCCESS;
+  for (int64_t i = 0; i < a.rows; ++i) {
+    const int64_t y = int64_t(cpu::load(a.labels, p.desc.labels_dtype, i));
+    const bool ignored = y < 0 || (p.desc.use_ignore_index && y == p.desc.ignore_index);
+    if (!ignored && y >= p.desc.vocab)
+      return fail(HL_STATUS_INVALID_VALUE,
+                  "%s: labels[%lld] is %lld, outside [0, vocab = %lld) and not ignored", fn,
+                  (long long)i, (long long)y, (long long)p.desc.vocab);
+  }
+  return HL_STATUS_SUCCESS;
+}
+
+}  // namespace
+}  // namespace hl::loss
+
+using namespace hl;
+using namespace hl::loss;
+
+extern "C" {
+
+HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_plan_t *plan) {
+  static const char *fn = "hl_loss_plan_create";
+  return guarded(fn, [&]() -> hl_status_t {
+    HL_TRY(check_not_null(fn, "plan", plan));
+    hl_loss_plan_desc_t d;
+    HL_TRY(read_descriptor(fn, desc, &d));
+    Options o{};
+    HL_TRY(validate_desc(fn, d, o));
+    auto *p = new hl_loss_plan_st{};
+    p->desc = d;
+    p->opt = o;
+    p->needs_labels = (d.terms & kLabelTerms) != 0;
+#if HL_HAVE_CUDA
+    if (d.backend == HL_BACKEND_CUDA) {
+      const hl_status_t s = cuda_plan(fn, *p);
+      if (s != HL_STATUS_SUCCESS) {
+        delete p;
+        return s;
+      }
+    }
+#endif
+    *plan = p;
+    return HL_STATUS_SUCCESS;
+  });
+}
+
+HL_API hl_status_t hl_loss_plan_get_workspace_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes) {
+  static const char *fn = "hl_loss_plan_get_workspace_size";
+  return guarded(fn, [&]() -> hl_status_t {
+    HL_TRY(check_not_null(fn, "plan", plan));
+    HL_TRY(check_not_null(fn, "bytes", bytes));
+    HL_TRY(check_positive(fn, "rows", rows));
+    *bytes = 0;
+#if HL_HAVE_CUDA
+    if (plan->desc.backend == HL_BACKEND_CUDA) *bytes = cuda_workspace_bytes(*plan, rows);
+#endif
+    return HL_STATUS_SUCCESS;
+  });
+}
+
+HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                        void *workspace, size_t workspace_bytes, hl_stream_t stream) {
+  static const char *fn = "hl_loss_plan_execute";
+  return guarded(fn, [&]() -> hl_status_t {
+    HL_TRY(check_not_null(fn, "plan", plan));
+    hl_loss_args_t a;
+    HL_TRY(read_descriptor(fn, args, &a));
+    HL_TRY(validate_args(fn, *plan, a));
+    size_t need = 0;
+#if HL_HAVE_CUDA
+    if (plan->desc.backend == HL_BACKEND_CUDA) need = cuda_workspace_bytes(*plan, a.rows);
+#endif
+    if (workspace_bytes < need)
+      return fail(HL_STATUS_INSUFFICIENT_WORKSPACE, "%s: workspace_bytes is %zu; %lld rows need %zu",
+                  fn, workspace_bytes, (long long)a.rows, need);
+    if (need) {
+      HL_TRY(check_not_null(fn, "workspace", workspace));
+      if (reinterpret_cast<uintptr_t>(workspace) % 16)
+        return fail(HL_STATUS_MISALIGNED, "%s: workspace (%p) must be 16-byte aligned", fn, workspace);
+      HL_TRY(check_location(fn, "workspace", workspace, plan->desc.backend));
+    }
+#if HL_HAVE_CUDA
+    if (plan->desc.backend == HL_BACKEND_CUDA) return cuda_execute(fn, *plan, a, workspace, stream);
+#endif
+    (void)stream;
+    HL_TRY(check_host_labels(fn, *plan, a));
+    return cpu_execute(*plan, a);
+  });
+}
+
+HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan) {
+  delete plan;
+  return succeed();
+}
+
+}  // extern "C"

@@ -1,0 +1,273 @@
+// The loss plan's row-level math, one implementation for both backends: the CPU reference runs it
+// in double, the CUDA kernels in float. A row's vocabulary is summarised by a RowStats record
+// (softmax statistics that merge exactly by log-sum-exp rescaling, so slices of a row: threads,
+// CTAs of a cluster, and later tensor-parallel shards, combine in any fixed order); finish_row
+// turns the merged record into the row's losses, metrics and gradient coefficients, and
+// grad_elem gives one gradient element from them.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "headloss.h"
+
+#if defined(__CUDACC__)
+#define HL_HD __host__ __device__ __forceinline__
+#else
+#define HL_HD inline
+#endif
+
+namespace hl::loss {
+
+HL_HD float m_exp(float x) { return expf(x); }
+HL_HD double m_exp(double x) { return exp(x); }
+HL_HD float m_log(float x) { return logf(x); }
+HL_HD double m_log(double x) { return log(x); }
+template <class F> HL_HD F m_max(F a, F b) { return a > b ? a : b; }
+template <class F> HL_HD F m_min(F a, F b) { return a < b ? a : b; }
+template <class F> HL_HD F neg_inf() { return -F(INFINITY); }
+
+enum DistillMode : int { kDistillNone = 0, kDistillFwd = 1, kDistillRev = 2 };
+
+// The plan's options as the row math uses them: off terms have weight 0 and defaults resolved.
+struct Options {
+  float ce_w, z_w, ent_w, dist_w, grpo_w, beta;
+  float smoothing, scale, cap, inv_tt, inv_ts, eps_low, eps_high;
+  int distill;        // DistillMode
+  unsigned terms;     // HL_LOSS_* bits
+  int64_t vocab;
+};
+
+// Softmax statistics of (a slice of) one row. z is z_hat; v = teacher / teacher_temperature.
+// Sums are taken relative to the record's own maxima m and mt, so every term stays bounded.
+template <class F>
+struct RowStats {
+  F m, s, b;      // max z; sum e; sum e (z - m); e = exp(z - m)
+  F sum;          // sum z (label smoothing)
+  F zy;           // the label's z (-inf where the label is not in this slice)
+  int64_t amax;   // first column where z == m
+  F mt, st, bt;   // teacher: max v; sum et; sum et (v - mt); et = exp(v - mt)
+  F ct;           // sum et (z - m)                         (forward KL)
+  F ss, bs, cs;   // sum es; sum es (z - m); sum es (v - mt)  es = exp((z - m) / tau_s)
+};
+
+template <class F>
+HL_HD RowStats<F> empty_stats() {
+  const F ni = neg_inf<F>();
+  return RowStats<F>{ni, 0, 0, 0, ni, INT64_MAX, ni, 0, 0, 0, 0, 0, 0};
+}
+
+// f * (sum + weight * dm): a sum of e * (x - old_max) moved to a new max, f = the rescale of e.
+// An empty part (f == 0) stays 0 even where dm is infinite.
+template <class F>
+HL_HD F moved(F f, F sum, F weight, F dm) { return f > F(0) ? f * (sum + weight * dm) : F(0); }
+template <class F>
+HL_HD F rescale(F old_max, F new_max, F k = F(1)) {
+  return old_max == neg_inf<F>() ? F(0) : m_exp((old_max - new_max) * k);
+}
+template <class F>
+HL_HD F shift(F old_max, F new_max) { return old_max == neg_inf<F>() ? F(0) : old_max - new_max; }
+
+// Exact merge of two records (the order of a and b only affects rounding).
+template <class F>
+HL_HD RowStats<F> merge(const RowStats<F> &a, const RowStats<F> &b, F inv_ts) {
+  RowStats<F> r;
+  r.m = m_max(a.m, b.m);
+  const F fa = rescale(a.m, r.m), fb = rescale(b.m, r.m);
+  const F da = shift(a.m, r.m), db = shift(b.m, r.m);
+  r.s = fa * a.s + fb * b.s;
+  r.b = moved(fa, a.b, a.s, da) + moved(fb, b.b, b.s, db);
+  r.sum = a.sum + b.sum;
+  r.zy = m_max(a.zy, b.zy);
+  r.amax = a.m > b.m ? a.amax : b.m > a.m ? b.amax : (a.amax < b.amax ? a.amax : b.amax);
+  r.mt = m_max(a.mt, b.mt);
+  const F ta = rescale(a.mt, r.mt), tb = rescale(b.mt, r.mt);
+  const F dta = shift(a.mt, r.mt), dtb = shift(b.mt, r.mt);
+  r.st = ta * a.st + tb * b.st;
+  r.bt = moved(ta, a.bt, a.st, dta) + moved(tb, b.bt, b.st, dtb);
+  r.ct = moved(ta, a.ct, a.st, da) + moved(tb, b.ct, b.st, db);
+  const F sa = rescale(a.m, r.m, inv_ts), sb = rescale(b.m, r.m, inv_ts);
+  r.ss = sa * a.ss + sb * b.ss;
+  r.bs = moved(sa, a.bs, a.ss, da) + moved(sb, b.bs, b.ss, db);
+  r.cs = moved(sa, a.cs, a.ss, dta) + moved(sb, b.cs, b.ss, dtb);
+  return r;
+}
+
+// Per-row record reduced over rows into the scalars (fields are unweighted; W is w_t, 0 if ignored).
+enum Rec : int {
+  R_W, R_VALID, R_LOSS, R_CE, R_Z, R_ENT, R_DIST, R_GRPO, R_KLREF, R_LSE, R_H, R_LOGP, R_ACC,
+  R_RATIO, R_CLIP_LO, R_CLIP_HI, R_CLIP_ANY, R_K3OLD, R_ADV, kRecFields
+};
+
+// What the caller passed for this row.
+template <class F>
+struct RowInputs {
+  int64_t label;  // < 0: ignored (or no labels)
+  bool valid;     // the row counts
+  bool has_label;
+  F w;            // per-token weight (1 without weights)
+  F adv, old_logp, ref_logp;
+  bool has_adv, has_old, has_ref;
+};
+
+// Row i's inputs as the caller passed them (device pointers on CUDA, host ones on the CPU).
+// A row is ignored when its label is negative or equals the plan's ignore_index.
+template <class F>
+HL_HD RowInputs<F> read_inputs(const void *labels, bool labels64, const float *weights,
+                               const float *adv, const float *old_logp, const float *ref_logp,
+                               int64_t i, bool use_ignore, int64_t ignore_index) {
+  RowInputs<F> in;
+  in.has_label = labels != nullptr;
+  in.label = -1;
+  if (in.has_label)
+    in.label = labels64 ? static_cast<const int64_t *>(labels)[i]
+                        : int64_t(static_cast<const int32_t *>(labels)[i]);
+  in.valid = !in.has_label || (in.label >= 0 && !(use_ignore && in.label == ignore_index));
+  if (!in.valid) in.label = -1;
+  in.w = weights ? F(weights[i]) : F(1);
+  in.has_adv = adv != nullptr;
+  in.has_old = old_logp != nullptr;
+  in.has_ref = ref_logp != nullptr;
+  in.adv = in.has_adv ? F(adv[i]) : F(0);
+  in.old_logp = in.has_old ? F(old_logp[i]) : F(0);
+  in.ref_logp = in.has_ref ? F(ref_logp[i]) : F(0);
+  return in;
+}
+
+// Gradient of row t w.r.t. the raw logit z_j (before the soft-cap chain factor):
+//   g = p_j (cp + cpz z_j) + cc + [j == y] cy  (+ distillation through dk)
+template <class F>
+struct RowResult {
+  F rec[kRecFields];
+  F lse, entropy, logp, token_loss;
+  F cp, cpz, cc, cy, dk;
+  F lse_s, lse_t, dist_loss;  // distillation: student lse at tau_s, teacher lse (v units), KL
+};
+
+// kd = grad_scale / D (0 when D == 0).
+template <class F>
+HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, const Options &o,
+                              F kd) {
+  RowResult<F> r;
+  for (int i = 0; i < kRecFields; ++i) r.rec[i] = F(0);
+  const F log_s = m_log(st.s);
+  r.lse = st.m + log_s;
+  r.entropy = log_s - st.b / st.s;
+  const F w = in.valid ? in.w : F(0);
+  const F lse = r.lse, H = r.entropy;
+  F logp = 0, ce = 0, grpo = 0, klref = 0, dist = 0, cg = 0, ckl = 0;
+  if (in.valid && in.has_label) {
+    logp = st.zy - lse;
+    const F eps = F(o.smoothing);
+    ce = (F(1) - eps) * (lse - st.zy) + eps * (lse - st.sum / F(o.vocab));
+    r.rec[R_ACC] = st.amax == in.label ? F(1) : F(0);
+    if (in.has_old) {
+      const F lr = logp - in.old_logp, ratio = m_exp(lr);
+      const F lo = F(1) - F(o.eps_low), hi = F(1) + F(o.eps_high);
+      r.rec[R_RATIO] = ratio;
+      r.rec[R_K3OLD] = ratio - lr - F(1);
+      r.rec[R_CLIP_ANY] = (ratio < lo || ratio > hi) ? F(1) : F(0);
+      if (in.has_adv) {
+        const F A = in.adv, clipped = m_min(m_max(ratio, lo), hi);
+        grpo = -m_min(ratio * A, clipped * A);
+        const bool active = (A >= F(0) && ratio <= hi) || (A < F(0) && ratio >= lo);
+        cg = active ? A * ratio : F(0);
+        r.rec[R_CLIP_LO] = (A < F(0) && ratio < lo) ? F(1) : F(0);
+        r.rec[R_CLIP_HI] = (A > F(0) && ratio > hi) ? F(1) : F(0);
+      }
+    }
+    if (in.has_ref) {
+      const F d = in.ref_logp - logp, ed = m_exp(d);
+      klref = ed - d - F(1);
+      ckl = F(1) - ed;  // dk3/dz_j = (1 - e^d)(delta_jy - p_j)
+    }
+  }
+  if (in.has_adv) r.rec[R_ADV] = in.adv;
+  r.lse_s = r.lse_t = r.dist_loss = 0;
+  if (o.distill != kDistillNone) {
+    const F log_ss = m_log(st.ss), log_st = m_log(st.st), its = F(o.inv_ts);
+    r.lse_s = st.m * its + log_ss;
+    r.lse_t = st.mt + log_st;
+    dist = o.distill == kDistillFwd ? st.bt / st.st - log_st - st.ct / st.st * its + log_ss
+                                    : st.bs / st.ss * its - log_ss - st.cs / st.ss + log_st;
+    r.dist_loss = dist;
+  }
+  const F ce_w = F(o.ce_w), z_w = F(o.z_w), ent_w = F(o.ent_w), g_w = F(o.grpo_w), beta = F(o.beta);
+  const F tok = ce_w * ce + z_w * lse * lse + ent_w * H + F(o.dist_w) * dist + g_w * grpo + beta * klref;
+  r.logp = logp;
+  r.token_loss = in.valid ? tok : F(0);
+  r.rec[R_W] = w;
+  r.rec[R_VALID] = in.valid ? F(1) : F(0);
+  r.rec[R_LOSS] = r.token_loss;
+  r.rec[R_CE] = ce;
+  r.rec[R_Z] = lse * lse;
+  r.rec[R_ENT] = H;
+  r.rec[R_DIST] = dist;
+  r.rec[R_GRPO] = grpo;
+  r.rec[R_KLREF] = klref;
+  r.rec[R_LSE] = lse;
+  r.rec[R_H] = H;
+  r.rec[R_LOGP] = logp;
+  // Coefficients of d(token loss)/dz, times grad_scale * w / D and the logit scale.
+  const F k = kd * w * F(o.scale);
+  const F eps = F(o.smoothing);
+  r.cp = k * (ce_w + z_w * F(2) * lse + ent_w * (lse - H) + g_w * cg - beta * ckl);
+  r.cpz = -k * ent_w;
+  r.cc = -k * ce_w * eps / F(o.vocab);
+  r.cy = -k * (ce_w * (F(1) - eps) + g_w * cg - beta * ckl);
+  r.dk = k * F(o.dist_w) * F(o.inv_ts);
+  return r;
+}
+
+// One gradient element w.r.t. z_hat times the logit scale; the caller multiplies by the soft-cap
+// factor (1 - tanh^2) and adds cy at the label column. z: z_hat_j, v: teacher_j / tau_t, p: p_j.
+template <int DISTILL, class F, class Exp>
+HL_HD F grad_elem(const RowResult<F> &r, const Options &o, F z, F v, F p, Exp ex) {
+  F g = p * (r.cp + r.cpz * z) + r.cc;
+  if (DISTILL != kDistillNone) {
+    const F lps = z * F(o.inv_ts) - r.lse_s, lq = v - r.lse_t, ps = ex(lps);
+    g += DISTILL == kDistillFwd ? r.dk * (ps - ex(lq)) : r.dk * ps * (lps - lq - r.dist_loss);
+  }
+  return g;
+}
+
+// Final scalars (hl_loss_scalar_t) from the row sums (sum of w * field; plain sums for R_W and
+// R_VALID), the min / max of the ratio and advantage over rows with w > 0, and D as used.
+template <class F>
+HL_HD void finish_scalars(const F *sum, F ratio_min, F ratio_max, F adv_min, F adv_max, F D,
+                          bool has_ratio, bool has_adv, unsigned terms, float *out) {
+  const F W = sum[R_W];
+  const F inv_d = D > F(0) ? F(1) / D : F(0), inv_w = W > F(0) ? F(1) / W : F(0);
+  const auto term = [&](unsigned bits, int field) {
+    return (terms & bits) ? float(sum[field] * inv_d) : 0.0f;
+  };
+  const bool any = W > F(0);
+  out[HL_LOSS_OUT_LOSS] = float(sum[R_LOSS] * inv_d);
+  out[HL_LOSS_OUT_CE] = term(HL_LOSS_CE, R_CE);
+  out[HL_LOSS_OUT_Z] = term(HL_LOSS_Z, R_Z);
+  out[HL_LOSS_OUT_ENTROPY] = term(HL_LOSS_ENTROPY, R_ENT);
+  out[HL_LOSS_OUT_DISTILL] = term(HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV, R_DIST);
+  out[HL_LOSS_OUT_GRPO] = term(HL_LOSS_GRPO, R_GRPO);
+  out[HL_LOSS_OUT_KL_REF] = term(HL_LOSS_GRPO_KL_REF, R_KLREF);
+  out[HL_LOSS_OUT_DIVISOR] = float(D);
+  out[HL_LOSS_OUT_WEIGHT_SUM] = float(W);
+  out[HL_LOSS_OUT_VALID_ROWS] = float(sum[R_VALID]);
+  out[HL_LOSS_OUT_LSE_MEAN] = float(sum[R_LSE] * inv_w);
+  out[HL_LOSS_OUT_ENTROPY_MEAN] = float(sum[R_H] * inv_w);
+  out[HL_LOSS_OUT_LOGP_MEAN] = float(sum[R_LOGP] * inv_w);
+  out[HL_LOSS_OUT_ACCURACY] = float(sum[R_ACC] * inv_w);
+  out[HL_LOSS_OUT_RATIO_MEAN] = float(sum[R_RATIO] * inv_w);
+  out[HL_LOSS_OUT_RATIO_MIN] = has_ratio && any ? float(ratio_min) : 0.0f;
+  out[HL_LOSS_OUT_RATIO_MAX] = has_ratio && any ? float(ratio_max) : 0.0f;
+  out[HL_LOSS_OUT_CLIP_LOW] = float(sum[R_CLIP_LO] * inv_w);
+  out[HL_LOSS_OUT_CLIP_HIGH] = float(sum[R_CLIP_HI] * inv_w);
+  out[HL_LOSS_OUT_CLIP_ANY] = float(sum[R_CLIP_ANY] * inv_w);
+  out[HL_LOSS_OUT_K3_OLD] = float(sum[R_K3OLD] * inv_w);
+  out[HL_LOSS_OUT_KL_REF_MEAN] = float(sum[R_KLREF] * inv_w);
+  out[HL_LOSS_OUT_ADV_MEAN] = float(sum[R_ADV] * inv_w);
+  out[HL_LOSS_OUT_ADV_MIN] = has_adv && any ? float(adv_min) : 0.0f;
+  out[HL_LOSS_OUT_ADV_MAX] = has_adv && any ? float(adv_max) : 0.0f;
+  out[HL_LOSS_OUT_DISTILL_KL_MEAN] = float(sum[R_DIST] * inv_w);
+}
+
+}  // namespace hl::loss

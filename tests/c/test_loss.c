@@ -1,0 +1,205 @@
+/* The loss plan's validation: every bad description or argument gets its status and a message
+ * naming it, and writes nothing; plus one small exact case on the CPU backend. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "hl_test.h"
+
+enum { N = 4, V = 6 };
+
+typedef struct {
+  float logits[N * V], teacher[N * V], grad[N * V], weights[N], adv[N], old[N], ref[N];
+  int64_t labels[N];
+  float scalars[HL_LOSS_NUM_SCALARS], tok[N];
+} Bufs;
+
+static hl_loss_plan_desc_t desc_ce(void) {
+  hl_loss_plan_desc_t d;
+  memset(&d, 0, sizeof d);
+  d.struct_size = sizeof d;
+  d.backend = HL_BACKEND_CPU;
+  d.vocab = V;
+  d.logits_dtype = HL_DTYPE_F32;
+  d.labels_dtype = HL_DTYPE_I64;
+  d.terms = HL_LOSS_CE;
+  d.ce_weight = 1.0f;
+  d.grad_mode = HL_LOSS_GRAD_WRITE;
+  return d;
+}
+
+static void fill(Bufs *b) {
+  for (int i = 0; i < N * V; ++i) b->logits[i] = (float)((i * 7) % 11) * 0.25f, b->teacher[i] = (float)(i % 5);
+  for (int i = 0; i < N * V; ++i) b->grad[i] = -7.0f;
+  for (int i = 0; i < N; ++i) {
+    b->labels[i] = i % V, b->weights[i] = 1.0f, b->adv[i] = 0.5f, b->old[i] = -1.0f, b->ref[i] = -1.0f;
+    b->tok[i] = -7.0f;
+  }
+  b->labels[1] = -100;
+  for (int i = 0; i < HL_LOSS_NUM_SCALARS; ++i) b->scalars[i] = -7.0f;
+}
+
+static hl_loss_args_t args_for(Bufs *b) {
+  hl_loss_args_t a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.rows = N;
+  a.logits = b->logits;
+  a.labels = b->labels;
+  a.grad = b->grad;
+  a.scalars = b->scalars;
+  a.token_loss = b->tok;
+  return a;
+}
+
+static int untouched(const Bufs *b) {
+  for (int i = 0; i < N * V; ++i)
+    if (b->grad[i] != -7.0f) return 0;
+  for (int i = 0; i < N; ++i)
+    if (b->tok[i] != -7.0f) return 0;
+  for (int i = 0; i < HL_LOSS_NUM_SCALARS; ++i)
+    if (b->scalars[i] != -7.0f) return 0;
+  return 1;
+}
+
+/* Creating a plan from d fails with status and a message containing needle. */
+static void create_fails(hl_loss_plan_desc_t d, hl_status_t status, const char *needle) {
+  hl_loss_plan_t p = NULL;
+  assert_fails(hl_loss_plan_create(&d, &p), status, needle);
+  assert_null(p);
+}
+
+static void bad_descriptions(void **state) {
+  (void)state;
+  hl_loss_plan_desc_t d = desc_ce();
+  d.vocab = 0;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "vocab is 0");
+  d = desc_ce(), d.logits_dtype = HL_DTYPE_I32;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "logits_dtype is I32");
+  d = desc_ce(), d.labels_dtype = HL_DTYPE_F32;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "labels_dtype is F32");
+  d = desc_ce(), d.labels_dtype = HL_DTYPE_NONE;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "need labels");
+  d = desc_ce(), d.terms = HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "pick one");
+  d = desc_ce(), d.terms = 1u << 20;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "unknown bits");
+  d = desc_ce(), d.label_smoothing = 1.0f;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "label_smoothing is 1");
+  d = desc_ce(), d.softcap = -1.0f;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "softcap is -1");
+  d = desc_ce(), d.student_temperature = -2.0f;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "student_temperature is -2");
+  d = desc_ce(), d.z_weight = NAN;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "z_weight is not finite");
+  d = desc_ce(), d.grad_dtype = HL_DTYPE_F16;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "grad_dtype is F16");
+  d = desc_ce(), d.grad_mode = (hl_loss_grad_mode_t)7;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "grad_mode is 7");
+  d = desc_ce(), d.vocab_start = 3;
+  create_fails(d, HL_STATUS_NOT_SUPPORTED, "vocab_start is 3");
+  d = desc_ce(), d.struct_size = 3;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "struct_size is 3");
+  d = desc_ce(), d.backend = (hl_backend_t)9;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "backend is 9");
+  hl_loss_plan_t p;
+  assert_fails(hl_loss_plan_create(NULL, &p), HL_STATUS_INVALID_VALUE, "descriptor pointer is NULL");
+}
+
+/* Runs the plan of d on args a; it must fail with status + needle and leave b untouched. */
+static void execute_fails(hl_loss_plan_desc_t d, hl_loss_args_t a, Bufs *b, hl_status_t status,
+                          const char *needle) {
+  hl_loss_plan_t p = NULL;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  assert_fails(hl_loss_plan_execute(p, &a, NULL, 0, NULL), status, needle);
+  assert_true(untouched(b));
+  assert_ok(hl_loss_plan_destroy(p));
+}
+
+static void bad_arguments(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  hl_loss_args_t a = args_for(b);
+  a.logits = NULL;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "logits is NULL");
+  a = args_for(b), a.labels = NULL;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "labels is NULL; CE, GRPO or GRPO_KL_REF needs it");
+  a = args_for(b), a.logits_stride = V - 1;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "logits_stride is 5, smaller than cols");
+  a = args_for(b), a.rows = -1;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "rows is -1");
+  a = args_for(b), a.grad = NULL;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "grad is NULL");
+  a = args_for(b), a.divisor = -1.0;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "divisor is -1");
+  a = args_for(b), a.teacher_logits = b->teacher;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "no distillation term");
+  a = args_for(b), a.token_loss = b->grad + 1; /* an output overlapping another output */
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "overlaps");
+  a = args_for(b), b->labels[2] = V;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "labels[2] is 6, outside [0, vocab = 6)");
+  b->labels[2] = 2;
+  a = args_for(b), a.logits = (const char *)b->logits + 2;
+  execute_fails(d, a, b, HL_STATUS_MISALIGNED, "not aligned");
+
+  hl_loss_plan_desc_t g = desc_ce();
+  g.terms = HL_LOSS_GRPO;
+  a = args_for(b), a.old_logprobs = b->old;
+  execute_fails(g, a, b, HL_STATUS_INVALID_VALUE, "advantages is NULL; GRPO needs it");
+  g.terms = HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF;
+  a = args_for(b), a.old_logprobs = b->old, a.advantages = b->adv;
+  execute_fails(g, a, b, HL_STATUS_INVALID_VALUE, "ref_logprobs is NULL; GRPO_KL_REF needs it");
+  hl_loss_plan_desc_t t = desc_ce();
+  t.terms = HL_LOSS_DISTILL_FWD;
+  execute_fails(t, args_for(b), b, HL_STATUS_INVALID_VALUE, "teacher_logits is NULL; distillation needs it");
+  hl_loss_plan_desc_t e = desc_ce();
+  e.grad_mode = HL_LOSS_GRAD_NONE;
+  execute_fails(e, args_for(b), b, HL_STATUS_INVALID_VALUE, "grad_mode is NONE");
+  hl_loss_plan_desc_t acc = desc_ce();
+  acc.grad_mode = HL_LOSS_GRAD_ACCUMULATE;
+  a = args_for(b), a.grad = b->logits;
+  execute_fails(acc, a, b, HL_STATUS_INVALID_VALUE, "cannot be accumulated into");
+  hl_loss_plan_desc_t f = desc_ce();
+  f.grad_dtype = HL_DTYPE_F32;
+  f.logits_dtype = HL_DTYPE_BF16;
+  a = args_for(b), a.grad = b->logits;
+  execute_fails(f, a, b, HL_STATUS_INVALID_VALUE, "dtype or stride differs");
+  assert_fails(hl_loss_plan_execute(NULL, &a, NULL, 0, NULL), HL_STATUS_INVALID_VALUE, "plan is NULL");
+  free(b);
+}
+
+/* CE of one row by hand, and the workspace the CPU backend asks for. */
+static void small_exact_case(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  size_t ws = 1;
+  assert_ok(hl_loss_plan_get_workspace_size(p, N, &ws));
+  assert_int_equal(ws, 0);
+  hl_loss_args_t a = args_for(b);
+  a.rows = 1;
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  double m = -INFINITY, s = 0;
+  for (int j = 0; j < V; ++j) m = fmax(m, b->logits[j]);
+  for (int j = 0; j < V; ++j) s += exp(b->logits[j] - m);
+  const double ce = m + log(s) - b->logits[0];
+  assert_float_equal(b->scalars[HL_LOSS_OUT_CE], ce, 1e-6);
+  assert_float_equal(b->scalars[HL_LOSS_OUT_LOSS], ce, 1e-6);
+  assert_float_equal(b->scalars[HL_LOSS_OUT_VALID_ROWS], 1.0, 0);
+  double gsum = 0;
+  for (int j = 0; j < V; ++j) gsum += b->grad[j];
+  assert_float_equal(gsum, 0.0, 1e-6); /* softmax minus one-hot sums to 0 */
+  assert_true(b->grad[V] == -7.0f);     /* row 1 not part of the call */
+  assert_ok(hl_loss_plan_destroy(p));
+  free(b);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {cmocka_unit_test(bad_descriptions), cmocka_unit_test(bad_arguments),
+                                     cmocka_unit_test(small_exact_case)};
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

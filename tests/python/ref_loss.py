@@ -1,0 +1,126 @@
+"""An independent fp64 NumPy reference of the fused loss plan (SPEC section 1): whole-matrix
+softmaxes and the gradient formulas of the spec's table, term by term."""
+from __future__ import annotations
+
+import numpy as np
+
+TERM_NAMES = ("ce", "z", "entropy", "distill_fwd", "distill_rev", "grpo", "kl_ref")
+
+
+def _log_softmax(x):
+    m = x.max(axis=1, keepdims=True)
+    lse = m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+    return x - lse, lse[:, 0]
+
+
+def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=None, old=None,
+              ref=None, divisor=0.0, grad_scale=1.0, ce_weight=1.0, z_weight=1.0,
+              entropy_weight=1.0, distill_weight=1.0, grpo_weight=1.0, kl_ref_beta=1.0,
+              label_smoothing=0.0, logit_scale=1.0, softcap=0.0, teacher_temperature=1.0,
+              student_temperature=1.0, eps_low=0.2, eps_high=0.2, ignore_index=None):
+    """Returns (scalars dict, per-token dict, gradient w.r.t. z) for raw logits z [N, V] (fp64)."""
+    z = np.asarray(z, np.float64)
+    N, V = z.shape
+    s = logit_scale
+    if softcap > 0:
+        t = np.tanh(s * z / softcap)
+        zh, chain = softcap * t, s * (1 - t * t)
+    else:
+        zh, chain = s * z, np.full_like(z, s)
+    logp_all, lse = _log_softmax(zh)
+    p = np.exp(logp_all)
+    H = lse - (p * zh).sum(1)
+    if labels is None:
+        valid = np.ones(N, bool)
+        y = np.zeros(N, np.int64)
+    else:
+        y = np.asarray(labels, np.int64)
+        valid = y >= 0
+        if ignore_index is not None:
+            valid &= y != ignore_index
+        y = np.where(valid, y, 0)
+    rows = np.arange(N)
+    onehot = np.zeros_like(z)
+    onehot[rows, y] = 1.0
+    w = (np.ones(N) if weights is None else np.asarray(weights, np.float64)) * valid
+    W = w.sum()
+    D = divisor if divisor > 0 else W
+    zy = zh[rows, y]
+    logp = zy - lse
+    eps = label_smoothing
+    per, grads = {}, {}
+    per["ce"] = (1 - eps) * (lse - zy) + eps * (lse - zh.mean(1))
+    grads["ce"] = p - (1 - eps) * onehot - eps / V
+    per["z"] = lse ** 2
+    grads["z"] = 2 * lse[:, None] * p
+    per["entropy"] = H
+    grads["entropy"] = -p * (logp_all + H[:, None])
+    if teacher is not None:
+        logq, _ = _log_softmax(np.asarray(teacher, np.float64) / teacher_temperature)
+        q = np.exp(logq)
+        logps, _ = _log_softmax(zh / student_temperature)
+        ps = np.exp(logps)
+        per["distill_fwd"] = (q * (logq - logps)).sum(1)
+        grads["distill_fwd"] = (ps - q) / student_temperature
+        kl = (ps * (logps - logq)).sum(1)
+        per["distill_rev"] = kl
+        grads["distill_rev"] = ps * (logps - logq - kl[:, None]) / student_temperature
+    r = np.exp(logp - old) if old is not None else None
+    lo, hi = 1 - eps_low, 1 + eps_high
+    if r is not None and adv is not None:
+        A = np.asarray(adv, np.float64)
+        per["grpo"] = -np.minimum(r * A, np.clip(r, lo, hi) * A)
+        active = ((A >= 0) & (r <= hi)) | ((A < 0) & (r >= lo))
+        grads["grpo"] = (A * r * active)[:, None] * (p - onehot)
+    if ref is not None:
+        d = np.asarray(ref, np.float64) - logp
+        per["kl_ref"] = np.exp(d) - d - 1
+        grads["kl_ref"] = (1 - np.exp(d))[:, None] * (onehot - p)
+    weight_of = {"ce": ce_weight, "z": z_weight, "entropy": entropy_weight,
+                 "distill_fwd": distill_weight, "distill_rev": distill_weight,
+                 "grpo": grpo_weight, "kl_ref": kl_ref_beta}
+    tok = np.zeros(N)
+    g = np.zeros_like(z)
+    for t in terms:
+        tok += weight_of[t] * per[t]
+        g += weight_of[t] * grads[t]
+    tok = np.where(valid, tok, 0.0)
+    kd = grad_scale / D if D > 0 else 0.0
+    grad = g * (kd * w)[:, None] * chain
+    inv_d = 1 / D if D > 0 else 0.0
+    inv_w = 1 / W if W > 0 else 0.0
+    wsum = lambda x: float((w * x).sum())  # noqa: E731
+    sc = {"loss": wsum(tok) * inv_d, "divisor": D, "weight_sum": W, "valid_rows": float(valid.sum()),
+          "lse_mean": wsum(lse) * inv_w, "entropy_mean": wsum(H) * inv_w}
+    for name, key in (("ce", "ce"), ("z", "z"), ("entropy", "entropy"), ("grpo", "grpo"),
+                      ("kl_ref", "kl_ref")):
+        sc[name] = wsum(per[key]) * inv_d if key in terms else 0.0
+    dist = [t for t in ("distill_fwd", "distill_rev") if t in terms]
+    sc["distill"] = wsum(per[dist[0]]) * inv_d if dist else 0.0
+    sc["distill_kl_mean"] = wsum(per[dist[0]]) * inv_w if dist else 0.0
+    if labels is not None:
+        sc["logp_mean"] = wsum(logp) * inv_w
+        sc["accuracy"] = wsum(zh.argmax(1) == y) * inv_w
+    pos = w > 0
+    if r is not None:
+        sc["ratio_mean"] = wsum(r) * inv_w
+        sc["ratio_min"], sc["ratio_max"] = float(r[pos].min()), float(r[pos].max())
+        sc["clip_any"] = wsum((r < lo) | (r > hi)) * inv_w
+        sc["k3_old"] = wsum(r - np.log(r) - 1) * inv_w
+        if adv is not None:
+            sc["clip_low"] = wsum((A < 0) & (r < lo)) * inv_w
+            sc["clip_high"] = wsum((A > 0) & (r > hi)) * inv_w
+    if adv is not None:
+        A = np.asarray(adv, np.float64)
+        sc["adv_mean"] = wsum(A) * inv_w
+        sc["adv_min"], sc["adv_max"] = float(A[pos].min()), float(A[pos].max())
+    if ref is not None:
+        sc["kl_ref_mean"] = wsum(per["kl_ref"]) * inv_w
+    tokens = {"loss": tok, "logp": np.where(valid & (labels is not None), logp, 0.0), "entropy": H, "lse": lse}
+    return sc, tokens, grad
+
+
+def total_loss(z, labels=None, **kw):
+    """The combined loss times grad_scale, as a function of z (for finite differences)."""
+    sc, _, _ = reference(z, labels, **kw)
+    return sc["loss"] * kw.get("grad_scale", 1.0)

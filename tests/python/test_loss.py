@@ -1,0 +1,268 @@
+"""The fused loss plan against the fp64 NumPy reference (ref_loss.py): every term alone and in
+combinations, masks, weights, smoothing, soft-cap, every dtype, gradient modes; CPU backend always,
+CUDA when a GPU and PyTorch are present. Outputs are NaN-poisoned before each run."""
+import math
+import zlib
+
+import numpy as np
+import pytest
+
+import headloss
+from headloss.loss import SCALARS, LossPlan
+from ref_loss import reference, total_loss
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+GRAD_TOL = {"float32": 2e-5, "float16": 1e-3, "bfloat16": 8e-3}
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def to_dev(self, x):
+        return x
+
+    def full(self, shape, dtype, value=np.nan):
+        return np.full(shape, value, dtype=NP_DTYPES.get(dtype, dtype))
+
+    def to_np(self, x):
+        return np.asarray(x).astype(np.float64)
+
+
+class TorchBackend:
+    name = "cuda"
+
+    def __init__(self):
+        import torch
+        self.torch = torch
+
+    def to_dev(self, x):
+        t = self.torch
+        if x.dtype == ml_dtypes.bfloat16:
+            return t.from_numpy(x.view(np.uint16).astype(np.int16)).view(t.bfloat16).cuda()
+        return t.from_numpy(np.ascontiguousarray(x)).cuda()
+
+    def full(self, shape, dtype, value=np.nan):
+        return self.torch.full(shape, value, dtype=getattr(self.torch, dtype), device="cuda")
+
+    def to_np(self, x):
+        return x.detach().float().cpu().numpy().astype(np.float64)
+
+
+def _cuda_backend():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pytest.skip("the CUDA tests need PyTorch")
+    if not headloss.cuda_available():
+        pytest.skip("no GPU visible (or the library was built without CUDA)")
+    return TorchBackend()
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def be(request):
+    return CpuBackend() if request.param == "cpu" else _cuda_backend()
+
+
+def make_inputs(rng, N, V, dtype, *, labels="int64", weights=False, teacher=False, grpo=False,
+                ref=False, scale=2.0):
+    z = (rng.standard_normal((N, V)) * scale).astype(NP_DTYPES[dtype])
+    inp = {"logits": z}
+    if labels:
+        y = rng.integers(0, V, N)
+        y[::5] = -100
+        y[1] = 7  # ignored when a test sets ignore_index=7
+        inp["labels"] = y.astype(labels)
+    if weights:
+        inp["weights"] = rng.uniform(0.25, 2.0, N).astype(np.float32)
+    if teacher:
+        inp["teacher_logits"] = (rng.standard_normal((N, V)) * scale).astype(NP_DTYPES[dtype])
+    if grpo:
+        inp["advantages"] = rng.standard_normal(N).astype(np.float32)
+        inp["old_logprobs"] = (-rng.uniform(1, 8, N)).astype(np.float32)
+    if ref:
+        inp["ref_logprobs"] = (-rng.uniform(5, 9, N)).astype(np.float32)
+    return inp
+
+
+def run_ref(inp, terms, opts, divisor=0.0, grad_scale=1.0):
+    f64 = lambda k: None if k not in inp else inp[k].astype(np.float64)  # noqa: E731
+    ropts = {k: float(np.float32(v)) for k, v in opts.items() if k != "ignore_index"}
+    if "ignore_index" in opts:
+        ropts["ignore_index"] = opts["ignore_index"]
+    for k, d in (("logit_scale", 1.0), ("teacher_temperature", 1.0), ("student_temperature", 1.0)):
+        if ropts.get(k, 0.0) == 0.0:
+            ropts[k] = d
+    labels = inp["labels"] if "labels" in inp else None
+    return reference(f64("logits"), labels, terms=terms, weights=f64("weights"),
+                     teacher=f64("teacher_logits"), adv=f64("advantages"), old=f64("old_logprobs"),
+                     ref=f64("ref_logprobs"), divisor=divisor, grad_scale=grad_scale, **ropts)
+
+
+def run_lib(be, inp, terms, opts, *, grad="write", grad_dtype=None, divisor=0.0, grad_scale=0.0,
+            init_grad=None, in_place=False):
+    dtype = str(inp["logits"].dtype)
+    N, V = inp["logits"].shape
+    labels_dtype = str(inp["labels"].dtype) if "labels" in inp else None
+    plan = LossPlan(V, dtype, terms=terms, device=be.name, labels_dtype=labels_dtype, grad=grad,
+                    grad_dtype=grad_dtype, **opts)
+    dev = {k: be.to_dev(v) for k, v in inp.items()}
+    gdt = grad_dtype or dtype
+    g = None
+    if grad == "write" and not in_place:
+        g = be.full((N, V), gdt)
+    elif grad == "accumulate":
+        g = be.to_dev(init_grad.astype(NP_DTYPES[gdt]))
+    scalars = be.full((len(SCALARS),), "float32")
+    tokens = [be.full((N,), "float32") for _ in range(4)]
+    logits = dev.pop("logits")
+    labels = dev.pop("labels", None)
+    out = plan(logits, labels, divisor=divisor, grad_scale=grad_scale, grad=g, scalars=scalars,
+               tokens=tokens, in_place=in_place, **dev)
+    sc = dict(zip(SCALARS, be.to_np(out.scalars)))
+    toks = dict(zip(("loss", "logp", "entropy", "lse"), (be.to_np(t) for t in tokens)))
+    return sc, toks, (None if out.grad is None else be.to_np(out.grad))
+
+
+def rel(a, b):
+    n = np.linalg.norm(b)
+    return np.linalg.norm(a - b) / (n if n > 0 else 1.0)
+
+
+def check(be, got, want, dtype, grad_dtype=None, init_grad=None, scalar_rtol=None):
+    sc, toks, grad = got
+    rsc, rtoks, rgrad = want
+    gpu = be.name == "cuda"
+    rtol = scalar_rtol or (2e-4 if gpu else 2e-6)
+    for k in SCALARS:
+        want_v = rsc.get(k, 0.0)
+        assert math.isfinite(sc[k]), f"scalar {k} is {sc[k]}"
+        assert abs(sc[k] - want_v) <= rtol * (1 + abs(want_v)), f"scalar {k}: {sc[k]} vs {want_v}"
+    for k in rtoks:
+        assert rel(toks[k], rtoks[k]) < (1e-4 if gpu else 1e-6), f"token {k}: {rel(toks[k], rtoks[k])}"
+    if rgrad is not None and grad is not None:
+        if init_grad is not None:
+            rgrad = rgrad + init_grad.astype(np.float64)
+        tol = GRAD_TOL[grad_dtype or dtype] * (5 if gpu and (grad_dtype or dtype) == "float32" else 1)
+        assert np.all(np.isfinite(grad)), "gradient has non-finite entries"
+        assert rel(grad, rgrad) < tol, f"gradient: {rel(grad, rgrad)}"
+
+
+# (terms, options, which optional inputs)
+CASES = {
+    "ce": (("ce",), {}, {}),
+    "ce_smooth_weights_cap": (("ce",), {"label_smoothing": 0.125, "softcap": 7.5, "logit_scale": 1.25},
+                              {"weights": True}),
+    "z": (("z",), {"z_weight": 0.5}, {"labels": None}),
+    "entropy": (("entropy",), {"entropy_weight": -0.25}, {"labels": None}),
+    "distill_fwd": (("distill_fwd",), {"teacher_temperature": 2.0, "student_temperature": 1.5},
+                    {"teacher": True, "labels": None}),
+    "distill_rev": (("distill_rev",), {"teacher_temperature": 0.5, "student_temperature": 2.0},
+                    {"teacher": True, "labels": None}),
+    "grpo": (("grpo",), {"eps_low": 0.125, "eps_high": 0.25}, {"grpo": True}),
+    "grpo_kl": (("grpo", "kl_ref"), {"kl_ref_beta": 0.0625}, {"grpo": True, "ref": True}),
+    "all": (("ce", "z", "entropy", "distill_rev", "grpo", "kl_ref"),
+            {"ce_weight": 0.75, "z_weight": 1e-3, "entropy_weight": -0.125, "distill_weight": 0.5,
+             "kl_ref_beta": 0.25, "label_smoothing": 0.0625, "softcap": 15.0, "ignore_index": 7},
+            {"weights": True, "teacher": True, "grpo": True, "ref": True}),
+}
+
+
+def build(rng, N, V, dtype, case, labels="int64"):
+    terms, opts, flags = CASES[case]
+    flags = dict(flags)
+    lab = flags.pop("labels", labels)
+    return terms, opts, make_inputs(rng, N, V, dtype, labels=lab, **flags)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_terms(be, case, dtype):
+    rng = np.random.default_rng(zlib.crc32(f"{case}-{dtype}".encode()))
+    terms, opts, inp = build(rng, 24, 300, dtype, case, labels="int32" if dtype == "float16" else "int64")
+    check(be, run_lib(be, inp, terms, opts), run_ref(inp, terms, opts), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["f32_grad", "accumulate", "in_place", "eval", "divisor"])
+def test_grad_modes(be, mode, dtype):
+    rng = np.random.default_rng(7)
+    terms, opts, inp = build(rng, 20, 257, dtype, "all")
+    init = None
+    kw = {}
+    if mode == "f32_grad":
+        kw = {"grad_dtype": "float32"}
+    elif mode == "accumulate":
+        init = (rng.standard_normal((20, 257)) * 1e-3).astype(np.float32)
+        kw = {"grad": "accumulate", "grad_dtype": "float32", "init_grad": init}
+    elif mode == "in_place":
+        kw = {"in_place": True}
+    elif mode == "eval":
+        kw = {"grad": None}
+    want = run_ref(inp, terms, opts, divisor=(50.0 if mode == "divisor" else 0.0),
+                   grad_scale=(0.5 if mode == "divisor" else 1.0))
+    got = run_lib(be, inp, terms, opts, divisor=(50.0 if mode == "divisor" else 0.0),
+                  grad_scale=(0.5 if mode == "divisor" else 0.0), **kw)
+    if mode == "eval":
+        assert got[2] is None
+    check(be, got, want, dtype, grad_dtype=kw.get("grad_dtype"), init_grad=init)
+
+
+@pytest.mark.parametrize("V", [8, 4099, 70001])
+def test_sizes(be, V):
+    """Vocabularies around the kernels' vector and cluster boundaries; one row of all-equal
+    logits (ties: the first maximal column is the argmax)."""
+    rng = np.random.default_rng(V)
+    N = 9 if be.name == "cpu" and V > 10000 else 33
+    terms, opts, inp = build(rng, N, V, "bfloat16", "all")
+    inp["logits"][3] = 0
+    check(be, run_lib(be, inp, terms, opts), run_ref(inp, terms, opts), "bfloat16")
+
+
+def test_finite_differences():
+    """The reference's combined gradient against central differences of its own loss, and the
+    library's gradient against the reference: together the library's gradient is the loss's."""
+    rng = np.random.default_rng(3)
+    terms, opts, inp = build(rng, 4, 9, "float32", "all")
+    opts = dict(opts, z_weight=0.125)
+    _, _, g = run_ref(inp, terms, opts)
+    z = inp["logits"].astype(np.float64)
+    fkw = {k: v for k, v in opts.items()}
+    h = 1e-6
+    for i, j in [(0, 0), (0, 3), (2, 8), (3, 1)] + [(r, int(inp["labels"][r])) for r in (0, 2, 3)
+                                                    if inp["labels"][r] >= 0]:
+        zp, zm = z.copy(), z.copy()
+        zp[i, j] += h
+        zm[i, j] -= h
+        args = dict(terms=terms, weights=inp["weights"].astype(np.float64),
+                    teacher=inp["teacher_logits"].astype(np.float64),
+                    adv=inp["advantages"].astype(np.float64), old=inp["old_logprobs"].astype(np.float64),
+                    ref=inp["ref_logprobs"].astype(np.float64), **fkw)
+        fd = (total_loss(zp, inp["labels"], **args) - total_loss(zm, inp["labels"], **args)) / (2 * h)
+        assert abs(fd - g[i, j]) < 1e-6 + 1e-5 * abs(fd), (i, j, fd, g[i, j])
+    check(CpuBackend(), run_lib(CpuBackend(), inp, terms, opts), run_ref(inp, terms, opts), "float32")
+
+
+def test_bad_label_writes_nothing(be):
+    rng = np.random.default_rng(1)
+    terms, opts, inp = build(rng, 6, 50, "float32", "ce")
+    inp["labels"][4] = 50
+    with pytest.raises(headloss.HeadlossError, match=r"labels\[4\] is 50"):
+        run_lib(be, inp, terms, opts)
+
+
+def test_torch_module(be):
+    """The autograd front end: loss, metrics and .grad against the reference."""
+    torch = pytest.importorskip("torch")
+    from headloss.torch_loss import FusedLMHeadLoss
+    rng = np.random.default_rng(11)
+    terms, opts, inp = build(rng, 16, 1000, "float32", "grpo_kl")
+    want_sc, _, want_grad = run_ref(inp, terms, opts, grad_scale=2.0)
+    dev = "cuda" if be.name == "cuda" else "cpu"
+    x = torch.tensor(inp["logits"], device=dev, requires_grad=True)
+    t = {k: torch.tensor(v, device=dev) for k, v in inp.items() if k != "logits"}
+    loss, metrics = FusedLMHeadLoss(terms, **opts)(x, t.pop("labels"), **t)
+    (2.0 * loss).backward()
+    assert abs(loss.item() - want_sc["loss"]) < 1e-4 * (1 + abs(want_sc["loss"]))
+    assert abs(metrics["ratio_mean"].item() - want_sc["ratio_mean"]) < 1e-4
+    assert rel(x.grad.cpu().numpy().astype(np.float64), want_grad) < 1e-4
