@@ -30,7 +30,7 @@ grep -E "spill" "$OUT/ptxas.txt" | grep -v " 0 bytes spill stores, 0 bytes spill
 
 if want test; then
   echo "== tests"
-  python3 -m pytest tests/python -q -rs -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -25
+  python3 -m pytest tests/python -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   build-device/examples/rmsnorm_example || status=1
 fi
