@@ -29,19 +29,20 @@ struct FwdParams {
   bool w_vec;      // the weight can be read in 16-byte packs
 };
 
-// s = x (+ residual, rounded to x's dtype as it is stored) for one pack.
-template <class Tx, int VEC>
+// s = x (+ residual, rounded to x's dtype as it is stored) for one pack. The residual is a
+// compile-time choice: its extra packs and pointers cost ~40 registers, half the occupancy.
+template <bool RES, class Tx, int VEC>
 __device__ __forceinline__ void load_s(const FwdParams &p, int64_t row, int64_t col,
                                        Pack<Tx, VEC> &s) {
   s = load_pack<Tx, VEC>(static_cast<const Tx *>(p.x) + row * p.xs + col);
-  if (p.res) {
+  if constexpr (RES) {
     const Pack<Tx, VEC> r = load_pack<Tx, VEC>(static_cast<const Tx *>(p.res) + row * p.rs + col);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) s.v[e] = from_float<Tx>(to_float(s.v[e]) + to_float(r.v[e]));
   }
 }
 
-template <class Tx, class Ty, int VEC>
+template <bool RES, class Tx, class Ty, int VEC>
 __device__ __forceinline__ void store_y(const FwdParams &p, int64_t row, int64_t col,
                                         const Pack<Tx, VEC> &s, float rstd, const float *wf) {
   Pack<Ty, VEC> y;
@@ -52,14 +53,14 @@ __device__ __forceinline__ void store_y(const FwdParams &p, int64_t row, int64_t
     y.v[e] = from_float<Ty>(v * wf[e]);
   }
   store_pack(static_cast<Ty *>(p.y) + row * p.ys + col, y);
-  if (p.res_out) store_pack(static_cast<Tx *>(p.res_out) + row * p.ros + col, s);
+  if constexpr (RES) store_pack(static_cast<Tx *>(p.res_out) + row * p.ros + col, s);
 }
 
 __device__ __forceinline__ float row_rstd(const FwdParams &p, float sumsq) {
   return rsqrtf(sumsq * p.inv_cols + p.eps);
 }
 
-template <class Tx, class Ty, int VEC, int TPR, int VPT, int R, int BLOCK>
+template <bool RES, class Tx, class Ty, int VEC, int TPR, int VPT, int R, int BLOCK>
 __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_regs(const FwdParams p) {
   using Sum = RowSum<TPR, BLOCK>;
   __shared__ typename Sum::Storage smem;
@@ -85,7 +86,7 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_regs(const FwdParams p) {
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * TPR + lane) * VEC;
         if (row0 + r < p.rows && col < p.cols) {
-          load_s(p, row0 + r, col, s[r][v]);
+          load_s<RES>(p, row0 + r, col, s[r][v]);
         } else {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) s[r][v].v[e] = from_float<Tx>(0.0f);
@@ -112,14 +113,14 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_regs(const FwdParams p) {
         const int64_t col = int64_t(v * TPR + lane) * VEC;
         if (col >= p.cols) continue;
         if constexpr (!kCacheW) weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col, p.cols, wf[0]);
-        store_y<Tx, Ty, VEC>(p, row, col, s[r][v], rr, wf[kCacheW ? v : 0]);
+        store_y<RES, Tx, Ty, VEC>(p, row, col, s[r][v], rr, wf[kCacheW ? v : 0]);
       }
     }
   }
 }
 
 // Any row length and alignment: a block per row, two passes (sum of squares, then y).
-template <class Tx, class Ty, int VEC, int BLOCK>
+template <bool RES, class Tx, class Ty, int VEC, int BLOCK>
 __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_rows(const FwdParams p) {
   using Sum = RowSum<BLOCK, BLOCK>;
   __shared__ typename Sum::Storage smem;
@@ -127,8 +128,8 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_rows(const FwdParams p) {
     float ss = 0.0f;
     for (int64_t col = int64_t(threadIdx.x) * VEC; col < p.cols; col += int64_t(BLOCK) * VEC) {
       Pack<Tx, VEC> s;
-      load_s(p, row, col, s);
-      if (p.res_out) store_pack(static_cast<Tx *>(p.res_out) + row * p.ros + col, s);
+      load_s<RES>(p, row, col, s);
+      if constexpr (RES) store_pack(static_cast<Tx *>(p.res_out) + row * p.ros + col, s);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) ss += to_float(s.v[e]) * to_float(s.v[e]);
     }
@@ -136,8 +137,8 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_rows(const FwdParams p) {
     if (p.rstd && threadIdx.x == 0) p.rstd[row] = rstd;
     const float rr = p.none_mode ? round_to<Tx>(rstd) : rstd;
     // The second pass reads s back (from residual_out when fused: this thread wrote it).
-    const Tx *src = p.res_out ? static_cast<const Tx *>(p.res_out) : static_cast<const Tx *>(p.x);
-    const int64_t ss_stride = p.res_out ? p.ros : p.xs;
+    const Tx *src = static_cast<const Tx *>(RES ? p.res_out : p.x);
+    const int64_t ss_stride = RES ? p.ros : p.xs;
     for (int64_t col = int64_t(threadIdx.x) * VEC; col < p.cols; col += int64_t(BLOCK) * VEC) {
       const Pack<Tx, VEC> s = load_pack<Tx, VEC>(src + row * ss_stride + col);
       float wf[VEC];
@@ -164,7 +165,7 @@ hl_status_t launch(Kernel kernel, int block, int64_t rows_per_block, const FwdPa
   return HL_STATUS_SUCCESS;
 }
 
-template <class Tx, class Ty>
+template <bool RES, class Tx, class Ty>
 hl_status_t fwd_typed(FwdParams p, hl_stream_t stream) {
   constexpr int VEC = 16 / sizeof(Tx);
   p.w_vec = p.w && reinterpret_cast<uintptr_t>(p.w) % (VEC * dtype_size(p.wdt)) == 0;
@@ -176,17 +177,17 @@ hl_status_t fwd_typed(FwdParams p, hl_stream_t stream) {
   if (shape >= 0)
     return with_shape(shape, [&](auto I) {
       constexpr Shape sh = kShapes[decltype(I)::value];
-      auto k = rmsnorm_fwd_regs<Tx, Ty, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block>;
+      auto k = rmsnorm_fwd_regs<RES, Tx, Ty, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block>;
       static const int occ = blocks_per_sm(k, sh.block);
       return launch(k, sh.block, int64_t(sh.block / sh.tpr) * sh.rows_at_once, p, occ, stream);
     });
   constexpr int BLOCK = 512;
   if (aligned) {
-    auto k = rmsnorm_fwd_rows<Tx, Ty, VEC, BLOCK>;
+    auto k = rmsnorm_fwd_rows<RES, Tx, Ty, VEC, BLOCK>;
     static const int occ = blocks_per_sm(k, BLOCK);
     return launch(k, BLOCK, 1, p, occ, stream);
   }
-  auto k = rmsnorm_fwd_rows<Tx, Ty, 1, BLOCK>;
+  auto k = rmsnorm_fwd_rows<RES, Tx, Ty, 1, BLOCK>;
   static const int occ = blocks_per_sm(k, BLOCK);
   return launch(k, BLOCK, 1, p, occ, stream);
 }
@@ -201,7 +202,9 @@ hl_status_t cuda_fwd(const hl_rmsnorm_fwd_args_t &a, hl_stream_t stream) {
   hl_status_t st = HL_STATUS_INTERNAL_ERROR;
   dispatch_float(a.x_dtype, [&](auto tx) {
     dispatch_float(a.y_dtype, [&](auto ty) {
-      st = fwd_typed<typename decltype(tx)::type, typename decltype(ty)::type>(p, stream);
+      using Tx = typename decltype(tx)::type;
+      using Ty = typename decltype(ty)::type;
+      st = p.res ? fwd_typed<true, Tx, Ty>(p, stream) : fwd_typed<false, Tx, Ty>(p, stream);
     });
   });
   return st == HL_STATUS_INTERNAL_ERROR ? fail(st, "rmsnorm_fwd: no kernel for this case") : st;
