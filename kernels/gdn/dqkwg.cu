@@ -1,14 +1,23 @@
-// gdn_bwd_dqkwg on the GPU. One CTA per (chunk, q/k head) walks K in 64-column slices and, inside
-// each, the value heads that share the q/k head (GVA), so their dq, dk sum stays in registers:
-// deterministic and without extra traffic. For each (slice, value head) the V dimension streams
-// through shared memory in 64-wide chunks (cp.async, three buffers) feeding four 64x64 products
-// (ds, dq, dk, dw) on tensor cores; then ds is gated, rounded to the input dtype and multiplied
-// back (ds k, ds^T q), and dg is formed from the final dq, dk (the request's optimisation).
-// 8 warps, each owning a 16 x 32 block of every 64 x 64 tile. K and V that are not multiples of
-// 64 run through zero-filled tiles.
+// gdn_bwd_dqkwg on the GPU.
+//
+// Work: one CTA (8 warps) per (chunk, q/k head, 64-wide K slice). On sm_90 the K slices of one
+// (chunk, q/k head) form a thread-block cluster: each CTA streams its own rows of h and dh exactly
+// once, and the slices' dg partials are summed through distributed shared memory in rank order
+// (deterministic, no atomics, no workspace). do, v, dv are shared by the slices through L2 (the
+// cluster's CTAs run together). Without clusters (sm_80) one CTA walks all K slices in turn.
+// Inside a CTA: the value heads of the q/k head (GVA; their dq, dk sum stays on chip), then V in
+// 32-wide chunks streamed with cp.async through three shared-memory stages (one barrier per
+// chunk). Each warp owns a 16 x 32 block of the four 64 x 64 products (ds = do v^T, dq = do h^T,
+// dk = v dh^T, dw = dv h^T) and shares its fragments between them (do feeds ds and dq, h feeds dq
+// and dw). ~105 KB of shared memory and <= 128 registers: two CTAs per SM, so one CTA's epilogue
+// (ds gated and rounded, ds k, ds^T q, dg from the final dq, dk) overlaps the other's loads.
+// K and V that are not multiples of 64 / 32 run through zero-filled tiles.
 #include <algorithm>
+#include <atomic>
 #include <initializer_list>
 #include <vector>
+
+#include <cooperative_groups.h>
 
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
@@ -19,7 +28,10 @@ namespace hl::cuda::gdn {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kStages = 3;  // shared buffers of the V-chunk pipeline: two loads in flight during compute
+constexpr int kStages = 3;            // stage buffers: two loads in flight during compute
+constexpr int kVC = 32;               // V columns per stage
+constexpr int kLdS = kVC + 8;         // stage tile pitch (80 bytes: ldmatrix conflict-free)
+constexpr int kStageTile = kTile * kLdS;
 
 struct Params {
   const void *q, *k, *v, *do_, *dv, *h, *dh;
@@ -29,31 +41,53 @@ struct Params {
   const int64_t *chunk_first;  // varlen: [S + 1] first global chunk of each sequence
   const int64_t *seq_start;    // varlen: [S + 1] cu_seqlens
   int64_t T, nt, num_seqs;     // nt: chunks per batch row (non-varlen)
-  int H, HV, K, V, G, KS, VC;  // KS, VC: 64-wide slices of K and chunks of V
+  int H, HV, K, V, G, KS, VCN;  // KS: 64-wide K slices; VCN: 32-wide V chunks
+  int nsplit;                   // CTAs per (chunk, q/k head): KS (cluster) or 1
   float scale;
-  bool gated, log2, dg_on, dw_on, vec, reverse_cumsum;
+  bool gated, log2, dg_on, dw_on, vec, vec4, reverse_cumsum;
 };
 
-// Loads a 64 x 64 block (row stride ld elements) into a shared tile; zero outside nr x nc.
-// vec: 16-byte cp.async (S == T, nc and ld multiples of 8, 16-byte aligned rows); otherwise
-// element by element through registers, converting (fp32 states).
-template <class T, class S>
-__device__ __forceinline__ void load_tile(T *dst, const S *src, int64_t ld, int nr, int nc, bool vec) {
+// Loads a 64 x COLS block (row stride ld elements) into a shared tile of pitch LDS; zero outside
+// nr x nc. vec: 16-byte cp.async (S == T; nc, ld multiples of 8; 16-byte aligned rows). vec4: fp32
+// source read 16 bytes at a time and rounded (nc, ld multiples of 4, aligned). Else element-wise.
+template <int COLS, int LDS, class T, class S>
+__device__ __forceinline__ void load_tile(T *dst, const S *src, int64_t ld, int nr, int nc, bool vec, bool vec4) {
+  const int tid = threadIdx.x;
   if constexpr (sizeof(S) == sizeof(T)) {
     if (vec) {
+      constexpr int kSeg = COLS / 8, kPer = kTile * kSeg / kThreads;
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int id = threadIdx.x + i * kThreads, r = id / 8, c = (id % 8) * 8;
+      for (int i = 0; i < kPer; ++i) {
+        const int id = tid + i * kThreads, r = id / kSeg, c = (id % kSeg) * 8;
         const bool ok = r < nr && c < nc;
-        cp_async16(dst + r * kLd + c, ok ? src + r * ld + c : src, ok ? 16 : 0);
+        cp_async16(dst + r * LDS + c, ok ? src + r * ld + c : src, ok ? 16 : 0);
+      }
+      return;
+    }
+  } else {
+    if (vec4) {
+      constexpr int kSeg = COLS / 4, kPer = kTile * kSeg / kThreads;
+      float4 x[kPer];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int id = tid + i * kThreads, r = id / kSeg, c = (id % kSeg) * 4;
+        x[i] = r < nr && c < nc ? *reinterpret_cast<const float4 *>(src + r * ld + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int id = tid + i * kThreads, r = id / kSeg, c = (id % kSeg) * 4;
+        Pack<T, 4> pk;
+        pk.v[0] = from_float<T>(x[i].x), pk.v[1] = from_float<T>(x[i].y);
+        pk.v[2] = from_float<T>(x[i].z), pk.v[3] = from_float<T>(x[i].w);
+        store_pack<T, 4>(dst + r * LDS + c, pk);
       }
       return;
     }
   }
 #pragma unroll 4
-  for (int i = 0; i < kTile * kTile / kThreads; ++i) {
-    const int id = threadIdx.x + i * kThreads, r = id / kTile, c = id % kTile;
-    dst[r * kLd + c] = from_float<T>(r < nr && c < nc ? to_float(src[r * ld + c]) : 0.f);
+  for (int i = 0; i < kTile * COLS / kThreads; ++i) {
+    const int id = tid + i * kThreads, r = id / COLS, c = id % COLS;
+    dst[r * LDS + c] = from_float<T>(r < nr && c < nc ? to_float(src[r * ld + c]) : 0.f);
   }
 }
 
@@ -83,22 +117,62 @@ __device__ __forceinline__ void store_block(T *out, int64_t ld, int nr, int nc, 
     }
 }
 
+// The four products of one stage for one warp's 16 x 32 block, over the stage's 32 V columns.
+// All tiles are [64][kLdS], k (= V) contiguous: ds += do v^T, dq += do h^T, dk += v dh^T,
+// dw += dv h^T. Fragments are shared: do's A feeds ds and dq, h's B feeds dq and dw.
+template <class T>
+__device__ __forceinline__ void stage_mma(float (&ds)[4][4], float (&dq)[4][4], float (&dk)[4][4], float (&dw)[4][4],
+                                          const T *do_t, const T *v_t, const T *dv_t, const T *h_t, const T *dh_t,
+                                          bool dw_on, int m0, int n0, int lane) {
+  const int r8 = lane % 8, hi = lane / 16, mid = (lane / 8) % 2;
+#pragma unroll
+  for (int k0 = 0; k0 < kVC; k0 += 16) {
+    const int aoff = (m0 + lane % 16) * kLdS + k0 + hi * 8;
+    uint32_t a_do[4], a_v[4], a_dv[4];
+    ldsm_x4(a_do, do_t + aoff);
+    ldsm_x4(a_v, v_t + aoff);
+    if (dw_on) ldsm_x4(a_dv, dv_t + aoff);
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int boff = (n0 + 16 * p + hi * 8 + r8) * kLdS + k0 + mid * 8;
+      uint32_t b[4];
+      ldsm_x4(b, v_t + boff);
+      mma16816<T>(ds[2 * p], a_do, b[0], b[1]);
+      mma16816<T>(ds[2 * p + 1], a_do, b[2], b[3]);
+      ldsm_x4(b, h_t + boff);
+      mma16816<T>(dq[2 * p], a_do, b[0], b[1]);
+      mma16816<T>(dq[2 * p + 1], a_do, b[2], b[3]);
+      if (dw_on) {
+        mma16816<T>(dw[2 * p], a_dv, b[0], b[1]);
+        mma16816<T>(dw[2 * p + 1], a_dv, b[2], b[3]);
+      }
+      ldsm_x4(b, dh_t + boff);
+      mma16816<T>(dk[2 * p], a_v, b[0], b[1]);
+      mma16816<T>(dk[2 * p + 1], a_v, b[2], b[3]);
+    }
+  }
+}
+
 template <class T, class HT>
-__global__ void __launch_bounds__(kThreads) dqkwg_kernel(Params P) {
+__global__ void __launch_bounds__(kThreads, 2) dqkwg_kernel(Params P) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int n_stage = P.dw_on ? 5 : 4;  // do, v, h, dh (, dv)
   T *stage = reinterpret_cast<T *>(smem);
-  T *q_s = stage + kStages * n_stage * kTileElems, *k_s = q_s + kTileElems, *ds_s = k_s + kTileElems;
-  float *gam_s = reinterpret_cast<float *>(ds_s + kTileElems);  // [64] gate of the value head
-  float *red_s = gam_s + kTile;                                  // [2][64] dg row partials
+  T *q_s = stage + kStages * n_stage * kStageTile, *k_s = q_s + kTileElems, *ds_s = k_s + kTileElems;
+  float *gam_s = reinterpret_cast<float *>(ds_s + kTileElems);  // [2][64] gate, by (slice, head) parity
+  float *red_s = gam_s + 2 * kTile;                              // [2][64] dg row partials
   float *red8 = red_s + 2 * kTile;                               // [8] per-warp dgl partials
   float *dg_s = red8 + 8;                                        // [G][64] dg per value head
   float *dgl_s = dg_s + P.G * kTile;                             // [G] last-row term
+  float *sum_s = dgl_s + ((P.G + 3) & ~3);                       // GVA: [32][kThreads] dq, dk sums
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int m0 = 16 * (warp % 4), n0 = 32 * (warp / 4);
-  const int64_t cid = blockIdx.x / P.H;
-  const int hq = blockIdx.x % P.H;
+  const int64_t blk = blockIdx.x;
+  const int rank = int(blk % P.nsplit);  // cluster rank = this CTA's K slice when split
+  const int64_t ch = blk / P.nsplit, cid = ch / P.H;
+  const int hq = int(ch % P.H);
+  const int ks_lo = P.nsplit > 1 ? rank : 0, ks_n = P.nsplit > 1 ? 1 : P.KS;
 
   // Locate the chunk: first token (flattened over B*T) and valid rows.
   int64_t tok0, n;
@@ -123,78 +197,82 @@ __global__ void __launch_bounds__(kThreads) dqkwg_kernel(Params P) {
   const T *v = static_cast<const T *>(P.v), *dO = static_cast<const T *>(P.do_), *dv = static_cast<const T *>(P.dv);
   const HT *h = static_cast<const HT *>(P.h), *dh = static_cast<const HT *>(P.dh);
   const int64_t ldqk = int64_t(P.H) * P.K, ldv = int64_t(P.HV) * P.V, ldw = int64_t(P.HV) * P.K;
-  const int per_slice = P.G * P.VC, total = P.KS * per_slice;
+  const int per_slice = P.G * P.VCN, total = ks_n * per_slice;
 
   auto issue_stage = [&](int it) {
-    const int ks = it / per_slice, hvl = (it % per_slice) / P.VC, vc = it % P.VC;
+    if (it >= total) return;
+    const int ks = ks_lo + it / per_slice, hvl = (it % per_slice) / P.VCN, vc = it % P.VCN;
     const int hv = hq * P.G + hvl;
-    T *buf = stage + (it % kStages) * n_stage * kTileElems;
-    const int ncv = min(kTile, P.V - vc * kTile), nrk = min(kTile, P.K - ks * kTile);
-    const int64_t tv = (tok0 * P.HV + hv) * P.V + vc * kTile;
-    const int64_t th = ((cid * P.HV + hv) * P.K + ks * kTile) * P.V + vc * kTile;
-    load_tile(buf, dO + tv, ldv, nr, ncv, P.vec);
-    load_tile(buf + kTileElems, v + tv, ldv, nr, ncv, P.vec);
-    load_tile(buf + 2 * kTileElems, h + th, P.V, nrk, ncv, P.vec);
-    load_tile(buf + 3 * kTileElems, dh + th, P.V, nrk, ncv, P.vec);
-    if (P.dw_on) load_tile(buf + 4 * kTileElems, dv + tv, ldv, nr, ncv, P.vec);
+    T *buf = stage + (it % kStages) * n_stage * kStageTile;
+    const int ncv = min(kVC, P.V - vc * kVC), nrk = min(kTile, P.K - ks * kTile);
+    const int64_t tv = (tok0 * P.HV + hv) * P.V + vc * kVC;
+    const int64_t th = ((cid * P.HV + hv) * P.K + ks * kTile) * P.V + vc * kVC;
+    load_tile<kVC, kLdS>(buf, dO + tv, ldv, nr, ncv, P.vec, false);
+    load_tile<kVC, kLdS>(buf + kStageTile, v + tv, ldv, nr, ncv, P.vec, false);
+    load_tile<kVC, kLdS>(buf + 2 * kStageTile, h + th, P.V, nrk, ncv, P.vec, P.vec4);
+    load_tile<kVC, kLdS>(buf + 3 * kStageTile, dh + th, P.V, nrk, ncv, P.vec, P.vec4);
+    if (P.dw_on) load_tile<kVC, kLdS>(buf + 4 * kStageTile, dv + tv, ldv, nr, ncv, P.vec, false);
   };
 
-  float ds[4][4], dq[4][4], dk[4][4], dw[4][4], dq_sum[4][4], dk_sum[4][4];
-  zero(ds), zero(dq), zero(dk), zero(dw), zero(dq_sum), zero(dk_sum);
+  float ds[4][4], dq[4][4], dk[4][4], dw[4][4];
+  zero(ds), zero(dq), zero(dk), zero(dw);
   float hdh = 0.f;  // this thread's share of sum(h * dh) for the current (slice, value head)
 
+  // Commit groups: s0, (empty), s1, then per iteration: [q, k of a new slice], s(it + 2).
   issue_stage(0);
   cp_async_commit();
-  if (total > 1) issue_stage(1);
   cp_async_commit();
+  issue_stage(1);
+  cp_async_commit();
+  int it_slice = 0;  // first iteration of the current slice
   for (int it = 0; it < total; ++it) {
-    const int ks = it / per_slice, hvl = (it % per_slice) / P.VC, vc = it % P.VC;
+    const int ks = ks_lo + it / per_slice, hvl = (it % per_slice) / P.VCN, vc = it % P.VCN;
     const int hv = hq * P.G + hvl, nck = min(kTile, P.K - ks * kTile);
+    const int epoch = it / P.VCN;  // (slice, value head) index: picks the gate buffer
     const int64_t tqk = (tok0 * P.H + hq) * P.K + ks * kTile;
-    const bool load_qk = hvl == 0 && vc == P.VC - 1;  // this slice's q, k: needed from this epilogue on
-    if (load_qk) {
-      load_tile(q_s, q + tqk, ldqk, nr, nck, P.vec);
-      load_tile(k_s, k + tqk, ldqk, nr, nck, P.vec);
-      cp_async_commit();
+    if (vc == 0 && tid < kTile) {  // this (slice, head)'s gate; visible after the barrier below
+      float gv = 0.f;
+      if (P.gated && tid < nr) gv = P.g ? P.g[(tok0 + tid) * P.HV + hv] : P.g_gamma[hv] * float(tid + 1);
+      gam_s[(epoch & 1) * kTile + tid] = gv;
     }
-    if (it + 2 < total) issue_stage(it + 2);
+    cp_async_wait<2>();  // stage it landed (this thread's part)
+    __syncthreads();     // ... everyone's; and iteration it - 1 is over: its buffer may be refilled
+    const bool new_slice = it % per_slice == 0;
+    if (new_slice) {  // this slice's q, k (the previous slice's epilogues are over)
+      it_slice = it;
+      load_tile<kTile, kLd>(q_s, q + tqk, ldqk, nr, nck, P.vec, false);
+      load_tile<kTile, kLd>(k_s, k + tqk, ldqk, nr, nck, P.vec, false);
+    }
     cp_async_commit();
-    // Stage it (and q, k) complete; stage it + 1 may stay in flight unless q, k were committed after it.
-    if (load_qk) cp_async_wait<1>();
-    else cp_async_wait<2>();
-    __syncthreads();
+    issue_stage(it + 2);
+    cp_async_commit();
 
-    const T *buf = stage + (it % kStages) * n_stage * kTileElems;
-    const T *do_t = buf, *v_t = buf + kTileElems, *h_t = buf + 2 * kTileElems, *dh_t = buf + 3 * kTileElems;
-    warp_mma<T, false, false>(ds, do_t, v_t, m0, n0, lane);
-    warp_mma<T, false, false>(dq, do_t, h_t, m0, n0, lane);
-    warp_mma<T, false, false>(dk, v_t, dh_t, m0, n0, lane);
-    if (P.dw_on) warp_mma<T, false, false>(dw, buf + 4 * kTileElems, h_t, m0, n0, lane);
-    if (P.dg_on) {
-      const int e0 = tid * 16, r = e0 / kTile;  // 16 consecutive elements of one row
+    const T *buf = stage + (it % kStages) * n_stage * kStageTile;
+    const T *h_t = buf + 2 * kStageTile, *dh_t = buf + 3 * kStageTile;
+    stage_mma<T>(ds, dq, dk, dw, buf, buf + kStageTile, buf + 4 * kStageTile, h_t, dh_t, P.dw_on, m0, n0, lane);
+    if (P.dg_on) {  // 8 consecutive elements of one row of h and dh
+      const int off = (tid / 4) * kLdS + (tid % 4) * 8;
+      const Pack<T, 8> a = load_pack<T, 8>(h_t + off), b = load_pack<T, 8>(dh_t + off);
 #pragma unroll
-      for (int c = 0; c < 16; ++c) hdh += to_float(h_t[r * kLd + e0 % kTile + c]) * to_float(dh_t[r * kLd + e0 % kTile + c]);
+      for (int c = 0; c < 8; ++c) hdh += to_float(a.v[c]) * to_float(b.v[c]);
     }
 
-    if (vc == P.VC - 1) {  // epilogue of (slice ks, value head hv)
-      if (tid < kTile) {
-        float gv = 0.f;
-        if (P.gated && tid < nr) gv = P.g ? P.g[(tok0 + tid) * P.HV + hv] : P.g_gamma[hv] * float(tid + 1);
-        gam_s[tid] = gv;
+    if (vc == P.VCN - 1) {  // epilogue of (slice ks, value head hv)
+      if (it - it_slice < 2) {  // q, k were committed too recently for the wait above
+        cp_async_wait<0>();
+        __syncthreads();
       }
-      __syncthreads();
-      const float gl = gam_s[nr - 1];
-      float dglk = 0.f;  // sum(dk_inter * k), part of the last-row term
+      const float *gam = gam_s + (epoch & 1) * kTile;
+      const float gl = gam[nr - 1];
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = m0 + lane / 4 + 8 * (e / 2), c = n0 + 8 * j + 2 * (lane % 4) + e % 2;
           // a select, never a multiply by a mask: E(g_t - g_s) overflows above the diagonal
-          ds[j][e] = c <= r && r < nr ? ds[j][e] * gexp(gam_s[r] - gam_s[c], P.log2) * P.scale : 0.f;
-          dq[j][e] *= gexp(gam_s[r], P.log2) * P.scale;
-          dk[j][e] = r < nr ? dk[j][e] * gexp(gl - gam_s[r], P.log2) : 0.f;
-          dglk += dk[j][e] * to_float(k_s[r * kLd + c]);
+          ds[j][e] = c <= r && r < nr ? ds[j][e] * gexp(gam[r] - gam[c], P.log2) * P.scale : 0.f;
+          dq[j][e] *= gexp(gam[r], P.log2) * P.scale;
+          dk[j][e] = r < nr ? dk[j][e] * gexp(gl - gam[r], P.log2) : 0.f;
         }
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -207,6 +285,17 @@ __global__ void __launch_bounds__(kThreads) dqkwg_kernel(Params P) {
           store_pack<T, 2>(ds_s + r * kLd + c, pk);
         }
       __syncthreads();
+      float dglk = 0.f;  // sum(dk_inter * k), part of the last-row term
+      if (P.dg_on) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = m0 + lane / 4 + 8 * half, c = n0 + 8 * j + 2 * (lane % 4);
+            const Pack<T, 2> kk = load_pack<T, 2>(k_s + r * kLd + c);
+            dglk += dk[j][2 * half] * to_float(kk.v[0]) + dk[j][2 * half + 1] * to_float(kk.v[1]);
+          }
+      }
       warp_mma<T, false, true>(dq, ds_s, k_s, m0, n0, lane);
       warp_mma<T, true, true>(dk, ds_s, q_s, m0, n0, lane);
       if (P.dg_on) {
@@ -214,9 +303,11 @@ __global__ void __launch_bounds__(kThreads) dqkwg_kernel(Params P) {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = m0 + lane / 4 + 8 * (e / 2), c = n0 + 8 * j + 2 * (lane % 4) + e % 2;
-            p[e / 2] += dq[j][e] * to_float(q_s[r * kLd + c]) - dk[j][e] * to_float(k_s[r * kLd + c]);
+          for (int half = 0; half < 2; ++half) {
+            const int r = m0 + lane / 4 + 8 * half, c = n0 + 8 * j + 2 * (lane % 4);
+            const Pack<T, 2> qq = load_pack<T, 2>(q_s + r * kLd + c), kk = load_pack<T, 2>(k_s + r * kLd + c);
+            p[half] += dq[j][2 * half] * to_float(qq.v[0]) + dq[j][2 * half + 1] * to_float(qq.v[1]) -
+                       dk[j][2 * half] * to_float(kk.v[0]) - dk[j][2 * half + 1] * to_float(kk.v[1]);
           }
         float l = hdh * gexp(gl, P.log2) + dglk;
 #pragma unroll
@@ -242,29 +333,47 @@ __global__ void __launch_bounds__(kThreads) dqkwg_kernel(Params P) {
       if (P.dw_on)
         store_block(static_cast<T *>(P.dw) + (tok0 * P.HV + hv) * P.K + ks * kTile, ldw, nr, nck, dw, -1.f, m0, n0,
                     lane, P.vec);
+      if (P.G > 1) {  // GVA: running dq, dk sums over the value heads, each thread its own words
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          dq_sum[j][e] += dq[j][e];
-          dk_sum[j][e] += dk[j][e];
-        }
+          for (int e = 0; e < 4; ++e) {
+            float *sq = sum_s + (j * 4 + e) * kThreads + tid, *sk = sq + 16 * kThreads;
+            if (hvl > 0) dq[j][e] += *sq, dk[j][e] += *sk;
+            if (hvl < P.G - 1) *sq = dq[j][e], *sk = dk[j][e];
+          }
+      }
+      if (hvl == P.G - 1) {
+        store_block(static_cast<T *>(P.dq) + tqk, ldqk, nr, nck, dq, 1.f, m0, n0, lane, P.vec);
+        store_block(static_cast<T *>(P.dk) + tqk, ldqk, nr, nck, dk, 1.f, m0, n0, lane, P.vec);
+      }
       zero(ds), zero(dq), zero(dk), zero(dw);
       hdh = 0.f;
-      if (hvl == P.G - 1) {
-        store_block(static_cast<T *>(P.dq) + tqk, ldqk, nr, nck, dq_sum, 1.f, m0, n0, lane, P.vec);
-        store_block(static_cast<T *>(P.dk) + tqk, ldqk, nr, nck, dk_sum, 1.f, m0, n0, lane, P.vec);
-        zero(dq_sum), zero(dk_sum);
-      }
     }
-    __syncthreads();  // the buffer of this iteration is refilled by the next one's prefetch
   }
 
   if (!P.dg_on) return;
-  if (tid < P.G) {  // last-row term and the optional in-chunk reverse cumsum, one thread per value head
+  __syncthreads();
+  if (tid < P.G) dg_s[tid * kTile + nr - 1] += dgl_s[tid];  // this CTA's last-row term
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (P.nsplit > 1) {  // sum the K slices' partials into rank 0, in rank order
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    if (rank == 0)
+      for (int i = tid; i < P.G * kTile; i += kThreads) {
+        float s = dg_s[i];
+        for (int r = 1; r < P.nsplit; ++r) s += cluster.map_shared_rank(dg_s, r)[i];
+        dg_s[i] = s;
+      }
+    cluster.sync();  // the other ranks' shared memory stays alive until rank 0 has read it
+    if (rank != 0) return;
+  }
+#endif
+  __syncthreads();
+  if (tid < P.G && P.reverse_cumsum) {  // the optional in-chunk reverse cumsum, one thread per value head
     float *d = dg_s + tid * kTile;
-    d[nr - 1] += dgl_s[tid];
-    for (int t = nr - 2; t >= 0 && P.reverse_cumsum; --t) d[t] += d[t + 1];
+    for (int t = nr - 2; t >= 0; --t) d[t] += d[t + 1];
   }
   __syncthreads();
   for (int i = tid; i < P.G * kTile; i += kThreads) {
@@ -276,14 +385,47 @@ __global__ void __launch_bounds__(kThreads) dqkwg_kernel(Params P) {
 size_t smem_bytes(const hl_gdn_bwd_dqkwg_args_t &a) {
   const int n_stage = a.dw ? 5 : 4;
   const size_t G = size_t(a.HV / a.H);
-  return size_t(kStages * n_stage + 3) * kTileElems * 2 + (kTile * 3 + 8 + G * (kTile + 1)) * sizeof(float);
+  size_t b = size_t(kStages * n_stage) * kStageTile * 2 + 3 * size_t(kTileElems) * 2;
+  b += (kTile * 4 + 8 + G * kTile + ((G + 3) & ~size_t(3))) * sizeof(float);
+  if (G > 1) b += 32 * kThreads * sizeof(float);
+  return b;
+}
+
+// Whether the kernel that will run was built for sm_90 or later (clusters available).
+// Cached per device (0: unknown, 1: no, 2: yes).
+template <class T, class HT>
+bool has_clusters() {
+  static std::atomic<int> cache[64];
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (dev >= 0 && dev < 64 && cache[dev].load() != 0) return cache[dev].load() == 2;
+  cudaFuncAttributes fa{};
+  const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                   cudaFuncGetAttributes(&fa, dqkwg_kernel<T, HT>) == cudaSuccess && major >= 9 &&
+                   fa.binaryVersion >= 90;
+  if (dev >= 0 && dev < 64) cache[dev].store(yes ? 2 : 1);
+  return yes;
 }
 
 template <class T, class HT>
-hl_status_t launch(const Params &p, int64_t blocks, size_t smem, hl_stream_t stream) {
+hl_status_t launch(Params p, int64_t heads_chunks, size_t smem, hl_stream_t stream) {
   auto kernel = dqkwg_kernel<T, HT>;
   HL_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<unsigned(blocks), kThreads, smem, stream>>>(p);
+  p.nsplit = p.KS > 1 && has_clusters<T, HT>() ? p.KS : 1;  // one CTA per K slice, in one cluster
+  const int64_t blocks = heads_chunks * p.nsplit;
+  if (blocks > INT32_MAX)
+    return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: %lld CTAs exceed one launch", (long long)blocks);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(p.nsplit), attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.nsplit > 1 ? 1 : 0;
+  HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, p));
   HL_CUDA_TRY_LAUNCH();
   return HL_STATUS_SUCCESS;
 }
@@ -322,21 +464,20 @@ hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64
   p.dq = a.dq, p.dk = a.dk, p.dw = a.dw, p.g = a.g, p.g_gamma = a.g_gamma, p.dg = a.dg;
   p.T = a.T, p.nt = a.num_chunks, p.num_seqs = a.num_seqs;
   p.H = int(a.H), p.HV = int(a.HV), p.K = int(a.K), p.V = int(a.V), p.G = int(a.HV / a.H);
-  p.KS = int((a.K + kTile - 1) / kTile), p.VC = int((a.V + kTile - 1) / kTile);
+  p.KS = int((a.K + kTile - 1) / kTile), p.VCN = int((a.V + kVC - 1) / kVC);
+  p.nsplit = 1;
   p.scale = a.scale;
   p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
   p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;
-  // 16-byte paths for the 16-bit tensors (fp32 states always go element by element)
+  // 16-byte paths for the 16-bit tensors; fp32 states are read 16 bytes at a time and rounded
   p.vec = a.K % 8 == 0 && a.V % 8 == 0;
   for (const void *ptr : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.dq, a.dk})
     p.vec = p.vec && aligned16(ptr);
   if (a.h_dtype == a.dtype) p.vec = p.vec && aligned16(a.h) && aligned16(a.dh);
   if (a.dw) p.vec = p.vec && aligned16(a.dv) && aligned16(a.dw);
+  p.vec4 = a.h_dtype == HL_DTYPE_F32 && a.V % 4 == 0 && aligned16(a.h) && aligned16(a.dh);
 
-  const int64_t blocks = chunks * a.H;
-  if (blocks > INT32_MAX)
-    return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: %lld chunks x %lld heads exceed one launch",
-                (long long)chunks, (long long)a.H);
+  const int64_t heads_chunks = chunks * a.H;
   const size_t smem = smem_bytes(a);
   if (smem > 227 * 1024)
     return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: HV / H = %lld value heads per q/k head is too many",
@@ -354,12 +495,13 @@ hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64
     p.chunk_first = static_cast<const int64_t *>(a.workspace);
     p.seq_start = p.chunk_first + cu.size();
   }
-  if (blocks == 0) return HL_STATUS_SUCCESS;
+  if (heads_chunks == 0) return HL_STATUS_SUCCESS;
   const bool f32_state = a.h_dtype == HL_DTYPE_F32;
   if (a.dtype == HL_DTYPE_BF16)
-    return f32_state ? launch<__nv_bfloat16, float>(p, blocks, smem, stream)
-                     : launch<__nv_bfloat16, __nv_bfloat16>(p, blocks, smem, stream);
-  return f32_state ? launch<__half, float>(p, blocks, smem, stream) : launch<__half, __half>(p, blocks, smem, stream);
+    return f32_state ? launch<__nv_bfloat16, float>(p, heads_chunks, smem, stream)
+                     : launch<__nv_bfloat16, __nv_bfloat16>(p, heads_chunks, smem, stream);
+  return f32_state ? launch<__half, float>(p, heads_chunks, smem, stream)
+                   : launch<__half, __half>(p, heads_chunks, smem, stream);
 }
 
 }  // namespace hl::gdn
