@@ -1,5 +1,7 @@
 """One view of the array kinds the package accepts: NumPy (CPU backend), and PyTorch, CuPy and
-JAX arrays or anything with __cuda_array_interface__ (CUDA backend).
+JAX arrays or anything with __cuda_array_interface__ (CUDA backend); other objects through
+__dlpack__ (host memory: CPU backend; CUDA memory: CUDA backend). PyTorch CPU tensors run on the
+CPU backend.
 
 `view(x)` reads an array's pointer, shape, element strides, dtype, device and current stream
 without copying; `empty(like, shape, dtype)` allocates an output of the same kind and device.
@@ -7,7 +9,6 @@ without copying; `empty(like, shape, dtype)` allocates an output of the same kin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -21,26 +22,66 @@ DTYPE_NAMES = {v: k for k, v in _NAME_TO_DTYPE.items()}
 ITEMSIZE = {DTYPE_F32: 4, DTYPE_F16: 2, DTYPE_BF16: 2, DTYPE_I32: 4, DTYPE_I64: 8}
 
 
+_DTYPE_CACHE: dict = {}  # dtype object (hashable) -> hl_dtype_t: skips the str() on the hot path
+
+
 def dtype_code(dtype: Any) -> int:
     """hl_dtype_t for a NumPy, ml_dtypes, PyTorch or JAX dtype, or a name such as 'bfloat16'."""
+    try:
+        return _DTYPE_CACHE[dtype]
+    except (KeyError, TypeError):
+        pass
     name = str(dtype).replace("torch.", "")
     name = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
             "fp16": "float16", "f32": "float32", "f16": "float16"}.get(name, name)
     if name not in _NAME_TO_DTYPE:
+        try:  # a scalar type such as np.float16 or ml_dtypes.bfloat16
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if name not in _NAME_TO_DTYPE:
         raise TypeError(f"unsupported dtype {dtype!r}; expected float32, float16, bfloat16, int32 or int64")
+    try:
+        _DTYPE_CACHE[dtype] = _NAME_TO_DTYPE[name]
+    except TypeError:  # unhashable
+        pass
     return _NAME_TO_DTYPE[name]
 
 
-@dataclass
 class ArrayView:
-    obj: Any                 # the caller's array, kept alive while the view is used
-    kind: str                # "numpy", "torch", "cupy", "jax" or "cai"
-    ptr: int
-    shape: tuple
-    strides: tuple           # in elements
-    dtype: int               # hl_dtype_t
-    backend: int             # BACKEND_CPU or BACKEND_CUDA
-    stream: int              # the array's current CUDA stream (0: default), 0 on the CPU
+    """One array as the library sees it. `stream` is the array's current CUDA stream (0: the legacy
+    default stream; 0 on the CPU); for PyTorch it is read on first use only, since only the first
+    array's stream is used by a call. `device` is the CUDA device ordinal (-1 on the host)."""
+
+    __slots__ = ("obj", "kind", "ptr", "shape", "strides", "dtype", "backend", "_stream", "device")
+
+    def __init__(self, obj: Any, kind: str, ptr: int, shape: tuple, strides: tuple, dtype: int,
+                 backend: int, stream: Any = 0, device: int = -1):
+        self.obj = obj          # the caller's array, kept alive while the view is used
+        self.kind = kind        # "numpy", "torch", "cupy", "jax", "dlpack" or "cai"
+        self.ptr = ptr
+        self.shape = shape
+        self.strides = strides  # in elements
+        self.dtype = dtype      # hl_dtype_t
+        self.backend = backend  # BACKEND_CPU or BACKEND_CUDA
+        self._stream = stream   # an int, or a callable returning it (read lazily)
+        self.device = device
+
+    @property
+    def stream(self) -> int:
+        s = self._stream
+        if callable(s):
+            s = self._stream = s()
+        return s
+
+    @stream.setter
+    def stream(self, value: int) -> None:
+        self._stream = value
+
+    def __repr__(self) -> str:
+        return (f"ArrayView(kind={self.kind!r}, ptr={self.ptr:#x}, shape={self.shape}, "
+                f"strides={self.strides}, dtype={DTYPE_NAMES.get(self.dtype)}, backend={self.backend}, "
+                f"device={self.device})")
 
     def rows_view(self, name: str):
         """(rows, cols, row_stride) of the array seen as [prod(leading dims), last dim]."""
@@ -61,18 +102,101 @@ class ArrayView:
         return rows, cols, row_stride
 
 
+_torch_raw_stream = None
+
+
+def _torch_stream_fn(device: int):
+    """A callable returning torch's current stream on `device` as an int (cudaStream_t)."""
+    global _torch_raw_stream
+    if _torch_raw_stream is None:
+        import torch
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what inductor uses: no object
+        _torch_raw_stream = raw if raw is not None else (
+            lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return lambda: _torch_raw_stream(device)
+
+
 def _torch_view(x) -> ArrayView:
-    import torch
-    cuda = x.is_cuda
-    stream = torch.cuda.current_stream(x.device).cuda_stream if cuda else 0
-    if not (cuda or x.device.type == "cpu"):
+    if x.is_cuda:
+        dev = x.get_device()
+        return ArrayView(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), dtype_code(x.dtype),
+                         BACKEND_CUDA, _torch_stream_fn(dev), dev)
+    if x.device.type != "cpu":
         raise ValueError(f"unsupported torch device {x.device}")
-    return ArrayView(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()),
-                     dtype_code(x.dtype), BACKEND_CUDA if cuda else BACKEND_CPU, stream)
+    return ArrayView(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), dtype_code(x.dtype),
+                     BACKEND_CPU, 0)
 
 
-def _cai_view(x, kind: str, stream: int) -> ArrayView:
+# DLPack (DLManagedTensor, read through ctypes from the capsule; the capsule keeps the data alive
+# and its destructor releases it, so it is kept with the view).
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+_DL_DTYPES = {(2, 32): DTYPE_F32, (2, 16): DTYPE_F16, (4, 16): DTYPE_BF16, (0, 32): DTYPE_I32,
+              (0, 64): DTYPE_I64}
+
+
+def _dlpack_structs():
+    import ctypes
+
+    class DLTensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                    ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                    ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
+                    ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                    ("byte_offset", ctypes.c_uint64)]
+
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return DLTensor, get
+
+
+_DLPACK = None
+
+
+def _dlpack_view(x, name: str, stream_fn=None) -> ArrayView:
+    """Any object with __dlpack__ / __dlpack_device__: host memory runs on the CPU backend, CUDA
+    memory on the CUDA backend. The producer is asked to make the data ready on the stream we run
+    on (stream_fn() if given, else the legacy default stream)."""
+    global _DLPACK
+    if _DLPACK is None:
+        _DLPACK = _dlpack_structs()
+    DLTensor, get = _DLPACK
+    dev_type, dev_id = x.__dlpack_device__()
+    dev_type = int(dev_type)
+    if dev_type in (_DL_CPU, _DL_CUDA_HOST):
+        capsule, backend, stream, device = x.__dlpack__(), BACKEND_CPU, 0, -1
+    elif dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+        stream = stream_fn() if stream_fn is not None else 0
+        # DLPack names the legacy default stream 1 (0 is ambiguous); cudaStreamLegacy is 0x1 too.
+        capsule = x.__dlpack__(stream=stream if stream else 1)
+        backend, device = BACKEND_CUDA, int(dev_id)
+    else:
+        raise ValueError(f"{name}: DLPack device type {dev_type} is neither host nor CUDA memory")
+    t = DLTensor.from_address(get(capsule, b"dltensor"))
+    code = _DL_DTYPES.get((t.code, t.bits)) if t.lanes == 1 else None
+    if code is None:
+        raise TypeError(f"{name}: unsupported DLPack dtype (code {t.code}, {t.bits} bits, {t.lanes} lanes); "
+                        "expected float32, float16, bfloat16, int32 or int64")
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    if t.strides:
+        strides = tuple(t.strides[i] for i in range(t.ndim))
+    else:
+        strides = _packed_strides(shape)
+    return ArrayView((x, capsule), "dlpack", (t.data or 0) + t.byte_offset, shape, strides, code,
+                     backend, stream, device)
+
+
+def _packed_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def _cai_view(x, kind: str, stream: Optional[int], device: int = -1) -> ArrayView:
     cai = x.__cuda_array_interface__
+    if stream is None:  # a generic producer: run on the stream it names (v3), else the default
+        stream = cai.get("stream") or 0
     dt = np.dtype(cai["typestr"])
     code = dtype_code(getattr(x, "dtype", dt))
     shape = tuple(cai["shape"])
@@ -85,7 +209,7 @@ def _cai_view(x, kind: str, stream: int) -> ArrayView:
         strides = tuple(reversed(strides))
     else:
         strides = tuple(s // itemsize for s in cai["strides"])
-    return ArrayView(x, kind, cai["data"][0], shape, strides, code, BACKEND_CUDA, stream)
+    return ArrayView(x, kind, cai["data"][0], shape, strides, code, BACKEND_CUDA, stream, device)
 
 
 def view(x: Any, name: str = "array") -> ArrayView:
@@ -96,36 +220,48 @@ def view(x: Any, name: str = "array") -> ArrayView:
     if isinstance(x, np.ndarray):
         if any(s % x.itemsize for s in x.strides):
             raise ValueError(f"{name}: strides {x.strides} are not multiples of the item size")
-        return ArrayView(x, "numpy", x.ctypes.data, x.shape,
+        return ArrayView(x, "numpy", x.__array_interface__["data"][0], x.shape,
                          tuple(s // x.itemsize for s in x.strides), dtype_code(x.dtype),
                          BACKEND_CPU, 0)
     if mod == "cupy":
         import cupy
-        return _cai_view(x, "cupy", cupy.cuda.get_current_stream().ptr)
+        dev = x.device.id
+        with cupy.cuda.Device(dev):  # the current stream of the array's own device
+            stream = cupy.cuda.get_current_stream().ptr
+        return _cai_view(x, "cupy", stream, dev)
     if mod in ("jax", "jaxlib"):
-        dev = list(x.devices())[0]
-        if dev.platform == "cpu":
+        devs = list(x.devices())
+        if len(devs) != 1:
+            raise ValueError(f"{name}: a JAX array sharded over {len(devs)} devices; pass one shard "
+                             "(x.addressable_shards) or use headloss.jax inside shard_map")
+        if devs[0].platform == "cpu":
             return view(np.asarray(x), name)
-        x.block_until_ready()  # JAX exposes no stream: order by completion, run on the default one
-        shape = tuple(x.shape)
-        strides, acc = [], 1
-        for n in reversed(shape):
-            strides.append(acc)
-            acc *= n
-        return ArrayView(x, "jax", x.unsafe_buffer_pointer(), shape, tuple(reversed(strides)),
-                         dtype_code(x.dtype), BACKEND_CUDA, 0)
+        # JAX exposes no stream: DLPack asks it to make the data ready on the legacy default
+        # stream, which the call then runs on; the caller keeps x alive. JAX arrays are immutable:
+        # outputs must come from another framework (or use headloss.jax, the XLA FFI path).
+        try:
+            v = _dlpack_view(x, name)
+        except Exception:  # an older jax without DLPack streams: wait for the data instead
+            x.block_until_ready()
+            return ArrayView(x, "jax", x.unsafe_buffer_pointer(), tuple(x.shape),
+                             _packed_strides(tuple(x.shape)), dtype_code(x.dtype), BACKEND_CUDA, 0,
+                             getattr(devs[0], "local_hardware_id", devs[0].id))
+        v.kind = "jax"
+        return v
     if hasattr(x, "__cuda_array_interface__"):
-        return _cai_view(x, "cai", 0)
+        return _cai_view(x, "cai", None)
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        return _dlpack_view(x, name)
     raise TypeError(f"{name}: unsupported array type {type(x).__name__}; pass a NumPy, PyTorch, "
-                    "CuPy or JAX array")
+                    "CuPy or JAX array, or an object with __cuda_array_interface__ or __dlpack__")
 
 
 def empty(like: ArrayView, shape: Sequence[int], dtype: int) -> Any:
     """A new array of the same kind and device as `like`."""
-    name = DTYPE_NAMES[dtype]
     if like.kind == "torch":
         import torch
-        return torch.empty(tuple(shape), dtype=getattr(torch, name), device=like.obj.device)
+        return torch.empty(tuple(shape), dtype=_torch_dtype(dtype), device=like.obj.device)
+    name = DTYPE_NAMES[dtype]
     if like.kind == "numpy":
         return np.empty(tuple(shape), dtype=_numpy_dtype(name))
     if like.kind == "cupy":
@@ -152,4 +288,21 @@ def same_place(views: Sequence[Optional[ArrayView]], what: str) -> int:
     backends = {v.backend for v in present}
     if len(backends) != 1:
         raise ValueError(f"{what}: arrays mix host and device memory")
-    return backends.pop()
+    backend = backends.pop()
+    if backend == BACKEND_CUDA:
+        devices = {getattr(v, "device", -1) for v in present} - {-1}
+        if len(devices) > 1:
+            raise ValueError(f"{what}: arrays are on different GPUs ({', '.join(f'cuda:{d}' for d in sorted(devices))}); "
+                             "move them to one device")
+    return backend
+
+
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_dtype(code: int):
+    t = _TORCH_DTYPES.get(code)
+    if t is None:
+        import torch
+        t = _TORCH_DTYPES[code] = getattr(torch, DTYPE_NAMES[code])
+    return t

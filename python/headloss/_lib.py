@@ -32,13 +32,20 @@ def _load() -> ctypes.CDLL:
     tried = []
     for path in _candidates():
         if path.exists():
-            return ctypes.CDLL(str(path))
+            try:
+                dll = ctypes.CDLL(str(path))
+            except OSError as e:  # e.g. a copy built for another platform: try the next one
+                tried.append(f"{path} ({e})")
+                continue
+            dll._headloss_path = path
+            return dll
         tried.append(str(path))
     raise ImportError("libheadloss.so not found (build it with `make`, or set HEADLOSS_LIBRARY); "
                       "looked in: " + ", ".join(tried))
 
 
 lib = _load()
+lib_path: Path = lib._headloss_path  # the file loaded (the JAX adapter is looked for beside it)
 lib.hl_get_version.restype = ctypes.c_int
 lib.hl_get_error_string.restype = ctypes.c_char_p
 lib.hl_get_error_string.argtypes = [ctypes.c_int]
