@@ -16,31 +16,10 @@ import torch
 
 import headloss
 from headloss import gdn_bwd_dqkwg
+from common import copy_bandwidth_gbs, median_ms
 
 SHAPES = [(16, 1024, 8, 256), (16, 4096, 8, 256), (8, 4096, 16, 128), (4, 8192, 32, 128)]
 VARLEN = (32768, 16, 128)  # total tokens, heads, K = V; random sequence lengths
-
-
-def timed(fn, iters=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def copy_bandwidth():
-    src = torch.empty(1 << 29, dtype=torch.uint8, device="cuda")  # 512 MiB
-    dst = torch.empty_like(src)
-    ms = timed(lambda: dst.copy_(src), iters=20)
-    return 2 * src.numel() / ms / 1e6  # GB/s counting read + write
 
 
 def inputs(B, T, H, K, cu=None):
@@ -90,13 +69,13 @@ def bench_one(label, x, bw, cu=None):
     scale = K ** -0.5
     ours = lambda: gdn_bwd_dqkwg(x["q"], x["k"], x["v"], x["do"], x["h"], x["dh"], scale=scale, g=x["g"],
                                  gate_log2=True, dv=x["dv"], cu_seqlens=cu)
-    t_ours = timed(ours)
+    t_ours = median_ms(ours, iters=30, warmup=5)
     floor_ms = floor_bytes(x) / bw / 1e6
     f = fla_fn(x, scale, cu)
     t_fla, err = float("nan"), "n/a"
     if f is not None:
         try:
-            t_fla = timed(f)
+            t_fla = median_ms(f, iters=30, warmup=5)
             a, b = ours(), f()
             err = " ".join(f"{n}={rel(p, r):.1e}" for n, p, r in zip(("dq", "dk", "dw", "dg"), a, b))
         except Exception as e:  # noqa: BLE001
@@ -112,7 +91,7 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.manual_seed(0)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth_gbs()
     lines = [f"# gdn_bwd_dqkwg vs fla chunk_bwd_dqkwg ({torch.cuda.get_device_name()}, bf16, h bf16, "
              f"log2 gate, dw on; copy bandwidth {bw:.0f} GB/s; fla guard bypassed for timing)", "",
              "| B, T, H, K=V | bytes | HBM floor ms | fla ms | headloss ms | speed-up | % of floor | ours vs fla |",

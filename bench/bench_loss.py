@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,24 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import headloss  # noqa: E402
+from common import median_ms  # noqa: E402
 from headloss import loss as hloss  # noqa: E402
 
 SHAPES = "8192x32000,8192x128256,4096x262144,65536x32000"
-
-
-def timeit(fn, iters=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 class Direct:
@@ -119,24 +104,24 @@ def main():
         old = -torch.rand(N, device="cuda") * 8 - 4
         ref = -torch.rand(N, device="cuda") * 8 - 4
         copy_dst = torch.empty_like(logits)
-        t_copy = timeit(lambda: copy_dst.copy_(logits))
+        t_copy = median_ms(lambda: copy_dst.copy_(logits))
         del copy_dst
         ce = Direct(logits, labels, ("ce",))
-        t_ce = timeit(ce)
+        t_ce = median_ms(ce)
         del ce
         cez = Direct(logits, labels, ("ce", "z"), z_weight=1e-4)
-        t_cez = timeit(cez)
+        t_cez = median_ms(cez)
         del cez
         full = Direct(logits, labels, ("ce", "z", "entropy", "grpo", "kl_ref"),
                       {"advantages": adv, "old_logprobs": old, "ref_logprobs": ref},
                       token_outputs=True, z_weight=1e-4, entropy_weight=-1e-2, kl_ref_beta=0.04)
-        t_full = timeit(full)
+        t_full = median_ms(full)
         del full
         torch.cuda.empty_cache()
         t_liger = t_comp = t_eager = None
         if liger is not None:
             x = logits.detach().requires_grad_(True)
-            t_liger = timeit(fwd_bwd(lambda a, b: liger(a, b), x, labels))
+            t_liger = median_ms(fwd_bwd(lambda a, b: liger(a, b), x, labels))
             del x
         small = N * V <= args.peer_max_elems
         if small:
@@ -145,8 +130,8 @@ def main():
                 t0 = time.time()
                 fwd_bwd(compiled, x, labels)()
                 print(f"# torch.compile warm-up {time.time() - t0:.1f} s", flush=True)
-                t_comp = timeit(fwd_bwd(compiled, x, labels), iters=10)
-            t_eager = timeit(fwd_bwd(torch_ce_z_ent, x, labels), iters=5, warmup=1)
+                t_comp = median_ms(fwd_bwd(compiled, x, labels), iters=10)
+            t_eager = median_ms(fwd_bwd(torch_ce_z_ent, x, labels), iters=5, warmup=1)
             del x
         torch.cuda.empty_cache()
         f = lambda t: "n/a" if t is None else f"{t:.3f}"  # noqa: E731
