@@ -88,6 +88,10 @@ struct Buffer {
 // two are the same matrix (same pointer, stride and element size): that is in-place work.
 hl_status_t check_aliasing(const char *fn, const Buffer *bufs, int n);
 
+// An optional pointer argument: NULL passes; otherwise element alignment and memory kind.
+hl_status_t check_pointer(const char *fn, hl_backend_t backend, const char *arg, const void *p,
+                          hl_dtype_t dt);
+
 // Bytes spanned by a [rows, cols] matrix with the given row stride (elements).
 inline uint64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, hl_dtype_t dt) {
   if (rows == 0 || cols == 0) return 0;

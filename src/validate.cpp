@@ -65,6 +65,13 @@ hl_status_t resolve_stride(const char *fn, const char *arg, int64_t stride, int6
   return HL_STATUS_SUCCESS;
 }
 
+hl_status_t check_pointer(const char *fn, hl_backend_t backend, const char *arg, const void *p,
+                          hl_dtype_t dt) {
+  if (!p) return HL_STATUS_SUCCESS;
+  HL_TRY(check_element_aligned(fn, arg, p, dt));
+  return check_location(fn, arg, p, backend);
+}
+
 hl_status_t check_element_aligned(const char *fn, const char *arg, const void *p, hl_dtype_t dt) {
   const size_t a = dtype_size(dt);
   if (a && reinterpret_cast<uintptr_t>(p) % a)

@@ -92,8 +92,7 @@ hl_status_t check_cu_seqlens(const char *fn, const hl_gdn_bwd_dqkwg_args_t &a, c
 
 hl_status_t check_tensor(const char *fn, hl_backend_t backend, const char *name, const void *p, hl_dtype_t dt) {
   HL_TRY(check_not_null(fn, name, p));
-  HL_TRY(check_element_aligned(fn, name, p, dt));
-  return check_location(fn, name, p, backend);
+  return check_pointer(fn, backend, name, p, dt);
 }
 
 size_t workspace_bytes(const hl_gdn_bwd_dqkwg_args_t &a) {

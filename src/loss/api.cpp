@@ -101,14 +101,6 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   return HL_STATUS_SUCCESS;
 }
 
-// One optional argument: element alignment and memory kind.
-hl_status_t check_ptr(const char *fn, hl_backend_t backend, const char *name, const void *p,
-                      hl_dtype_t dt) {
-  if (!p) return HL_STATUS_SUCCESS;
-  HL_TRY(check_element_aligned(fn, name, p, dt));
-  return check_location(fn, name, p, backend);
-}
-
 // An argument that `what` requires.
 hl_status_t require(const char *fn, const char *name, const void *p, const char *what) {
   if (!p) return fail(HL_STATUS_INVALID_VALUE, "%s: %s is NULL; %s needs it", fn, name, what);
@@ -162,7 +154,7 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
       {"scalars", a.scalars, HL_DTYPE_F32}, {"token_loss", a.token_loss, HL_DTYPE_F32},
       {"token_logp", a.token_logp, HL_DTYPE_F32}, {"token_entropy", a.token_entropy, HL_DTYPE_F32},
       {"token_lse", a.token_lse, HL_DTYPE_F32}};
-  for (const P &q : ptrs) HL_TRY(check_ptr(fn, be, q.name, q.ptr, q.dt));
+  for (const P &q : ptrs) HL_TRY(check_pointer(fn, be, q.name, q.ptr, q.dt));
   const int64_t N = a.rows;
   const Buffer bufs[] = {
       {"logits", a.logits, N, V, a.logits_stride, d.logits_dtype, false},

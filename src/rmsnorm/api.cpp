@@ -31,15 +31,7 @@ hl_status_t check_matrix(const char *fn, hl_backend_t backend, const char *name,
                          hl_dtype_t dt, int64_t cols, int64_t *stride) {
   if (!p) return HL_STATUS_SUCCESS;
   HL_TRY(resolve_stride(fn, name, *stride, cols, stride));
-  HL_TRY(check_element_aligned(fn, name, p, dt));
-  return check_location(fn, name, p, backend);
-}
-
-hl_status_t check_vector(const char *fn, hl_backend_t backend, const char *name, const void *p,
-                         hl_dtype_t dt) {
-  if (!p) return HL_STATUS_SUCCESS;
-  HL_TRY(check_element_aligned(fn, name, p, dt));
-  return check_location(fn, name, p, backend);
+  return check_pointer(fn, backend, name, p, dt);
 }
 
 hl_status_t validate_fwd(const char *fn, hl_rmsnorm_fwd_args_t &a) {
@@ -60,8 +52,8 @@ hl_status_t validate_fwd(const char *fn, hl_rmsnorm_fwd_args_t &a) {
   HL_TRY(check_matrix(fn, a.backend, "residual_out", a.residual_out, a.x_dtype, a.cols,
                       &a.residual_out_stride));
   HL_TRY(check_matrix(fn, a.backend, "y", a.y, a.y_dtype, a.cols, &a.y_stride));
-  HL_TRY(check_vector(fn, a.backend, "weight", a.weight, a.weight_dtype));
-  HL_TRY(check_vector(fn, a.backend, "rstd", a.rstd, HL_DTYPE_F32));
+  HL_TRY(check_pointer(fn, a.backend, "weight", a.weight, a.weight_dtype));
+  HL_TRY(check_pointer(fn, a.backend, "rstd", a.rstd, HL_DTYPE_F32));
   const Buffer bufs[] = {
       {"x", a.x, a.rows, a.cols, a.x_stride, a.x_dtype, false},
       {"residual", a.residual, a.rows, a.cols, a.residual_stride, a.x_dtype, false},
@@ -90,7 +82,7 @@ hl_status_t validate_bwd(const char *fn, hl_rmsnorm_bwd_args_t &a) {
   }
   if (a.cols == 0) return HL_STATUS_SUCCESS;
   // No rows: dw is still the (zero) sum over rows, so it is checked and written.
-  if (a.rows == 0) return check_vector(fn, a.backend, "dw", a.dw, a.dw_dtype);
+  if (a.rows == 0) return check_pointer(fn, a.backend, "dw", a.dw, a.dw_dtype);
   HL_TRY(check_not_null(fn, "x", a.x));
   HL_TRY(check_not_null(fn, "dy", a.dy));
   HL_TRY(check_not_null(fn, "dx", a.dx));
@@ -101,9 +93,9 @@ hl_status_t validate_bwd(const char *fn, hl_rmsnorm_bwd_args_t &a) {
   HL_TRY(check_matrix(fn, a.backend, "dx", a.dx, a.x_dtype, a.cols, &a.dx_stride));
   HL_TRY(check_matrix(fn, a.backend, "dresidual", a.dresidual, a.x_dtype, a.cols,
                       &a.dresidual_stride));
-  HL_TRY(check_vector(fn, a.backend, "rstd", a.rstd, HL_DTYPE_F32));
-  HL_TRY(check_vector(fn, a.backend, "weight", a.weight, a.weight_dtype));
-  HL_TRY(check_vector(fn, a.backend, "dw", a.dw, a.dw_dtype));
+  HL_TRY(check_pointer(fn, a.backend, "rstd", a.rstd, HL_DTYPE_F32));
+  HL_TRY(check_pointer(fn, a.backend, "weight", a.weight, a.weight_dtype));
+  HL_TRY(check_pointer(fn, a.backend, "dw", a.dw, a.dw_dtype));
   size_t need = 0;
 #if HL_HAVE_CUDA
   if (a.backend == HL_BACKEND_CUDA) need = cuda_bwd_workspace_bytes(a);
@@ -113,7 +105,7 @@ hl_status_t validate_bwd(const char *fn, hl_rmsnorm_bwd_args_t &a) {
                 fn, a.workspace_bytes, need);
   if (need) {
     HL_TRY(check_not_null(fn, "workspace", a.workspace));
-    HL_TRY(check_vector(fn, a.backend, "workspace", a.workspace, HL_DTYPE_F32));
+    HL_TRY(check_pointer(fn, a.backend, "workspace", a.workspace, HL_DTYPE_F32));
     if (reinterpret_cast<uintptr_t>(a.workspace) % 16)
       return fail(HL_STATUS_MISALIGNED, "%s: workspace (%p) must be 16-byte aligned", fn, a.workspace);
   }
