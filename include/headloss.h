@@ -349,8 +349,8 @@ typedef struct {
   int64_t ignore_index;
   hl_loss_grad_mode_t grad_mode;
   hl_dtype_t grad_dtype;     /* logits_dtype or F32; with a gradient */
-  /* Tensor parallelism (a later version): this rank's first column and the full vocabulary.
-   * Must be 0 and 0 (or vocab) today. */
+  /* Tensor parallelism: this rank's shard is columns [vocab_start, vocab_start + vocab) of a
+   * vocabulary of vocab_global columns (0: not sharded). See hl_loss_plan_execute_stats. */
   int64_t vocab_start;
   int64_t vocab_global;
 } hl_loss_plan_desc_t;
@@ -417,6 +417,33 @@ HL_API hl_status_t hl_loss_plan_get_workspace_size(hl_loss_plan_t plan, int64_t 
 HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_t *args,
                                         void *workspace, size_t workspace_bytes, hl_stream_t stream);
 HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan);
+
+/*
+ * Tensor parallelism: the vocabulary sharded over ranks, one collective per step.
+ * Each rank creates the plan for its shard (vocab_start, vocab = its columns, vocab_global; labels
+ * are global ids; every other field the same on every rank) and, for each batch, with the same
+ * hl_loss_args_t for both calls (its logits, teacher logits and gradient are the shard's columns):
+ *   1. hl_loss_plan_execute_stats writes this rank's block of per-row statistics;
+ *   2. the caller all-gathers the blocks, in rank order, into one buffer on every rank (NCCL,
+ *      torch.distributed, jax.lax.all_gather, ...): one collective of ranks * block bytes;
+ *   3. hl_loss_plan_execute_finish merges the blocks row by row, exactly (log-sum-exp rescaling),
+ *      in buffer order, then writes the scalars and per-token outputs (the same bits on every
+ *      rank) and this rank's gradient slice.
+ * A block is hl_loss_plan_get_stats_size(plan, rows) bytes: a 64-byte header (format tag, a
+ * fingerprint of the plan, rows, vocab_start, vocab, vocab_global, record bytes, 0) and one record
+ * per row: max z_hat, sum e, sum e (z_hat - max), sum z_hat, the label's z_hat (-inf where another
+ * shard owns the label), the argmax's global column, and for distillation the teacher's max and
+ * sums and the student-temperature sums (e = exp(z_hat - max)); fp64 on the CPU backend.
+ * finish refuses (INVALID_VALUE, nothing written) blocks that disagree with the plan or the rows,
+ * a buffer smaller than ranks blocks, and shards that do not tile [0, vocab_global).
+ * This version runs sharded plans on the CPU backend; the CUDA backend answers NOT_SUPPORTED.
+ */
+HL_API hl_status_t hl_loss_plan_get_stats_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes);
+HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                              void *stats, size_t stats_bytes, hl_stream_t stream);
+HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                               const void *gathered, int ranks,
+                                               size_t gathered_bytes, hl_stream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
+
+import numpy as np
 from typing import Any, NamedTuple, Optional
 
 from ._arrays import dtype_code, empty, same_place, view
@@ -51,6 +53,10 @@ _create = declare("hl_loss_plan_create", ctypes.POINTER(_Desc), ctypes.POINTER(c
 _ws_size = declare("hl_loss_plan_get_workspace_size", c_ptr, c_i64, ctypes.POINTER(ctypes.c_size_t))
 _execute = declare("hl_loss_plan_execute", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t, c_ptr)
 _destroy = declare("hl_loss_plan_destroy", c_ptr)
+_stats_size = declare("hl_loss_plan_get_stats_size", c_ptr, c_i64, ctypes.POINTER(ctypes.c_size_t))
+_stats = declare("hl_loss_plan_execute_stats", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t, c_ptr)
+_finish = declare("hl_loss_plan_execute_finish", c_ptr, ctypes.POINTER(_Args), c_ptr, c_int,
+                  ctypes.c_size_t, c_ptr)
 
 
 class LossOutput(NamedTuple):
@@ -70,14 +76,19 @@ class LossOutput(NamedTuple):
 
 class LossPlan:
     """A validated loss description. Options mirror hl_loss_plan_desc_t: `terms` is an iterable of
-    names from TERMS (or an int of HL_LOSS_* bits); weights default to 1 for each term named."""
+    names from TERMS (or an int of HL_LOSS_* bits); weights default to 1 for each term named.
+
+    Tensor parallelism: with vocab_global set, the plan is the shard [vocab_start, vocab_start +
+    vocab) of the vocabulary; run it with stats(), an all-gather of the blocks in rank order, and
+    finish() (CPU backend in this version)."""
 
     def __init__(self, vocab: int, dtype, *, terms=("ce",), device: str = "cpu", labels_dtype="int64",
                  ce_weight=1.0, z_weight=1.0, entropy_weight=1.0, distill_weight=1.0,
                  grpo_weight=1.0, kl_ref_beta=1.0, label_smoothing=0.0, logit_scale=0.0,
                  softcap=0.0, teacher_temperature=0.0, student_temperature=0.0, eps_low=0.0,
                  eps_high=0.0, ignore_index: Optional[int] = None, grad: Optional[str] = "write",
-                 grad_dtype=None, check_labels: bool = True):
+                 grad_dtype=None, check_labels: bool = True, vocab_start: int = 0,
+                 vocab_global: int = 0):
         bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
         d = _Desc(ctypes.sizeof(_Desc), BACKEND_CUDA if device == "cuda" else BACKEND_CPU, vocab,
                   dtype_code(dtype), DTYPE_NONE if labels_dtype is None else dtype_code(labels_dtype),
@@ -88,6 +99,7 @@ class LossPlan:
             d.use_ignore_index, d.ignore_index = 1, ignore_index
         d.grad_mode = GRAD_MODES[grad]
         d.grad_dtype = DTYPE_NONE if grad_dtype is None else dtype_code(grad_dtype)
+        d.vocab_start, d.vocab_global = vocab_start, vocab_global
         self.vocab, self.terms, self.desc = vocab, bits, d
         self._handle = c_ptr()
         check(_create(ctypes.byref(d), ctypes.byref(self._handle)))
@@ -115,6 +127,53 @@ class LossPlan:
         """Runs the plan. grad: an existing gradient (written, or accumulated into with
         grad='accumulate'); in_place writes the gradient over the logits. scalars / tokens
         (4 arrays: loss, logp, entropy, lse): optional preallocated fp32 outputs."""
+        a, lv, out = self._args(logits, labels, weights, teacher_logits, advantages, old_logprobs,
+                                ref_logprobs, divisor, grad_scale, grad, token_outputs, in_place,
+                                scalars, tokens)
+        nbytes = self.workspace_bytes(a.rows)
+        ws, wp = None, None
+        if nbytes:
+            ws = empty(lv, ((nbytes + 15) // 16 * 4,), DTYPE_F32)
+            wp = view(ws, "workspace").ptr
+        check(_execute(self._handle, ctypes.byref(a), wp, nbytes, lv.stream))
+        return out
+
+    def stats_bytes(self, rows: int) -> int:
+        """Bytes of one rank's block of statistics for `rows` rows."""
+        n = ctypes.c_size_t(0)
+        check(_stats_size(self._handle, rows, ctypes.byref(n)))
+        return n.value
+
+    def stats(self, logits, labels=None, *, teacher_logits=None):
+        """Step 1 of the sharded loss: this rank's block of per-row statistics (a uint8 array) to
+        all-gather, in rank order, across the ranks."""
+        a, lv, _ = self._args(logits, labels, None, teacher_logits, None, None, None, 0.0, 0.0,
+                              None, False, False, None, None, outputs=False)
+        block = np.empty(self.stats_bytes(a.rows), np.uint8)
+        check(_stats(self._handle, ctypes.byref(a), block.ctypes.data, block.nbytes, lv.stream))
+        return block
+
+    def finish(self, gathered, ranks: int, logits, labels=None, **kwargs) -> LossOutput:
+        """Step 3: merges the gathered blocks (every rank's stats(), in rank order) and returns the
+        scalars and per-token outputs (identical on every rank) and this shard's gradient.
+        Keyword arguments as for calling the plan."""
+        a, lv, out = self._args(logits, labels, kwargs.pop("weights", None),
+                                kwargs.pop("teacher_logits", None), kwargs.pop("advantages", None),
+                                kwargs.pop("old_logprobs", None), kwargs.pop("ref_logprobs", None),
+                                kwargs.pop("divisor", 0.0), kwargs.pop("grad_scale", 0.0),
+                                kwargs.pop("grad", None), kwargs.pop("token_outputs", False),
+                                kwargs.pop("in_place", False), kwargs.pop("scalars", None),
+                                kwargs.pop("tokens", None))
+        if kwargs:
+            raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
+        g = np.ascontiguousarray(np.asarray(gathered)).view(np.uint8)  # host bytes (CPU backend)
+        check(_finish(self._handle, ctypes.byref(a), g.ctypes.data, ranks, g.nbytes, lv.stream))
+        return out
+
+    def _args(self, logits, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
+              divisor, grad_scale, grad, token_outputs, in_place, scalars, tokens, outputs=True):
+        """The hl_loss_args_t of one call, its logits' view and the LossOutput it fills (outputs
+        allocated here unless passed; none for the statistics step)."""
         lv = view(logits, "logits")
         rows, cols, ls = lv.rows_view("logits")
         if cols != self.vocab:
@@ -123,6 +182,7 @@ class LossPlan:
                (("labels", labels), ("weights", weights), ("teacher_logits", teacher_logits),
                 ("advantages", advantages), ("old_logprobs", old_logprobs),
                 ("ref_logprobs", ref_logprobs))}
+        same_place([lv] + [v for v in opt.values()], "loss plan")
         a = _Args(ctypes.sizeof(_Args), rows, lv.ptr, ls)
         for k, v in opt.items():
             if v is not None:
@@ -130,6 +190,8 @@ class LossPlan:
         if opt["teacher_logits"] is not None:
             a.teacher_stride = opt["teacher_logits"].rows_view("teacher_logits")[2]
         a.divisor, a.grad_scale = divisor, grad_scale
+        if not outputs:
+            return a, lv, None
         if self.grad_mode:
             if in_place:
                 grad = logits
@@ -146,14 +208,7 @@ class LossPlan:
             toks = [empty(lv, lv.shape[:-1], DTYPE_F32) for _ in range(4)]
         if toks[0] is not None:
             a.token_loss, a.token_logp, a.token_entropy, a.token_lse = (view(t, "token").ptr for t in toks)
-        same_place([lv] + [v for v in opt.values()], "loss plan")
-        nbytes = self.workspace_bytes(rows)
-        ws, wp = None, None
-        if nbytes:
-            ws = empty(lv, ((nbytes + 15) // 16 * 4,), DTYPE_F32)
-            wp = view(ws, "workspace").ptr
-        check(_execute(self._handle, ctypes.byref(a), wp, nbytes, lv.stream))
-        return LossOutput(scalars, grad if self.grad_mode else None, *toks)
+        return a, lv, LossOutput(scalars, grad if self.grad_mode else None, *toks)
 
 
 @lru_cache(maxsize=64)

@@ -1,6 +1,10 @@
 // hl_loss_plan_* entry points: validate the description once at creation and every call's
 // arguments at execution, then hand over to a backend.
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <utility>
+#include <vector>
 
 #include "../common.h"
 #include "../cpu/scalar.h"
@@ -78,11 +82,15 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
       return fail(HL_STATUS_INVALID_VALUE, "%s: grad_dtype is %s; use F32 or logits_dtype (%s)", fn,
                   dtype_name(d.grad_dtype), dtype_name(d.logits_dtype));
   }
-  if (d.vocab_start != 0 || (d.vocab_global != 0 && d.vocab_global != d.vocab))
-    return fail(HL_STATUS_NOT_SUPPORTED,
-                "%s: vocab_start is %lld and vocab_global %lld; vocabulary sharding (tensor "
-                "parallelism) is not in this version: use 0 and 0", fn,
-                (long long)d.vocab_start, (long long)d.vocab_global);
+  if (d.vocab_global == 0 && d.vocab_start == 0) d.vocab_global = d.vocab;  // not sharded
+  if (d.vocab_start < 0 || d.vocab_global < d.vocab || d.vocab_start > d.vocab_global - d.vocab)
+    return fail(HL_STATUS_INVALID_VALUE,
+                "%s: the shard [vocab_start, vocab_start + vocab) = [%lld, %lld) is not inside "
+                "[0, vocab_global = %lld)", fn, (long long)d.vocab_start,
+                (long long)(d.vocab_start + d.vocab), (long long)d.vocab_global);
+  if (d.vocab_global != d.vocab && d.backend == HL_BACKEND_CUDA)
+    return fail(HL_STATUS_NOT_SUPPORTED, "%s: sharded (tensor-parallel) plans run on the CPU "
+                "backend in this version", fn);
   const auto on = [&](unsigned t, float w) { return (d.terms & t) ? w : 0.0f; };
   o.ce_w = on(HL_LOSS_CE, d.ce_weight);
   o.z_w = on(HL_LOSS_Z, d.z_weight);
@@ -97,8 +105,17 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   o.distill = (d.terms & HL_LOSS_DISTILL_FWD) ? kDistillFwd
               : (d.terms & HL_LOSS_DISTILL_REV) ? kDistillRev : kDistillNone;
   o.terms = d.terms;
-  o.vocab = d.vocab;
+  o.vocab = d.vocab_global;  // label smoothing averages over the whole vocabulary
   return HL_STATUS_SUCCESS;
+}
+
+// FNV-1a of the description with the shard's own fields cleared: equal on every rank of one plan.
+uint64_t fingerprint(hl_loss_plan_desc_t d) {
+  d.vocab_start = d.vocab = 0;
+  const unsigned char *b = reinterpret_cast<const unsigned char *>(&d);
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < sizeof d; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
 }
 
 // An argument that `what` requires.
@@ -107,7 +124,11 @@ hl_status_t require(const char *fn, const char *name, const void *p, const char 
   return HL_STATUS_SUCCESS;
 }
 
-hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args_t &a) {
+// Which call the arguments are for: the statistics step reads logits, labels and teacher logits
+// only, so it needs none of the other inputs or outputs.
+enum Phase { kWhole, kStats, kFinish };
+
+hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args_t &a, Phase phase) {
   const hl_loss_plan_desc_t &d = p.desc;
   const hl_backend_t be = d.backend;
   HL_TRY(check_positive(fn, "rows", a.rows));
@@ -127,12 +148,13 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
   HL_TRY(check_not_null(fn, "logits", a.logits));
   if (p.needs_labels) HL_TRY(require(fn, "labels", a.labels, "CE, GRPO or GRPO_KL_REF"));
   if (p.opt.distill != kDistillNone) HL_TRY(require(fn, "teacher_logits", a.teacher_logits, "distillation"));
-  if (d.terms & HL_LOSS_GRPO) {
+  if ((d.terms & HL_LOSS_GRPO) && phase != kStats) {
     HL_TRY(require(fn, "advantages", a.advantages, "GRPO"));
     HL_TRY(require(fn, "old_logprobs", a.old_logprobs, "GRPO"));
   }
-  if (d.terms & HL_LOSS_GRPO_KL_REF) HL_TRY(require(fn, "ref_logprobs", a.ref_logprobs, "GRPO_KL_REF"));
-  if (grad) HL_TRY(require(fn, "grad", a.grad, "a plan with a gradient"));
+  if ((d.terms & HL_LOSS_GRPO_KL_REF) && phase != kStats)
+    HL_TRY(require(fn, "ref_logprobs", a.ref_logprobs, "GRPO_KL_REF"));
+  if (grad && phase != kStats) HL_TRY(require(fn, "grad", a.grad, "a plan with a gradient"));
   const int64_t V = d.vocab;
   HL_TRY(resolve_stride(fn, "logits", a.logits_stride, V, &a.logits_stride));
   if (a.teacher_logits) HL_TRY(resolve_stride(fn, "teacher_logits", a.teacher_stride, V, &a.teacher_stride));
@@ -180,11 +202,83 @@ hl_status_t check_host_labels(const char *fn, const hl_loss_plan_st &p, const hl
   for (int64_t i = 0; i < a.rows; ++i) {
     const int64_t y = int64_t(cpu::load(a.labels, p.desc.labels_dtype, i));
     const bool ignored = y < 0 || (p.desc.use_ignore_index && y == p.desc.ignore_index);
-    if (!ignored && y >= p.desc.vocab)
+    if (!ignored && y >= p.desc.vocab_global)
       return fail(HL_STATUS_INVALID_VALUE,
                   "%s: labels[%lld] is %lld, outside [0, vocab = %lld) and not ignored", fn,
-                  (long long)i, (long long)y, (long long)p.desc.vocab);
+                  (long long)i, (long long)y, (long long)p.desc.vocab_global);
   }
+  return HL_STATUS_SUCCESS;
+}
+
+// Bytes of one rank's block of statistics for `rows` rows.
+size_t block_bytes(int64_t rows) { return sizeof(BlockHeader) + size_t(rows) * sizeof(CpuStats); }
+
+hl_status_t check_split_backend(const char *fn, const hl_loss_plan_st &p) {
+  if (p.desc.backend != HL_BACKEND_CPU)
+    return fail(HL_STATUS_NOT_SUPPORTED, "%s: the split (tensor-parallel) execution runs on the "
+                "CPU backend in this version", fn);
+  return HL_STATUS_SUCCESS;
+}
+
+// A buffer of `ranks` blocks: present, large enough, host memory, clear of the call's outputs.
+hl_status_t check_block_buffer(const char *fn, const char *name, const void *buf, size_t bytes,
+                               int ranks, const hl_loss_args_t &a, const hl_loss_plan_st &p) {
+  HL_TRY(check_not_null(fn, name, buf));
+  const size_t need = size_t(ranks) * block_bytes(a.rows);
+  if (bytes < need)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: %s_bytes is %zu; %d block(s) of %lld rows need %zu",
+                fn, name, bytes, ranks, (long long)a.rows, need);
+  HL_TRY(check_location(fn, name, buf, p.desc.backend));
+  const Buffer others[] = {
+      {"logits", a.logits, a.rows, p.desc.vocab, a.logits_stride, p.desc.logits_dtype, false},
+      {"grad", a.grad, a.rows, p.desc.vocab, a.grad_stride, p.desc.grad_dtype, false},
+      {"scalars", a.scalars, 1, HL_LOSS_NUM_SCALARS, HL_LOSS_NUM_SCALARS, HL_DTYPE_F32, false},
+      {"token_loss", a.token_loss, a.rows, 1, 1, HL_DTYPE_F32, false},
+      {"token_logp", a.token_logp, a.rows, 1, 1, HL_DTYPE_F32, false},
+      {"token_entropy", a.token_entropy, a.rows, 1, 1, HL_DTYPE_F32, false},
+      {"token_lse", a.token_lse, a.rows, 1, 1, HL_DTYPE_F32, false}};
+  for (const Buffer &b : others)
+    if (overlaps(buf, need, b.ptr, span_bytes(b.rows, b.cols, b.stride, b.dtype)))
+      return fail(HL_STATUS_INVALID_VALUE, "%s: %s overlaps %s", fn, name, b.name);
+  return HL_STATUS_SUCCESS;
+}
+
+// The gathered blocks: each from this plan and these rows, their shards tiling the vocabulary.
+hl_status_t check_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows, const char *buf,
+                         int ranks) {
+  const hl_loss_plan_desc_t &d = p.desc;
+  std::vector<std::pair<int64_t, int64_t>> shards;  // (vocab_start, vocab)
+  bool mine = false;
+  for (int r = 0; r < ranks; ++r) {
+    BlockHeader h;
+    std::memcpy(&h, buf + size_t(r) * block_bytes(rows), sizeof h);
+    if (h.tag != kBlockTag || h.record_bytes != int64_t(sizeof(CpuStats)))
+      return fail(HL_STATUS_INVALID_VALUE, "%s: block %d is not a block of statistics from "
+                  "hl_loss_plan_execute_stats (bad header)", fn, r);
+    if (h.rows != rows)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: block %d has %lld rows; this call has %lld (the "
+                  "ranks disagree on N)", fn, r, (long long)h.rows, (long long)rows);
+    if (h.fingerprint != p.fingerprint || h.vocab_global != d.vocab_global)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: block %d comes from a different plan (the ranks "
+                  "disagree on the terms, options or vocab_global)", fn, r);
+    shards.emplace_back(h.vocab_start, h.vocab);
+    mine |= h.vocab_start == d.vocab_start && h.vocab == d.vocab;
+  }
+  std::sort(shards.begin(), shards.end());
+  int64_t next = 0;
+  for (const auto &s : shards) {
+    if (s.first != next)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: the shards do not tile [0, %lld): column %lld is "
+                  "%s", fn, (long long)d.vocab_global, (long long)std::min(next, s.first),
+                  s.first > next ? "owned by no shard" : "owned by two shards");
+    next = s.first + s.second;
+  }
+  if (next != d.vocab_global)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: the shards do not tile [0, %lld): columns from %lld "
+                "are owned by no shard", fn, (long long)d.vocab_global, (long long)next);
+  if (!mine)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: this plan's shard [%lld, %lld) is not among the "
+                "gathered blocks", fn, (long long)d.vocab_start, (long long)(d.vocab_start + d.vocab));
   return HL_STATUS_SUCCESS;
 }
 
@@ -208,6 +302,7 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
     p->desc = d;
     p->opt = o;
     p->needs_labels = (d.terms & kLabelTerms) != 0;
+    p->fingerprint = fingerprint(d);
 #if HL_HAVE_CUDA
     if (d.backend == HL_BACKEND_CUDA) {
       const hl_status_t s = cuda_plan(fn, *p);
@@ -243,7 +338,10 @@ HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_
     HL_TRY(check_not_null(fn, "plan", plan));
     hl_loss_args_t a;
     HL_TRY(read_descriptor(fn, args, &a));
-    HL_TRY(validate_args(fn, *plan, a));
+    if (plan->desc.vocab_global != plan->desc.vocab)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: the plan is a vocabulary shard; run it with "
+                  "hl_loss_plan_execute_stats, a gather, and hl_loss_plan_execute_finish", fn);
+    HL_TRY(validate_args(fn, *plan, a, kWhole));
     size_t need = 0;
 #if HL_HAVE_CUDA
     if (plan->desc.backend == HL_BACKEND_CUDA) need = cuda_workspace_bytes(*plan, a.rows);
@@ -263,6 +361,71 @@ HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_
     (void)stream;
     HL_TRY(check_host_labels(fn, *plan, a));
     return cpu_execute(*plan, a);
+  });
+}
+
+HL_API hl_status_t hl_loss_plan_get_stats_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes) {
+  static const char *fn = "hl_loss_plan_get_stats_size";
+  return guarded(fn, [&]() -> hl_status_t {
+    HL_TRY(check_not_null(fn, "plan", plan));
+    HL_TRY(check_not_null(fn, "bytes", bytes));
+    HL_TRY(check_positive(fn, "rows", rows));
+    HL_TRY(check_split_backend(fn, *plan));
+    *bytes = block_bytes(rows);
+    return HL_STATUS_SUCCESS;
+  });
+}
+
+HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                              void *stats, size_t stats_bytes, hl_stream_t stream) {
+  static const char *fn = "hl_loss_plan_execute_stats";
+  (void)stream;
+  return guarded(fn, [&]() -> hl_status_t {
+    HL_TRY(check_not_null(fn, "plan", plan));
+    HL_TRY(check_split_backend(fn, *plan));
+    hl_loss_args_t a;
+    HL_TRY(read_descriptor(fn, args, &a));
+    HL_TRY(validate_args(fn, *plan, a, kStats));
+    HL_TRY(check_block_buffer(fn, "stats", stats, stats_bytes, 1, a, *plan));
+    HL_TRY(check_host_labels(fn, *plan, a));
+    const hl_loss_plan_desc_t &d = plan->desc;
+    const BlockHeader h{kBlockTag, plan->fingerprint, a.rows, d.vocab_start, d.vocab,
+                        d.vocab_global, int64_t(sizeof(CpuStats)), 0};
+    std::vector<CpuStats> st(size_t(a.rows));
+    cpu_stats(*plan, a, st.data());
+    std::memcpy(stats, &h, sizeof h);
+    if (a.rows) std::memcpy(static_cast<char *>(stats) + sizeof h, st.data(), st.size() * sizeof(CpuStats));
+    return HL_STATUS_SUCCESS;
+  });
+}
+
+HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                               const void *gathered, int ranks,
+                                               size_t gathered_bytes, hl_stream_t stream) {
+  static const char *fn = "hl_loss_plan_execute_finish";
+  (void)stream;
+  return guarded(fn, [&]() -> hl_status_t {
+    HL_TRY(check_not_null(fn, "plan", plan));
+    HL_TRY(check_split_backend(fn, *plan));
+    hl_loss_args_t a;
+    HL_TRY(read_descriptor(fn, args, &a));
+    HL_TRY(validate_args(fn, *plan, a, kFinish));
+    if (ranks < 1) return fail(HL_STATUS_INVALID_VALUE, "%s: ranks is %d; must be >= 1", fn, ranks);
+    HL_TRY(check_block_buffer(fn, "gathered", gathered, gathered_bytes, ranks, a, *plan));
+    HL_TRY(check_host_labels(fn, *plan, a));
+    HL_TRY(check_blocks(fn, *plan, a.rows, static_cast<const char *>(gathered), ranks));
+    // Merge every row's shards in rank order (the same order, so the same bits, on every rank).
+    std::vector<CpuStats> merged(size_t(a.rows), empty_stats<double>());
+    const double inv_ts = plan->opt.inv_ts;
+    for (int r = 0; r < ranks; ++r) {
+      const char *rec = static_cast<const char *>(gathered) + size_t(r) * block_bytes(a.rows) + sizeof(BlockHeader);
+      for (int64_t i = 0; i < a.rows; ++i) {
+        CpuStats s;
+        std::memcpy(&s, rec + size_t(i) * sizeof s, sizeof s);
+        merged[size_t(i)] = r == 0 ? s : merge(merged[size_t(i)], s, inv_ts);
+      }
+    }
+    return cpu_finish(*plan, a, merged.data());
   });
 }
 

@@ -96,7 +96,9 @@ static void bad_descriptions(void **state) {
   d = desc_ce(), d.grad_mode = (hl_loss_grad_mode_t)7;
   create_fails(d, HL_STATUS_INVALID_VALUE, "grad_mode is 7");
   d = desc_ce(), d.vocab_start = 3;
-  create_fails(d, HL_STATUS_NOT_SUPPORTED, "vocab_start is 3");
+  create_fails(d, HL_STATUS_INVALID_VALUE, "= [3, 9) is not inside [0, vocab_global = 0)");
+  d = desc_ce(), d.vocab_start = 4, d.vocab_global = 9;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "= [4, 10) is not inside [0, vocab_global = 9)");
   d = desc_ce(), d.struct_size = 3;
   create_fails(d, HL_STATUS_INVALID_VALUE, "struct_size is 3");
   d = desc_ce(), d.backend = (hl_backend_t)9;
