@@ -306,7 +306,8 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  * I64; weights, advantages, old / reference log-probs and every per-token output are fp32 [rows].
  * The gradient goes to its own buffer or over the logits in place (grad == logits, same dtype and
  * stride), in the logits' dtype or F32, written or accumulated (old + new in fp32, one rounding).
- * Labels that are out of [0, vocab) and not ignored are an error (INVALID_VALUE, nothing written);
+ * Labels that are out of [0, vocab) (of vocab_global for a shard) and not ignored are an error
+ * (INVALID_VALUE, nothing written);
  * on CUDA the check costs a stream synchronisation: HL_LOSS_UNCHECKED_LABELS skips it (then such a
  * row's loss is infinite). Plans are immutable and may be used from several threads at once.
  */
