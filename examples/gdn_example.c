@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "headloss.h"
+#include "example.h"
 #if HL_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -21,15 +21,6 @@
 #define GK 64
 #define GV 64
 #define GNT ((GT + 63) / 64)
-
-#define CHECK_HL(call)                                                                          \
-  do {                                                                                          \
-    hl_status_t s_ = (call);                                                                    \
-    if (s_ != HL_STATUS_SUCCESS) {                                                              \
-      fprintf(stderr, "%s failed: %s\n  %s\n", #call, hl_get_error_string(s_), hl_get_last_error()); \
-      exit(1);                                                                                  \
-    }                                                                                           \
-  } while (0)
 
 static uint16_t to_bf16(float f) { /* round to nearest even */
   uint32_t u;

@@ -8,20 +8,11 @@
 #include <string.h>
 #include <time.h>
 
-#include "headloss.h"
+#include "example.h"
 
 #if HL_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
-
-#define CHECK(expr)                                                                   \
-  do {                                                                                \
-    hl_status_t s_ = (expr);                                                          \
-    if (s_ != HL_STATUS_SUCCESS) {                                                    \
-      fprintf(stderr, "%s failed: %s\n", #expr, hl_get_last_error());                 \
-      exit(1);                                                                        \
-    }                                                                                 \
-  } while (0)
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 static uint32_t next_u32(void) {
@@ -72,9 +63,9 @@ int main(void) {
   d.kl_ref_beta = 0.04f;
   d.grad_mode = HL_LOSS_GRAD_WRITE;
   hl_loss_plan_t plan;
-  CHECK(hl_loss_plan_create(&d, &plan));
+  CHECK_HL(hl_loss_plan_create(&d, &plan));
   size_t ws_bytes = 0;
-  CHECK(hl_loss_plan_get_workspace_size(plan, N, &ws_bytes));
+  CHECK_HL(hl_loss_plan_get_workspace_size(plan, N, &ws_bytes));
 
   hl_loss_args_t a;
   memset(&a, 0, sizeof a);
@@ -102,14 +93,14 @@ int main(void) {
   a.grad = grad, a.scalars = dev_scalars;
 
   const int iters = gpu ? 20 : 1;
-  CHECK(hl_loss_plan_execute(plan, &a, ws, ws_bytes, NULL)); /* warm-up */
+  CHECK_HL(hl_loss_plan_execute(plan, &a, ws, ws_bytes, NULL)); /* warm-up */
   double ms = 0;
 #if HL_HAVE_CUDA
   if (gpu) {
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
     cudaEventRecord(e0, NULL);
-    for (int it = 0; it < iters; ++it) CHECK(hl_loss_plan_execute(plan, &a, ws, ws_bytes, NULL));
+    for (int it = 0; it < iters; ++it) CHECK_HL(hl_loss_plan_execute(plan, &a, ws, ws_bytes, NULL));
     cudaEventRecord(e1, NULL);
     cudaEventSynchronize(e1);
     float f;
@@ -120,7 +111,7 @@ int main(void) {
 #endif
   if (!gpu) {
     const double t0 = now_ms();
-    CHECK(hl_loss_plan_execute(plan, &a, ws, ws_bytes, NULL));
+    CHECK_HL(hl_loss_plan_execute(plan, &a, ws, ws_bytes, NULL));
     ms = now_ms() - t0;
   }
   static const char *names[HL_LOSS_NUM_SCALARS] = {
@@ -132,6 +123,6 @@ int main(void) {
   const double gb = 2.0 * (double)N * V * 2 / 1e9;
   printf("time per step (losses + metrics + bf16 gradient): %.3f ms, %.1f GB/s counting one read of "
          "the logits and one write of the gradient\n", ms, gb / (ms * 1e-3));
-  CHECK(hl_loss_plan_destroy(plan));
+  CHECK_HL(hl_loss_plan_destroy(plan));
   return 0;
 }

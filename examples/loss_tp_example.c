@@ -8,20 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "headloss.h"
+#include "example.h"
 
 #define ROWS 6
 #define VOCAB 10
 #define RANKS 2
-
-#define CHECK_HL(call)                                                                          \
-  do {                                                                                          \
-    hl_status_t s_ = (call);                                                                    \
-    if (s_ != HL_STATUS_SUCCESS) {                                                              \
-      fprintf(stderr, "%s failed: %s\n  %s\n", #call, hl_get_error_string(s_), hl_get_last_error()); \
-      exit(1);                                                                                  \
-    }                                                                                           \
-  } while (0)
 
 static hl_loss_plan_t make_plan(int64_t start, int64_t cols) {
   hl_loss_plan_desc_t d;

@@ -5,22 +5,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "headloss.h"
+#include "example.h"
 #if HL_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
 
 #define ROWS 4
 #define COLS 8
-
-#define CHECK_HL(call)                                                                          \
-  do {                                                                                          \
-    hl_status_t s_ = (call);                                                                    \
-    if (s_ != HL_STATUS_SUCCESS) {                                                              \
-      fprintf(stderr, "%s failed: %s\n  %s\n", #call, hl_get_error_string(s_), hl_get_last_error()); \
-      exit(1);                                                                                  \
-    }                                                                                           \
-  } while (0)
 
 int main(void) {
   float x[ROWS * COLS], w[COLS], y[ROWS * COLS], rstd[ROWS];

@@ -220,6 +220,16 @@ hl_status_t check_split_backend(const char *fn, const hl_loss_plan_st &p) {
   return HL_STATUS_SUCCESS;
 }
 
+// The arguments of a split call (statistics or finish): the plan, backend, arguments and labels.
+hl_status_t split_args(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t *args, Phase phase,
+                       hl_loss_args_t *a) {
+  HL_TRY(check_not_null(fn, "plan", plan));
+  HL_TRY(check_split_backend(fn, *plan));
+  HL_TRY(read_descriptor(fn, args, a));
+  HL_TRY(validate_args(fn, *plan, *a, phase));
+  return check_host_labels(fn, *plan, *a);
+}
+
 // A buffer of `ranks` blocks: present, large enough, host memory, clear of the call's outputs.
 hl_status_t check_block_buffer(const char *fn, const char *name, const void *buf, size_t bytes,
                                int ranks, const hl_loss_args_t &a, const hl_loss_plan_st &p) {
@@ -381,13 +391,9 @@ HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss
   static const char *fn = "hl_loss_plan_execute_stats";
   (void)stream;
   return guarded(fn, [&]() -> hl_status_t {
-    HL_TRY(check_not_null(fn, "plan", plan));
-    HL_TRY(check_split_backend(fn, *plan));
     hl_loss_args_t a;
-    HL_TRY(read_descriptor(fn, args, &a));
-    HL_TRY(validate_args(fn, *plan, a, kStats));
+    HL_TRY(split_args(fn, plan, args, kStats, &a));
     HL_TRY(check_block_buffer(fn, "stats", stats, stats_bytes, 1, a, *plan));
-    HL_TRY(check_host_labels(fn, *plan, a));
     const hl_loss_plan_desc_t &d = plan->desc;
     const BlockHeader h{kBlockTag, plan->fingerprint, a.rows, d.vocab_start, d.vocab,
                         d.vocab_global, int64_t(sizeof(CpuStats)), 0};
@@ -405,14 +411,10 @@ HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_los
   static const char *fn = "hl_loss_plan_execute_finish";
   (void)stream;
   return guarded(fn, [&]() -> hl_status_t {
-    HL_TRY(check_not_null(fn, "plan", plan));
-    HL_TRY(check_split_backend(fn, *plan));
     hl_loss_args_t a;
-    HL_TRY(read_descriptor(fn, args, &a));
-    HL_TRY(validate_args(fn, *plan, a, kFinish));
+    HL_TRY(split_args(fn, plan, args, kFinish, &a));
     if (ranks < 1) return fail(HL_STATUS_INVALID_VALUE, "%s: ranks is %d; must be >= 1", fn, ranks);
     HL_TRY(check_block_buffer(fn, "gathered", gathered, gathered_bytes, ranks, a, *plan));
-    HL_TRY(check_host_labels(fn, *plan, a));
     HL_TRY(check_blocks(fn, *plan, a.rows, static_cast<const char *>(gathered), ranks));
     // Merge every row's shards in rank order (the same order, so the same bits, on every rank).
     std::vector<CpuStats> merged(size_t(a.rows), empty_stats<double>());
