@@ -154,7 +154,8 @@ HL_API hl_status_t rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t st
  * both x and the fused residual; dresidual_out (optional) is the gradient flowing into
  * residual_out, and dresidual (optional) receives a copy of dx in x's dtype for callers that want
  * two tensors. dw is reduced over rows in fp32 in a fixed order (deterministic) and stored in
- * dw_dtype (F32 or the weight's dtype). rstd may be NULL: it is then recomputed from s and eps.
+ * dw_dtype (F32 or the weight's dtype); with rows = 0 it is written as zeros (the empty sum).
+ * rstd may be NULL: it is then recomputed from s and eps.
  * The CUDA backend needs a workspace: ask rmsnorm_bwd_workspace_size.
  */
 typedef struct {
