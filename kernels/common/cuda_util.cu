@@ -1,25 +1,27 @@
+#include <atomic>
+
 #include "cuda_util.h"
 
 namespace hl::cuda {
 
 int sm_count() {
   constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
+  static std::atomic<int> cached[kMaxDevices] = {};  // calls may come from any thread
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) {
     (void)cudaGetLastError();
     return 1;
   }
   if (dev < 0 || dev >= kMaxDevices) dev = 0;
-  if (!cached[dev]) {
-    int n = 1;
+  int n = cached[dev].load(std::memory_order_relaxed);
+  if (!n) {
     if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
       (void)cudaGetLastError();
       n = 1;
     }
-    cached[dev] = n;
+    cached[dev].store(n, std::memory_order_relaxed);
   }
-  return cached[dev];
+  return n;
 }
 
 }  // namespace hl::cuda
