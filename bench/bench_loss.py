@@ -31,7 +31,7 @@ class Direct:
 
     def __init__(self, logits, labels, terms, extra=None, token_outputs=False, **opts):
         N, V = logits.shape
-        self.plan = hloss.LossPlan(V, "bfloat16", terms=terms, device="cuda", check_labels=False, **opts)
+        self.plan = hloss.LossPlan(V, "bfloat16", terms=terms, device="cuda", check=False, **opts)
         self.grad = torch.empty_like(logits)
         self.scalars = torch.empty(len(hloss.SCALARS), device="cuda")
         a = hloss._Args(ctypes.sizeof(hloss._Args), N, logits.data_ptr(), V)
@@ -144,7 +144,7 @@ def main():
         del logits
         torch.cuda.empty_cache()
     lines += ["", "copy floor: torch copy_ of the logits (1 read + 1 write). CE vs Liger: Liger's time over "
-              "ours (>1: we are faster). Labels unchecked (HL_LOSS_UNCHECKED_LABELS) as the peers do."]
+              "ours (>1: we are faster). Labels unchecked (HL_LOSS_UNCHECKED) as the peers do."]
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
 

@@ -14,7 +14,7 @@
 #define VOCAB 10
 #define RANKS 2
 
-static hl_loss_plan_t make_plan(int64_t start, int64_t cols) {
+static hl_loss_plan_t make_plan(int64_t start, int64_t cols, int ranks) {
   hl_loss_plan_desc_t d;
   memset(&d, 0, sizeof d);
   d.struct_size = sizeof d;
@@ -22,6 +22,7 @@ static hl_loss_plan_t make_plan(int64_t start, int64_t cols) {
   d.vocab = cols;             /* this rank's columns ...             */
   d.vocab_start = start;      /* ... starting here ...                */
   d.vocab_global = VOCAB;     /* ... of the whole vocabulary          */
+  d.ranks = ranks;            /* ... split over this many ranks       */
   d.logits_dtype = HL_DTYPE_F32;
   d.labels_dtype = HL_DTYPE_I64;
   d.terms = HL_LOSS_CE | HL_LOSS_Z;
@@ -41,7 +42,7 @@ int main(void) {
     for (int j = 0; j < VOCAB; ++j) logits[i][j] = 2.0f * sinf(0.7f * (float)(i * VOCAB + j));
 
   /* The reference: one plan over the whole vocabulary. */
-  hl_loss_plan_t whole = make_plan(0, VOCAB);
+  hl_loss_plan_t whole = make_plan(0, VOCAB, 1);
   hl_loss_args_t a;
   memset(&a, 0, sizeof a);
   a.struct_size = sizeof a;
@@ -57,7 +58,7 @@ int main(void) {
   hl_loss_plan_t plan[RANKS];
   size_t block = 0;
   for (int r = 0; r < RANKS; ++r) {
-    plan[r] = make_plan(start[r], cols[r]);
+    plan[r] = make_plan(start[r], cols[r], RANKS);
     CHECK_HL(hl_loss_plan_get_stats_size(plan[r], ROWS, &block));
   }
   unsigned char *gathered = malloc(RANKS * block); /* what the all-gather produces on every rank */
@@ -75,7 +76,7 @@ int main(void) {
   }
   /* 2. (the all-gather: every rank now holds all blocks in rank order) */
   for (int r = 0; r < RANKS; ++r) /* 3. merge, losses, this rank's gradient slice */
-    CHECK_HL(hl_loss_plan_execute_finish(plan[r], &ra[r], gathered, RANKS, RANKS * block, NULL));
+    CHECK_HL(hl_loss_plan_execute_finish(plan[r], &ra[r], gathered, RANKS * block, NULL, 0, NULL));
 
   double gerr = 0, gref = 0;
   for (int i = 0; i < ROWS; ++i)

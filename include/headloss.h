@@ -309,7 +309,7 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  * stride), in the logits' dtype or F32, written or accumulated (old + new in fp32, one rounding).
  * Labels that are out of [0, vocab) (of vocab_global for a shard) and not ignored are an error
  * (INVALID_VALUE, nothing written);
- * on CUDA the check costs a stream synchronisation: HL_LOSS_UNCHECKED_LABELS skips it (then such a
+ * on CUDA the check costs a stream synchronisation: HL_LOSS_UNCHECKED skips it (then such a
  * row's loss is infinite). Plans are immutable and may be used from several threads at once.
  */
 typedef struct hl_loss_plan_st *hl_loss_plan_t;
@@ -324,7 +324,9 @@ typedef struct hl_loss_plan_st *hl_loss_plan_t;
 #define HL_LOSS_GRPO_KL_REF (1u << 6)
 
 /* Options (hl_loss_plan_desc_t.flags). */
-#define HL_LOSS_UNCHECKED_LABELS (1u << 0) /* CUDA: no label check, no synchronisation */
+/* CUDA: skip the checks of device data that need a stream synchronisation (labels in range, the
+ * headers of gathered statistics); execution is then fully asynchronous (CUDA-graph capturable). */
+#define HL_LOSS_UNCHECKED (1u << 0)
 
 typedef enum {
   HL_LOSS_GRAD_NONE = 0,      /* evaluation: no gradient */
@@ -339,7 +341,7 @@ typedef struct {
   hl_dtype_t logits_dtype; /* F32, F16 or BF16; teacher logits share it */
   hl_dtype_t labels_dtype; /* I32 or I64; NONE when no labels are passed */
   unsigned terms;          /* HL_LOSS_CE | ... */
-  unsigned flags;          /* HL_LOSS_UNCHECKED_LABELS */
+  unsigned flags;          /* HL_LOSS_UNCHECKED */
   float ce_weight, z_weight, entropy_weight, distill_weight, grpo_weight, kl_ref_beta;
   float label_smoothing;     /* in [0, 1) */
   float logit_scale;         /* 0 means 1 */
@@ -352,9 +354,11 @@ typedef struct {
   hl_loss_grad_mode_t grad_mode;
   hl_dtype_t grad_dtype;     /* logits_dtype or F32; with a gradient */
   /* Tensor parallelism: this rank's shard is columns [vocab_start, vocab_start + vocab) of a
-   * vocabulary of vocab_global columns (0: not sharded). See hl_loss_plan_execute_stats. */
+   * vocabulary of vocab_global columns (0: not sharded), split over `ranks` ranks (0 means 1).
+   * See hl_loss_plan_execute_stats. */
   int64_t vocab_start;
   int64_t vocab_global;
+  int ranks;
 } hl_loss_plan_desc_t;
 
 /* Indices of hl_loss_args_t.scalars. A metric whose inputs were not passed is 0. */
@@ -413,7 +417,8 @@ typedef struct {
 
 /* Validates the description once and picks a specialised kernel. */
 HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_plan_t *plan);
-/* Workspace for executing on `rows` rows (0 on the CPU backend). */
+/* Workspace for executing on `rows` rows: 0 on the CPU backend; on CUDA it holds per-row records
+ * and, for a plan with ranks > 1, the gathered statistics of hl_loss_plan_execute_nccl. */
 HL_API hl_status_t hl_loss_plan_get_workspace_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes);
 /* workspace: device memory (CUDA), 16-byte aligned, at least the size asked for; NULL if 0. */
 HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_t *args,
@@ -422,30 +427,49 @@ HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan);
 
 /*
  * Tensor parallelism: the vocabulary sharded over ranks, one collective per step.
- * Each rank creates the plan for its shard (vocab_start, vocab = its columns, vocab_global; labels
- * are global ids; every other field the same on every rank) and, for each batch, with the same
- * hl_loss_args_t for both calls (its logits, teacher logits and gradient are the shard's columns):
- *   1. hl_loss_plan_execute_stats writes this rank's block of per-row statistics;
- *   2. the caller all-gathers the blocks, in rank order, into one buffer on every rank (NCCL,
- *      torch.distributed, jax.lax.all_gather, ...): one collective of ranks * block bytes;
+ * Each rank creates the plan for its shard (vocab_start, vocab = its columns, vocab_global, ranks;
+ * labels are global ids; every other field the same on every rank) and, for each batch, with the
+ * same hl_loss_args_t for both calls (its logits, teacher logits and gradient are the shard's
+ * columns):
+ *   1. hl_loss_plan_execute_stats writes this rank's block of per-row statistics (it reads the
+ *      logits, labels and teacher logits only);
+ *   2. the caller all-gathers the blocks into one buffer on every rank (NCCL, torch.distributed,
+ *      jax.lax.all_gather, ...): one collective of ranks * block bytes;
  *   3. hl_loss_plan_execute_finish merges the blocks row by row, exactly (log-sum-exp rescaling),
  *      in buffer order, then writes the scalars and per-token outputs (the same bits on every
- *      rank) and this rank's gradient slice.
- * A block is hl_loss_plan_get_stats_size(plan, rows) bytes: a 64-byte header (format tag, a
- * fingerprint of the plan, rows, vocab_start, vocab, vocab_global, record bytes, 0) and one record
- * per row: max z_hat, sum e, sum e (z_hat - max), sum z_hat, the label's z_hat (-inf where another
- * shard owns the label), the argmax's global column, and for distillation the teacher's max and
- * sums and the student-temperature sums (e = exp(z_hat - max)); fp64 on the CPU backend.
+ *      rank, whatever the block order) and this rank's gradient slice.
+ * hl_loss_plan_execute_nccl does the three steps on a communicator the caller owns.
+ *
+ * A block is hl_loss_plan_get_stats_size(plan, rows) bytes, in the plan's backend memory: a 64-byte
+ * header of int64 fields (format tag 0x31534c48 "HLS1", a fingerprint of the plan, rows,
+ * vocab_start, vocab, vocab_global, record bytes, 0), then one record per row: max z_hat, sum e,
+ * sum e (z_hat - max), sum z_hat, the label's z_hat (-inf where another shard owns the label), the
+ * argmax's global column (int64), and with distillation the teacher's max and sums and the
+ * student-temperature sums (e = exp(z_hat - max)). Records are fp64 (104 bytes) on the CPU
+ * backend; fp32 on CUDA (32 bytes, 64 with distillation), so ranks of one plan share a backend.
  * finish refuses (INVALID_VALUE, nothing written) blocks that disagree with the plan or the rows,
- * a buffer smaller than ranks blocks, and shards that do not tile [0, vocab_global).
- * This version runs sharded plans on the CPU backend; the CUDA backend answers NOT_SUPPORTED.
+ * a buffer smaller than ranks blocks, and shards that do not tile [0, vocab_global); on CUDA it
+ * reads the headers with one stream synchronisation (with the label check), which
+ * HL_LOSS_UNCHECKED skips. The finish's workspace is hl_loss_plan_get_workspace_size's.
  */
 HL_API hl_status_t hl_loss_plan_get_stats_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes);
 HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss_args_t *args,
                                               void *stats, size_t stats_bytes, hl_stream_t stream);
 HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_loss_args_t *args,
-                                               const void *gathered, int ranks,
-                                               size_t gathered_bytes, hl_stream_t stream);
+                                               const void *gathered, size_t gathered_bytes,
+                                               void *workspace, size_t workspace_bytes,
+                                               hl_stream_t stream);
+/*
+ * The three steps on the caller's NCCL communicator (an ncclComm_t passed as void*, of `ranks`
+ * ranks; the library never creates, aborts or destroys it): statistics into this rank's slot of
+ * the workspace, one in-place ncclAllGather, finish; all on `stream`, which must be one the
+ * communicator may use. Needs a CUDA plan. NCCL is loaded at the first call (dlopen of
+ * $HL_NCCL_LIBRARY, else libnccl.so.2): where it is absent, HL_STATUS_NOT_SUPPORTED with the reason.
+ * Like any NCCL collective, every rank must make this call.
+ */
+HL_API hl_status_t hl_loss_plan_execute_nccl(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                             void *nccl_comm, void *workspace,
+                                             size_t workspace_bytes, hl_stream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

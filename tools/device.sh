@@ -3,6 +3,7 @@
 # run GPU tests under compute-sanitizer (memcheck, racecheck), run the benchmarks, and leave
 # logs and tables in $OUT. Steps: tools/device.sh [build] [test] [sanitize] [bench-NAME ...]
 # (default: all; bench-NAME runs bench/bench_NAME.py; `bench` runs every benchmark).
+# HL_TESTS="tests/python/test_x.py ..." limits the test step to those files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/headloss-out}
@@ -30,7 +31,7 @@ grep -E "spill" "$OUT/ptxas.txt" | grep -v " 0 bytes spill stores, 0 bytes spill
 
 if want test; then
   echo "== tests"
-  python3 -m pytest tests/python -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -25
+  python3 -m pytest ${HL_TESTS:-tests/python} -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   build-device/examples/rmsnorm_example || status=1
 fi
@@ -68,7 +69,7 @@ for s in "${steps[@]}"; do
   esac
   for n in $names; do
     echo "== bench $n"
-    python3 "bench/bench_$n.py" --out "$OUT/bench_$n.md" 2>&1 | tail -40 || status=1
+    timeout 300 python3 "bench/bench_$n.py" --out "$OUT/bench_$n.md" 2>&1 | tail -40 || status=1
   done
   if [[ $s == bench || $s == bench-rmsnorm ]]; then
     build-device/bench/rmsnorm_latency | tee "$OUT/rmsnorm_latency.txt"

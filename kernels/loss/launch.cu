@@ -1,10 +1,12 @@
-// The loss plan on CUDA: the kernel and its cluster / shared-memory shape are chosen once per plan;
-// an execution runs three kernels on the stream:
+// The loss plan on CUDA: the kernels and their cluster / shared-memory shapes are chosen once per
+// plan; an execution runs three kernels on the stream:
 //   prep:   the divisor D (sum of valid weights, fixed order) and the label check;
 //   rows:   statistics, per-row record, gradient (row_kernel.cuh);
 //   reduce: per-row records to the scalars, in a fixed order (no atomics: deterministic).
+// The split execution runs rows in its kStats phase alone, then prep, rows (kFinish) and reduce.
 #include <climits>
 #include <cstring>
+#include <vector>
 
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
@@ -106,11 +108,11 @@ reduce_kernel(const float *rec, int64_t rows, const float *prep, bool has_ratio,
                         acc[kRecFields + 3], prep[1], has_ratio, has_adv, terms, out);
 }
 
-const void *pick(hl_dtype_t dt, bool grad, bool cap, int distill) {
+const void *pick(hl_dtype_t dt, int phase, bool grad, bool cap, int distill) {
   switch (dt) {
-    case HL_DTYPE_F32: return pick_row_kernel<float>(grad, cap, distill);
-    case HL_DTYPE_F16: return pick_row_kernel<__half>(grad, cap, distill);
-    default: return pick_row_kernel<__nv_bfloat16>(grad, cap, distill);
+    case HL_DTYPE_F32: return pick_row_kernel<float>(phase, grad, cap, distill);
+    case HL_DTYPE_F16: return pick_row_kernel<__half>(phase, grad, cap, distill);
+    default: return pick_row_kernel<__nv_bfloat16>(phase, grad, cap, distill);
   }
 }
 
@@ -123,11 +125,11 @@ int64_t slice_cols(int64_t vocab, int cluster, int vec) {
 }  // namespace
 
 // Resident clusters (or CTAs without clusters) of this kernel shape; 0 if it cannot run.
-static int max_clusters(const CudaChoice &c) {
-  if (c.cluster == 1) return hl::cuda::blocks_per_sm(c.kernel, c.threads, c.smem) * hl::cuda::sm_count();
+static int max_clusters(const CudaLaunch &c) {
+  if (c.cluster == 1) return hl::cuda::blocks_per_sm(c.kernel, kThreads, c.smem) * hl::cuda::sm_count();
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(c.cluster));
-  cfg.blockDim = dim3(unsigned(c.threads));
+  cfg.blockDim = dim3(unsigned(kThreads));
   cfg.dynamicSmemBytes = c.smem;
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeClusterDimension;
@@ -143,14 +145,111 @@ static int max_clusters(const CudaChoice &c) {
   return n;
 }
 
+static size_t align16(size_t n) { return (n + 15) / 16 * 16; }
+static size_t records_bytes(int64_t rows) { return align16(size_t(rows) * kRecFields * sizeof(float)); }
+
+// The kernel arguments every phase shares.
+static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const hl_loss_args_t &a,
+                          void *workspace) {
+  const hl_loss_plan_desc_t &d = p.desc;
+  Params k{};
+  k.logits = a.logits, k.teacher = a.teacher_logits, k.labels = a.labels, k.grad = a.grad;
+  k.logits_stride = a.logits_stride, k.teacher_stride = a.teacher_stride, k.grad_stride = a.grad_stride;
+  k.weights = a.weights, k.adv = a.advantages, k.old_logp = a.old_logprobs, k.ref_logp = a.ref_logprobs;
+  k.tok_loss = a.token_loss, k.tok_logp = a.token_logp, k.tok_entropy = a.token_entropy;
+  k.tok_lse = a.token_lse;
+  if (workspace) {
+    k.prep = static_cast<const float *>(workspace);
+    k.records = static_cast<float *>(workspace) + kPrepBytes / sizeof(float);
+  }
+  k.rows = a.rows, k.vocab = d.vocab;
+  k.slice = slice_cols(d.vocab, c.cluster, int(16 / dtype_size(d.logits_dtype)));
+  k.o = p.opt, k.ignore_index = d.ignore_index;
+  k.labels64 = d.labels_dtype == HL_DTYPE_I64, k.use_ignore = d.use_ignore_index != 0;
+  k.grad_f32 = d.grad_dtype == HL_DTYPE_F32 && d.logits_dtype != HL_DTYPE_F32;
+  k.accumulate = d.grad_mode == HL_LOSS_GRAD_ACCUMULATE, k.keep_row = c.keep_row;
+  k.col0 = d.vocab_start;
+  k.block_bytes = int64_t(block_bytes(p, a.rows));
+  k.ranks = d.ranks;
+  return k;
+}
+
+static hl_status_t launch_rows(const CudaLaunch &c, const Params &k, cudaStream_t stream) {
+  const int64_t clusters = std::min<int64_t>(k.rows, c.grid / c.cluster);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(clusters * c.cluster));
+  cfg.blockDim = dim3(unsigned(kThreads));
+  cfg.dynamicSmemBytes = c.smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(c.cluster);
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = c.cluster > 1 ? 1 : 0;
+  Params arg = k;
+  void *args[] = {&arg};
+  HL_CUDA_TRY(cudaLaunchKernelExC(&cfg, c.kernel, args));
+  return HL_STATUS_SUCCESS;
+}
+
+// The prep kernel (D, first bad label), then unless the plan is unchecked one synchronisation
+// that checks the labels and, for a finish, the gathered blocks' headers.
+static hl_status_t prep_and_check(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                                  float *prep, const void *gathered, cudaStream_t stream) {
+  const hl_loss_plan_desc_t &d = p.desc;
+  const bool l64 = d.labels_dtype == HL_DTYPE_I64;
+  const PrepArgs pa{a.labels, a.weights, a.rows, d.vocab_global, d.ignore_index, a.divisor,
+                    a.grad_scale, l64, d.use_ignore_index != 0};
+  prep_kernel<<<1, kReduceThreads, 0, stream>>>(pa, prep);
+  HL_CUDA_TRY_LAUNCH();
+  if ((d.flags & HL_LOSS_UNCHECKED) || (!a.labels && !gathered)) return HL_STATUS_SUCCESS;
+  long long bad = LLONG_MAX;
+  std::vector<BlockHeader> headers(gathered ? size_t(d.ranks) : 0);
+  if (a.labels) HL_CUDA_TRY(cudaMemcpyAsync(&bad, prep + 2, sizeof bad, cudaMemcpyDeviceToHost, stream));
+  if (gathered)
+    HL_CUDA_TRY(cudaMemcpy2DAsync(headers.data(), sizeof(BlockHeader), gathered, block_bytes(p, a.rows),
+                                  sizeof(BlockHeader), size_t(d.ranks), cudaMemcpyDeviceToHost, stream));
+  HL_CUDA_TRY(cudaStreamSynchronize(stream));
+  if (bad != LLONG_MAX) {
+    int64_t y = 0;
+    HL_CUDA_TRY(cudaMemcpy(&y, static_cast<const char *>(a.labels) + bad * (l64 ? 8 : 4),
+                           l64 ? 8 : 4, cudaMemcpyDeviceToHost));
+    if (!l64) y = int64_t(int32_t(y));
+    return fail(HL_STATUS_INVALID_VALUE,
+                "%s: labels[%lld] is %lld, outside [0, vocab = %lld) and not ignored", fn, bad,
+                (long long)y, (long long)d.vocab_global);
+  }
+  return gathered ? check_blocks(fn, p, a.rows, headers.data()) : HL_STATUS_SUCCESS;
+}
+
+// prep, rows (kWhole or kFinish), reduce.
+static hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                            Phase phase, const void *gathered, void *workspace, cudaStream_t stream) {
+  if (a.rows == 0) {
+    if (a.scalars) HL_CUDA_TRY(cudaMemsetAsync(a.scalars, 0, HL_LOSS_NUM_SCALARS * sizeof(float), stream));
+    return HL_STATUS_SUCCESS;
+  }
+  const CudaLaunch &c = p.cuda.phase[phase];
+  Params k = make_params(p, c, a, workspace);
+  k.gathered = static_cast<const char *>(gathered);
+  HL_TRY(prep_and_check(fn, p, a, static_cast<float *>(workspace), gathered, stream));
+  HL_TRY(launch_rows(c, k, stream));
+  if (a.scalars) {
+    reduce_kernel<<<1, kReduceThreads, 0, stream>>>(k.records, a.rows, k.prep,
+                                                    a.labels && a.old_logprobs, a.advantages != nullptr,
+                                                    p.desc.terms, a.scalars);
+    HL_CUDA_TRY_LAUNCH();
+  }
+  return HL_STATUS_SUCCESS;
+}
+
 }  // namespace cuda
 
 hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   using namespace cuda;
   const hl_loss_plan_desc_t &d = p.desc;
-  CudaChoice c;
-  c.kernel = pick(d.logits_dtype, d.grad_mode != HL_LOSS_GRAD_NONE, p.opt.cap > 0, p.opt.distill);
-  c.threads = kThreads;
+  const bool grad = d.grad_mode != HL_LOSS_GRAD_NONE;
   int dev = 0, major = 0, optin = 0;
   HL_CUDA_TRY(cudaGetDevice(&dev));
   HL_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
@@ -161,91 +260,62 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   // The smallest cluster whose slices fit the target; Hopper clusters go to 8 CTAs portably and
   // 16 with the non-portable opt-in. A row too long for that is re-read from global memory.
   const int max_cluster = major >= 9 ? 16 : 1;
-  c.cluster = 1;
-  while (c.cluster < max_cluster && bytes(c.cluster) > kKeepTarget) c.cluster *= 2;
-  c.keep_row = bytes(c.cluster) <= cap_bytes;
-  if (!c.keep_row && c.cluster > 8) c.cluster = 8;
-  c.smem = c.keep_row ? bytes(c.cluster) : 0;
-  HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem)));
-  if (c.cluster > 8)
-    HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  c.grid = max_clusters(c) * c.cluster;
-  if (c.grid == 0)
-    return fail(HL_STATUS_NOT_SUPPORTED,
-                "%s: no cluster of %d CTAs with %zu bytes of shared memory fits this device (vocab "
-                "%lld)", fn, c.cluster, c.smem, (long long)d.vocab);
-  p.cuda = c;
+  int cluster = 1;
+  while (cluster < max_cluster && bytes(cluster) > kKeepTarget) cluster *= 2;
+  const bool keep_row = bytes(cluster) <= cap_bytes;
+  if (!keep_row && cluster > 8) cluster = 8;
+  for (int ph = kWhole; ph <= kFinish; ++ph) {
+    CudaLaunch &c = p.cuda.phase[ph];
+    c.kernel = pick(d.logits_dtype, ph, grad, p.opt.cap > 0, p.opt.distill);
+    // The split's phases re-read the logits; a finish without a gradient has no columns to share.
+    c.keep_row = ph == kWhole && keep_row;
+    c.cluster = ph == kFinish && !grad ? 1 : cluster;
+    c.smem = c.keep_row ? bytes(c.cluster) : 0;
+    HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem)));
+    if (c.cluster > 8)
+      HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    c.grid = max_clusters(c) * c.cluster;
+    if (c.grid == 0)
+      return fail(HL_STATUS_NOT_SUPPORTED,
+                  "%s: no cluster of %d CTAs with %zu bytes of shared memory fits this device (vocab "
+                  "%lld)", fn, c.cluster, c.smem, (long long)d.vocab);
+  }
   return HL_STATUS_SUCCESS;
 }
 
 size_t cuda_workspace_bytes(const hl_loss_plan_st &p, int64_t rows) {
-  return cuda::kPrepBytes + (size_t(rows) * kRecFields * sizeof(float) + 15) / 16 * 16;
+  return cuda::kPrepBytes + cuda::records_bytes(rows) + size_t(p.desc.ranks) * block_bytes(p, rows);
+}
+
+void *cuda_gathered(const hl_loss_plan_st &, int64_t rows, void *workspace) {
+  return static_cast<char *>(workspace) + cuda::kPrepBytes + cuda::records_bytes(rows);
 }
 
 hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                          void *workspace, hl_stream_t stream) {
+  return cuda::run_loss(fn, p, a, kWhole, nullptr, workspace, static_cast<cudaStream_t>(stream));
+}
+
+hl_status_t cuda_finish(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                        const void *gathered, void *workspace, hl_stream_t stream) {
+  return cuda::run_loss(fn, p, a, kFinish, gathered, workspace, static_cast<cudaStream_t>(stream));
+}
+
+hl_status_t cuda_stats(const char *, const hl_loss_plan_st &p, const hl_loss_args_t &a, void *block,
+                       hl_stream_t stream) {
   using namespace cuda;
-  const hl_loss_plan_desc_t &d = p.desc;
-  const CudaChoice &c = p.cuda;
-  float *prep = static_cast<float *>(workspace);
-  float *records = prep + kPrepBytes / sizeof(float);
-  const bool l64 = d.labels_dtype == HL_DTYPE_I64;
-  if (a.rows == 0) {
-    if (a.scalars) HL_CUDA_TRY(cudaMemsetAsync(a.scalars, 0, HL_LOSS_NUM_SCALARS * sizeof(float), stream));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const BlockHeader h = make_header(p, a.rows);
+  if (a.rows == 0) {  // the header alone (a pageable copy: staged before this returns)
+    HL_CUDA_TRY(cudaMemcpyAsync(block, &h, sizeof h, cudaMemcpyHostToDevice, s));
     return HL_STATUS_SUCCESS;
   }
-  const PrepArgs pa{a.labels, a.weights, a.rows, d.vocab, d.ignore_index, a.divisor, a.grad_scale,
-                    l64, d.use_ignore_index != 0};
-  prep_kernel<<<1, kReduceThreads, 0, stream>>>(pa, prep);
-  HL_CUDA_TRY_LAUNCH();
-  if (a.labels && !(d.flags & HL_LOSS_UNCHECKED_LABELS)) {
-    long long bad = 0;
-    HL_CUDA_TRY(cudaMemcpyAsync(&bad, prep + 2, sizeof bad, cudaMemcpyDeviceToHost, stream));
-    HL_CUDA_TRY(cudaStreamSynchronize(stream));
-    if (bad != LLONG_MAX) {
-      int64_t y = 0;
-      HL_CUDA_TRY(cudaMemcpy(&y, static_cast<const char *>(a.labels) + bad * (l64 ? 8 : 4),
-                             l64 ? 8 : 4, cudaMemcpyDeviceToHost));
-      if (!l64) y = int64_t(int32_t(y));
-      return fail(HL_STATUS_INVALID_VALUE,
-                  "%s: labels[%lld] is %lld, outside [0, vocab = %lld) and not ignored", fn, bad,
-                  (long long)y, (long long)d.vocab);
-    }
-  }
-  Params k{};
-  k.logits = a.logits, k.teacher = a.teacher_logits, k.labels = a.labels, k.grad = a.grad;
-  k.logits_stride = a.logits_stride, k.teacher_stride = a.teacher_stride, k.grad_stride = a.grad_stride;
-  k.weights = a.weights, k.adv = a.advantages, k.old_logp = a.old_logprobs, k.ref_logp = a.ref_logprobs;
-  k.tok_loss = a.token_loss, k.tok_logp = a.token_logp, k.tok_entropy = a.token_entropy;
-  k.tok_lse = a.token_lse;
-  k.records = records, k.prep = prep, k.rows = a.rows, k.vocab = d.vocab;
-  k.slice = slice_cols(d.vocab, c.cluster, int(16 / dtype_size(d.logits_dtype)));
-  k.o = p.opt, k.ignore_index = d.ignore_index;
-  k.labels64 = l64, k.use_ignore = d.use_ignore_index != 0;
-  k.grad_f32 = d.grad_dtype == HL_DTYPE_F32 && d.logits_dtype != HL_DTYPE_F32;
-  k.accumulate = d.grad_mode == HL_LOSS_GRAD_ACCUMULATE, k.keep_row = c.keep_row;
-
-  const int64_t clusters = std::min<int64_t>(a.rows, c.grid / c.cluster);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(clusters * c.cluster));
-  cfg.blockDim = dim3(unsigned(c.threads));
-  cfg.dynamicSmemBytes = c.smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = unsigned(c.cluster);
-  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = c.cluster > 1 ? 1 : 0;
-  void *args[] = {&k};
-  HL_CUDA_TRY(cudaLaunchKernelExC(&cfg, c.kernel, args));
-  if (a.scalars) {
-    reduce_kernel<<<1, kReduceThreads, 0, stream>>>(records, a.rows, prep,
-                                                    a.labels && a.old_logprobs, a.advantages != nullptr,
-                                                    d.terms, a.scalars);
-    HL_CUDA_TRY_LAUNCH();
-  }
-  return HL_STATUS_SUCCESS;
+  const CudaLaunch &c = p.cuda.phase[kStats];
+  Params k = make_params(p, c, a, nullptr);
+  k.block = static_cast<char *>(block);
+  static_assert(sizeof h == sizeof k.header, "the header is 8 int64 fields");
+  std::memcpy(k.header, &h, sizeof h);
+  return launch_rows(c, k, s);
 }
 
 }  // namespace hl::loss

@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "loss/row_math.h"
+#include "loss/loss.h"
 
 namespace hl::loss::cuda {
 
@@ -23,10 +23,19 @@ struct Params {
   Options o;
   int64_t ignore_index;
   bool labels64, use_ignore, grad_f32, accumulate, keep_row;
+  // Tensor parallelism: the shard's first global column (labels and the argmax are global ids);
+  // kStats: this rank's block and its header; kFinish: the ranks' gathered blocks.
+  int64_t col0;
+  char *block;
+  int64_t header[8];
+  const char *gathered;
+  int64_t block_bytes;
+  int ranks;
 };
 
-// The row kernel for a plan's features; one explicit instantiation per logits dtype (rows_*.cu).
+// The row kernel for a phase (Phase) and a plan's features; one explicit instantiation per
+// logits dtype (rows_*.cu).
 template <class T>
-const void *pick_row_kernel(bool grad, bool cap, int distill);
+const void *pick_row_kernel(int phase, bool grad, bool cap, int distill);
 
 }  // namespace hl::loss::cuda

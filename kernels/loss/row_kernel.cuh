@@ -7,6 +7,9 @@
 //   pass 2: the gradient of the slice from shared memory, fp32, one rounding at the store.
 // Terms that are off cost nothing: the gradient, the soft-cap and distillation are template
 // arguments; the other terms only change per-row coefficients.
+// The tensor-parallel split runs the same kernel in two phases: kStats stops after pass 1 and
+// writes the row's record into this rank's block; kFinish skips pass 1, merges the ranks' records
+// of the row instead, and runs finish and pass 2 (re-reading the logits).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -196,8 +199,46 @@ constexpr int kBatch = 4;
 // spills) by 15-25% on H100: more rows in flight hide each row's merge and finish.
 constexpr int kMinBlocks = 3;
 
-template <class T, bool GRAD, bool CAP, int DISTILL>
+// Bytes of a row's record in a CUDA block: RowStats<float>, without the distillation fields when
+// there is no distillation (the layout the header documents).
+template <int DISTILL>
+constexpr int kRecordBytes = DISTILL ? int(sizeof(RowStats<float>)) : int(offsetof(RowStats<float>, mt));
+static_assert(offsetof(RowStats<float>, mt) == 32 && sizeof(RowStats<float>) == 64,
+              "the record layout is documented in headloss.h");
+
+// Row r's records from every rank's block, merged in buffer order (the same bits on every rank).
+template <int DISTILL>
+__device__ RowStats<float> gathered_stats(const Params &p, int64_t r) {
+  constexpr int W = kRecordBytes<DISTILL> / 8;
+  RowStats<float> all = empty_stats<float>();
+  for (int c = 0; c < p.ranks; ++c) {
+    const uint2 *rec = reinterpret_cast<const uint2 *>(p.gathered + c * p.block_bytes + 64 +
+                                                       r * kRecordBytes<DISTILL>);
+    RowStats<float> s = empty_stats<float>();
+    uint2 *dst = reinterpret_cast<uint2 *>(&s);
+#pragma unroll
+    for (int k = 0; k < W; ++k) dst[k] = rec[k];
+    all = c == 0 ? s : merge(all, s, p.o.inv_ts);
+  }
+  return all;
+}
+
+// Row r's record into this rank's block; block 0 also writes the block's header.
+template <int DISTILL>
+__device__ void write_record(const Params &p, int64_t r, RowStats<float> st) {
+  constexpr int W = kRecordBytes<DISTILL> / 8;
+  if (st.amax != INT64_MAX) st.amax += p.col0;  // a global column
+  uint2 *rec = reinterpret_cast<uint2 *>(p.block + 64 + r * kRecordBytes<DISTILL>);
+  const uint2 *src = reinterpret_cast<const uint2 *>(&st);
+#pragma unroll
+  for (int k = 0; k < W; ++k) rec[k] = src[k];
+  if (blockIdx.x == 0 && r == 0)
+    for (int k = 0; k < 8; ++k) reinterpret_cast<int64_t *>(p.block)[k] = p.header[k];
+}
+
+template <class T, bool GRAD, bool CAP, int DISTILL, int PHASE>
 __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel(const Params p) {
+  static_assert(PHASE != kStats || !GRAD, "the statistics step writes no gradient");
   constexpr int VEC = 16 / sizeof(T);
   using V = Pack<T, VEC>;
   extern __shared__ uint4 smem_raw[];
@@ -216,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   const int tid = threadIdx.x;
   const int64_t lo = min(p.vocab, rank * p.slice), hi = min(p.vocab, lo + p.slice);
   const int64_t nvec = (hi - lo) / VEC, tail_lo = lo + nvec * VEC;
-  const float kd = p.prep[0];
+  const float kd = PHASE == kStats ? 0.0f : p.prep[0];
   int parity = 0;
   for (int64_t r = blockIdx.x / csize; r < p.rows; r += gridDim.x / csize, parity ^= 1) {
     const T *x = static_cast<const T *>(p.logits) + r * p.logits_stride + lo;
@@ -226,11 +267,13 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     const RowInputs<float> in = read_inputs<float>(p.labels, p.labels64, p.weights, p.adv,
                                                    p.old_logp, p.ref_logp, r, p.use_ignore,
                                                    p.ignore_index);
-    RowStats<float> st = empty_stats<float>();
+    const int64_t label = in.label - p.col0;  // in this shard's columns
     float t[VEC], z[VEC], v[VEC] = {};
+    if (PHASE != kFinish) {
+    RowStats<float> st = empty_stats<float>();
     // The label's logit, read by one thread before any gradient of this row is written.
-    const bool owns_label = tid == 0 && in.label >= lo && in.label < hi;
-    const T label_raw = owns_label ? x[in.label - lo] : T(0.0f);
+    const bool owns_label = tid == 0 && label >= lo && label < hi;
+    const T label_raw = owns_label ? x[label - lo] : T(0.0f);
     // kBatch loads in flight per thread before any is used: enough bytes in flight for HBM.
     // Thread tid owns vectors tid + k * kThreads in both passes, so the kept slice needs no sync.
     for (int64_t i0 = tid; i0 < nvec; i0 += kBatch * kThreads) {
@@ -273,15 +316,26 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     else
 #endif
       __syncthreads();
+    } else {
+      __syncthreads();  // every thread has read the previous row's `row`
+    }
     if (tid == 0) {
-      RowStats<float> all = cta_stats[parity];
+      RowStats<float> all;
+      if (PHASE == kFinish) {
+        all = gathered_stats<DISTILL>(p, r);
+      } else {
+        all = cta_stats[parity];
 #if __CUDA_ARCH__ >= 900
-      if (csize > 1) {  // every CTA merges the same records in the same order: rank 0 first
-        all = *cluster.map_shared_rank(&cta_stats[parity], 0);
-        for (int c = 1; c < csize; ++c)
-          all = merge(all, *cluster.map_shared_rank(&cta_stats[parity], c), o.inv_ts);
-      }
+        if (csize > 1) {  // every CTA merges the same records in the same order: rank 0 first
+          all = *cluster.map_shared_rank(&cta_stats[parity], 0);
+          for (int c = 1; c < csize; ++c)
+            all = merge(all, *cluster.map_shared_rank(&cta_stats[parity], c), o.inv_ts);
+        }
 #endif
+      }
+      if (PHASE == kStats) {
+        if (rank == 0) write_record<DISTILL>(p, r, all);
+      } else {
       row = finish_row(all, in, o, kd);
       if (rank == 0) {
         for (int k = 0; k < kRecFields; ++k) p.records[k * p.rows + r] = row.rec[k];
@@ -290,8 +344,9 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
         if (p.tok_entropy) p.tok_entropy[r] = row.entropy;
         if (p.tok_lse) p.tok_lse[r] = row.lse;
       }
+      }
     }
-    __syncthreads();
+    if (PHASE != kStats) __syncthreads();
     if (GRAD) {
       const RowResult<float> rr = row;  // coefficients in registers for the loop
       const float lse2 = rr.lse * kLog2e;
@@ -305,10 +360,10 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
           const float gk = grad_elem<DISTILL>(rr, o, zz[k], vv[k], pk, ex);
           g[k] = CAP ? gk * fmaf(-tt[k], tt[k], 1.0f) : gk;
         }
-        if (in.label >= j0 && in.label < j0 + n)  // one vector of the row: the label's term
+        if (label >= j0 && label < j0 + n)  // one vector of the row: the label's term
 #pragma unroll
           for (int k = 0; k < VEC; ++k)
-            if (j0 + k == in.label) g[k] += CAP ? rr.cy * fmaf(-tt[k], tt[k], 1.0f) : rr.cy;
+            if (j0 + k == label) g[k] += CAP ? rr.cy * fmaf(-tt[k], tt[k], 1.0f) : rr.cy;
       };
       const auto write = [&](auto *gp) {
         using G = typename std::remove_pointer<decltype(gp)>::type;
@@ -346,19 +401,27 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
 #endif
 }
 
-template <class T, bool GRAD, bool CAP>
+template <class T, int PHASE, bool GRAD, bool CAP>
 const void *pick_distill(int distill) {
   switch (distill) {
-    case kDistillFwd: return reinterpret_cast<const void *>(row_kernel<T, GRAD, CAP, kDistillFwd>);
-    case kDistillRev: return reinterpret_cast<const void *>(row_kernel<T, GRAD, CAP, kDistillRev>);
-    default: return reinterpret_cast<const void *>(row_kernel<T, GRAD, CAP, kDistillNone>);
+    case kDistillFwd: return reinterpret_cast<const void *>(row_kernel<T, GRAD, CAP, kDistillFwd, PHASE>);
+    case kDistillRev: return reinterpret_cast<const void *>(row_kernel<T, GRAD, CAP, kDistillRev, PHASE>);
+    default: return reinterpret_cast<const void *>(row_kernel<T, GRAD, CAP, kDistillNone, PHASE>);
   }
 }
 
+// The statistics step has no gradient; without one, finish has no use for the soft-cap's
+// chain factor (its records already hold z_hat).
 template <class T>
-const void *pick_row_kernel(bool grad, bool cap, int distill) {
-  if (grad) return cap ? pick_distill<T, true, true>(distill) : pick_distill<T, true, false>(distill);
-  return cap ? pick_distill<T, false, true>(distill) : pick_distill<T, false, false>(distill);
+const void *pick_row_kernel(int phase, bool grad, bool cap, int distill) {
+  if (phase == kStats)
+    return cap ? pick_distill<T, kStats, false, true>(distill) : pick_distill<T, kStats, false, false>(distill);
+  if (phase == kFinish) {
+    if (!grad) return pick_distill<T, kFinish, false, false>(distill);
+    return cap ? pick_distill<T, kFinish, true, true>(distill) : pick_distill<T, kFinish, true, false>(distill);
+  }
+  if (grad) return cap ? pick_distill<T, kWhole, true, true>(distill) : pick_distill<T, kWhole, true, false>(distill);
+  return cap ? pick_distill<T, kWhole, false, true>(distill) : pick_distill<T, kWhole, false, false>(distill);
 }
 
 }  // namespace hl::loss::cuda

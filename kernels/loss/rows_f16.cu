@@ -2,5 +2,5 @@
 #include "loss/row_kernel.cuh"
 
 namespace hl::loss::cuda {
-template const void *pick_row_kernel<__half>(bool grad, bool cap, int distill);
+template const void *pick_row_kernel<__half>(int phase, bool grad, bool cap, int distill);
 }  // namespace hl::loss::cuda

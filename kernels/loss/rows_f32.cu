@@ -2,5 +2,5 @@
 #include "loss/row_kernel.cuh"
 
 namespace hl::loss::cuda {
-template const void *pick_row_kernel<float>(bool grad, bool cap, int distill);
+template const void *pick_row_kernel<float>(int phase, bool grad, bool cap, int distill);
 }  // namespace hl::loss::cuda

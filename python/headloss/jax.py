@@ -236,7 +236,7 @@ _fused_loss.defvjp(_fused_loss_fwd, _fused_loss_bwd)
 def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=None,
                teacher_logits=None, advantages=None, old_logprobs=None, ref_logprobs=None,
                divisor: float = 0.0, token_outputs: bool = False, ignore_index: Optional[int] = None,
-               check_labels: bool = True, grad_dtype=None, **options
+               check: bool = True, grad_dtype=None, **options
                ) -> Tuple[Any, Dict[str, Any]] | Tuple[Any, Dict[str, Any], Tuple[Any, ...]]:
     """The fused LM-head loss plan (see headloss.h and headloss.LossPlan for the options).
 
@@ -259,7 +259,7 @@ def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=N
     if unknown:
         raise TypeError(f"fused_loss: unknown options {sorted(unknown)}")
     bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
-    opts = dict(options, terms=bits, flags=0 if check_labels else 1, divisor=float(divisor))
+    opts = dict(options, terms=bits, flags=0 if check else 1, divisor=float(divisor))
     if ignore_index is not None:
         opts.update(use_ignore_index=1, ignore_index=int(ignore_index))
     if labels is not None and labels.dtype not in (jnp.int32, jnp.int64):

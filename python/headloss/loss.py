@@ -14,12 +14,14 @@ import numpy as np
 from typing import Any, NamedTuple, Optional
 
 from ._arrays import dtype_code, empty, same_place, view
-from ._lib import BACKEND_CPU, BACKEND_CUDA, DTYPE_F32, DTYPE_I32, DTYPE_I64, DTYPE_NONE, check, declare
+from ._lib import (BACKEND_CPU, BACKEND_CUDA, DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_I32, DTYPE_I64,
+                   DTYPE_NONE, declare)
+from ._lib import check as _check
 
 c_i64, c_ptr, c_int, c_uint, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_float
 
 TERMS = {"ce": 1, "z": 2, "entropy": 4, "distill_fwd": 8, "distill_rev": 16, "grpo": 32, "kl_ref": 64}
-UNCHECKED_LABELS = 1
+UNCHECKED = 1  # HL_LOSS_UNCHECKED: no checks that synchronise with the device
 GRAD_MODES = {None: 0, "none": 0, "write": 1, "accumulate": 2}
 SCALARS = ("loss", "ce", "z", "entropy", "distill", "grpo", "kl_ref", "divisor", "weight_sum",
            "valid_rows", "lse_mean", "entropy_mean", "logp_mean", "accuracy", "ratio_mean",
@@ -36,7 +38,7 @@ class _Desc(ctypes.Structure):
                 ("teacher_temperature", c_float), ("student_temperature", c_float),
                 ("eps_low", c_float), ("eps_high", c_float), ("use_ignore_index", c_int),
                 ("ignore_index", c_i64), ("grad_mode", c_int), ("grad_dtype", c_int),
-                ("vocab_start", c_i64), ("vocab_global", c_i64)]
+                ("vocab_start", c_i64), ("vocab_global", c_i64), ("ranks", c_int)]
 
 
 class _Args(ctypes.Structure):
@@ -55,8 +57,11 @@ _execute = declare("hl_loss_plan_execute", c_ptr, ctypes.POINTER(_Args), c_ptr, 
 _destroy = declare("hl_loss_plan_destroy", c_ptr)
 _stats_size = declare("hl_loss_plan_get_stats_size", c_ptr, c_i64, ctypes.POINTER(ctypes.c_size_t))
 _stats = declare("hl_loss_plan_execute_stats", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t, c_ptr)
-_finish = declare("hl_loss_plan_execute_finish", c_ptr, ctypes.POINTER(_Args), c_ptr, c_int,
-                  ctypes.c_size_t, c_ptr)
+_finish = declare("hl_loss_plan_execute_finish", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t,
+                  c_ptr, ctypes.c_size_t, c_ptr)
+_nccl = declare("hl_loss_plan_execute_nccl", c_ptr, ctypes.POINTER(_Args), c_ptr, c_ptr, ctypes.c_size_t,
+                c_ptr)
+_ITEMSIZE = {DTYPE_F32: 4, DTYPE_F16: 2, DTYPE_BF16: 2, DTYPE_I32: 4, DTYPE_I64: 8}
 
 
 class LossOutput(NamedTuple):
@@ -78,31 +83,32 @@ class LossPlan:
     """A validated loss description. Options mirror hl_loss_plan_desc_t: `terms` is an iterable of
     names from TERMS (or an int of HL_LOSS_* bits); weights default to 1 for each term named.
 
-    Tensor parallelism: with vocab_global set, the plan is the shard [vocab_start, vocab_start +
-    vocab) of the vocabulary; run it with stats(), an all-gather of the blocks in rank order, and
-    finish() (CPU backend in this version)."""
+    Tensor parallelism: with vocab_global and ranks set, the plan is the shard [vocab_start,
+    vocab_start + vocab) of the vocabulary; run it with stats(), an all-gather of the blocks, and
+    finish(), or with nccl() on an NCCL communicator. check=False skips the checks that
+    synchronise with the GPU (labels in range, gathered headers)."""
 
     def __init__(self, vocab: int, dtype, *, terms=("ce",), device: str = "cpu", labels_dtype="int64",
                  ce_weight=1.0, z_weight=1.0, entropy_weight=1.0, distill_weight=1.0,
                  grpo_weight=1.0, kl_ref_beta=1.0, label_smoothing=0.0, logit_scale=0.0,
                  softcap=0.0, teacher_temperature=0.0, student_temperature=0.0, eps_low=0.0,
                  eps_high=0.0, ignore_index: Optional[int] = None, grad: Optional[str] = "write",
-                 grad_dtype=None, check_labels: bool = True, vocab_start: int = 0,
-                 vocab_global: int = 0):
+                 grad_dtype=None, check: bool = True, vocab_start: int = 0,
+                 vocab_global: int = 0, ranks: int = 0):
         bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
         d = _Desc(ctypes.sizeof(_Desc), BACKEND_CUDA if device == "cuda" else BACKEND_CPU, vocab,
                   dtype_code(dtype), DTYPE_NONE if labels_dtype is None else dtype_code(labels_dtype),
-                  bits, 0 if check_labels else UNCHECKED_LABELS, ce_weight, z_weight,
+                  bits, 0 if check else UNCHECKED, ce_weight, z_weight,
                   entropy_weight, distill_weight, grpo_weight, kl_ref_beta, label_smoothing,
                   logit_scale, softcap, teacher_temperature, student_temperature, eps_low, eps_high)
         if ignore_index is not None:
             d.use_ignore_index, d.ignore_index = 1, ignore_index
         d.grad_mode = GRAD_MODES[grad]
         d.grad_dtype = DTYPE_NONE if grad_dtype is None else dtype_code(grad_dtype)
-        d.vocab_start, d.vocab_global = vocab_start, vocab_global
+        d.vocab_start, d.vocab_global, d.ranks = vocab_start, vocab_global, ranks
         self.vocab, self.terms, self.desc = vocab, bits, d
         self._handle = c_ptr()
-        check(_create(ctypes.byref(d), ctypes.byref(self._handle)))
+        _check(_create(ctypes.byref(d), ctypes.byref(self._handle)))
         self._destroy = _destroy
 
     def __del__(self):
@@ -117,7 +123,7 @@ class LossPlan:
 
     def workspace_bytes(self, rows: int) -> int:
         n = ctypes.c_size_t(0)
-        check(_ws_size(self._handle, rows, ctypes.byref(n)))
+        _check(_ws_size(self._handle, rows, ctypes.byref(n)))
         return n.value
 
     def __call__(self, logits, labels=None, *, weights=None, teacher_logits=None, advantages=None,
@@ -130,45 +136,65 @@ class LossPlan:
         a, lv, out = self._args(logits, labels, weights, teacher_logits, advantages, old_logprobs,
                                 ref_logprobs, divisor, grad_scale, grad, token_outputs, in_place,
                                 scalars, tokens)
-        nbytes = self.workspace_bytes(a.rows)
-        ws, wp = None, None
-        if nbytes:
-            ws = empty(lv, ((nbytes + 15) // 16 * 4,), DTYPE_F32)
-            wp = view(ws, "workspace").ptr
-        check(_execute(self._handle, ctypes.byref(a), wp, nbytes, lv.stream))
+        ws, wp, nbytes = self._workspace(lv, a.rows)
+        _check(_execute(self._handle, ctypes.byref(a), wp, nbytes, lv.stream))
         return out
+
+    def _workspace(self, lv, rows):
+        """(array, pointer, bytes) of a fresh workspace on lv's device (None, None, 0 if none)."""
+        nbytes = self.workspace_bytes(rows)
+        if not nbytes:
+            return None, None, 0
+        ws = empty(lv, ((nbytes + 15) // 16 * 4,), DTYPE_F32)
+        return ws, view(ws, "workspace").ptr, nbytes
 
     def stats_bytes(self, rows: int) -> int:
         """Bytes of one rank's block of statistics for `rows` rows."""
         n = ctypes.c_size_t(0)
-        check(_stats_size(self._handle, rows, ctypes.byref(n)))
+        _check(_stats_size(self._handle, rows, ctypes.byref(n)))
         return n.value
 
     def stats(self, logits, labels=None, *, teacher_logits=None):
-        """Step 1 of the sharded loss: this rank's block of per-row statistics (a uint8 array) to
-        all-gather, in rank order, across the ranks."""
+        """Step 1 of the sharded loss: this rank's block of per-row statistics, an int64 array on
+        the logits' device, to all-gather across the ranks (torch.distributed.all_gather_into_tensor,
+        cupy / NCCL, ...)."""
         a, lv, _ = self._args(logits, labels, None, teacher_logits, None, None, None, 0.0, 0.0,
                               None, False, False, None, None, outputs=False)
-        block = np.empty(self.stats_bytes(a.rows), np.uint8)
-        check(_stats(self._handle, ctypes.byref(a), block.ctypes.data, block.nbytes, lv.stream))
+        block = empty(lv, (self.stats_bytes(a.rows) // 8,), DTYPE_I64)
+        _check(_stats(self._handle, ctypes.byref(a), view(block, "stats").ptr, self.stats_bytes(a.rows),
+                     lv.stream))
         return block
 
-    def finish(self, gathered, ranks: int, logits, labels=None, **kwargs) -> LossOutput:
-        """Step 3: merges the gathered blocks (every rank's stats(), in rank order) and returns the
+    def finish(self, gathered, logits, labels=None, **kwargs) -> LossOutput:
+        """Step 3: merges the gathered blocks (every rank's stats(), concatenated) and returns the
         scalars and per-token outputs (identical on every rank) and this shard's gradient.
         Keyword arguments as for calling the plan."""
-        a, lv, out = self._args(logits, labels, kwargs.pop("weights", None),
-                                kwargs.pop("teacher_logits", None), kwargs.pop("advantages", None),
-                                kwargs.pop("old_logprobs", None), kwargs.pop("ref_logprobs", None),
-                                kwargs.pop("divisor", 0.0), kwargs.pop("grad_scale", 0.0),
-                                kwargs.pop("grad", None), kwargs.pop("token_outputs", False),
-                                kwargs.pop("in_place", False), kwargs.pop("scalars", None),
-                                kwargs.pop("tokens", None))
+        a, lv, out = self._call_args(logits, labels, kwargs)
+        gv = view(gathered, "gathered")
+        if gv.strides != tuple(int(np.prod(gv.shape[i + 1:])) for i in range(len(gv.shape))):
+            raise ValueError("gathered must be contiguous")
+        gbytes = int(np.prod(gv.shape)) * _ITEMSIZE.get(gv.dtype, 0)
+        ws, wp, nbytes = self._workspace(lv, a.rows)
+        _check(_finish(self._handle, ctypes.byref(a), gv.ptr, gbytes, wp, nbytes, lv.stream))
+        return out
+
+    def nccl(self, comm, logits, labels=None, **kwargs) -> LossOutput:
+        """The three steps on an NCCL communicator of `ranks` ranks (an ncclComm_t as an int, e.g.
+        cupy.cuda.nccl.NcclCommunicator.ptr), on the logits' current stream. Every rank calls it."""
+        a, lv, out = self._call_args(logits, labels, kwargs)
+        ws, wp, nbytes = self._workspace(lv, a.rows)
+        _check(_nccl(self._handle, ctypes.byref(a), int(comm), wp, nbytes, lv.stream))
+        return out
+
+    def _call_args(self, logits, labels, kwargs):
+        names = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
+        opt = {k: kwargs.pop(k, None) for k in names}
+        rest = (kwargs.pop("divisor", 0.0), kwargs.pop("grad_scale", 0.0), kwargs.pop("grad", None),
+                kwargs.pop("token_outputs", False), kwargs.pop("in_place", False),
+                kwargs.pop("scalars", None), kwargs.pop("tokens", None))
         if kwargs:
             raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
-        g = np.ascontiguousarray(np.asarray(gathered)).view(np.uint8)  # host bytes (CPU backend)
-        check(_finish(self._handle, ctypes.byref(a), g.ctypes.data, ranks, g.nbytes, lv.stream))
-        return out
+        return self._args(logits, labels, *opt.values(), *rest)
 
     def _args(self, logits, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
               divisor, grad_scale, grad, token_outputs, in_place, scalars, tokens, outputs=True):

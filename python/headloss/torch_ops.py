@@ -247,7 +247,7 @@ def lm_head_loss(logits: Tensor, labels: Optional[Tensor] = None, *, terms: Sequ
 
     Options as headloss.LossPlan (ce_weight, z_weight, entropy_weight, distill_weight,
     grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap, teacher/student_temperature,
-    eps_low, eps_high, ignore_index, grad_dtype, check_labels). The gradient w.r.t. the logits is
+    eps_low, eps_high, ignore_index, grad_dtype, check). The gradient w.r.t. the logits is
     formed in the same pass when autograd needs it, and scaled by the loss's incoming gradient in
     backward. Works under torch.compile (headloss::fused_loss is opaque to the compiler; the plan
     is made once per options / vocabulary / dtype / device).

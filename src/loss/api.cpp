@@ -43,9 +43,9 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
                 fn, dtype_name(d.labels_dtype), int(d.labels_dtype));
   if (d.terms & ~kAllTerms)
     return fail(HL_STATUS_INVALID_VALUE, "%s: terms has unknown bits 0x%x", fn, d.terms & ~kAllTerms);
-  if (d.flags & ~unsigned(HL_LOSS_UNCHECKED_LABELS))
+  if (d.flags & ~unsigned(HL_LOSS_UNCHECKED))
     return fail(HL_STATUS_INVALID_VALUE, "%s: flags has unknown bits 0x%x", fn,
-                d.flags & ~unsigned(HL_LOSS_UNCHECKED_LABELS));
+                d.flags & ~unsigned(HL_LOSS_UNCHECKED));
   if ((d.terms & HL_LOSS_DISTILL_FWD) && (d.terms & HL_LOSS_DISTILL_REV))
     return fail(HL_STATUS_INVALID_VALUE,
                 "%s: terms has both HL_LOSS_DISTILL_FWD and HL_LOSS_DISTILL_REV; pick one", fn);
@@ -88,9 +88,14 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
                 "%s: the shard [vocab_start, vocab_start + vocab) = [%lld, %lld) is not inside "
                 "[0, vocab_global = %lld)", fn, (long long)d.vocab_start,
                 (long long)(d.vocab_start + d.vocab), (long long)d.vocab_global);
-  if (d.vocab_global != d.vocab && d.backend == HL_BACKEND_CUDA)
-    return fail(HL_STATUS_NOT_SUPPORTED, "%s: sharded (tensor-parallel) plans run on the CPU "
-                "backend in this version", fn);
+  if (d.ranks < 0 || d.ranks > d.vocab_global)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: ranks is %d; must be in [0, vocab_global = %lld] (0 "
+                "means 1)", fn, d.ranks, (long long)d.vocab_global);
+  if (d.ranks == 0) d.ranks = 1;
+  if ((d.ranks > 1) != (d.vocab < d.vocab_global))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: ranks is %d but the shard has %lld of %lld columns; a "
+                "shard of the vocabulary needs ranks >= 2, the whole of it ranks = 1", fn, d.ranks,
+                (long long)d.vocab, (long long)d.vocab_global);
   const auto on = [&](unsigned t, float w) { return (d.terms & t) ? w : 0.0f; };
   o.ce_w = on(HL_LOSS_CE, d.ce_weight);
   o.z_w = on(HL_LOSS_Z, d.z_weight);
@@ -123,10 +128,6 @@ hl_status_t require(const char *fn, const char *name, const void *p, const char 
   if (!p) return fail(HL_STATUS_INVALID_VALUE, "%s: %s is NULL; %s needs it", fn, name, what);
   return HL_STATUS_SUCCESS;
 }
-
-// Which call the arguments are for: the statistics step reads logits, labels and teacher logits
-// only, so it needs none of the other inputs or outputs.
-enum Phase { kWhole, kStats, kFinish };
 
 hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args_t &a, Phase phase) {
   const hl_loss_plan_desc_t &d = p.desc;
@@ -210,38 +211,50 @@ hl_status_t check_host_labels(const char *fn, const hl_loss_plan_st &p, const hl
   return HL_STATUS_SUCCESS;
 }
 
-// Bytes of one rank's block of statistics for `rows` rows.
-size_t block_bytes(int64_t rows) { return sizeof(BlockHeader) + size_t(rows) * sizeof(CpuStats); }
-
-hl_status_t check_split_backend(const char *fn, const hl_loss_plan_st &p) {
-  if (p.desc.backend != HL_BACKEND_CPU)
-    return fail(HL_STATUS_NOT_SUPPORTED, "%s: the split (tensor-parallel) execution runs on the "
-                "CPU backend in this version", fn);
-  return HL_STATUS_SUCCESS;
+// The workspace of a call: large enough, aligned, in the backend's memory.
+hl_status_t check_workspace(const char *fn, const hl_loss_plan_st &p, int64_t rows, void *ws,
+                            size_t bytes) {
+  size_t need = 0;
+#if HL_HAVE_CUDA
+  if (p.desc.backend == HL_BACKEND_CUDA) need = cuda_workspace_bytes(p, rows);
+#endif
+  if (bytes < need)
+    return fail(HL_STATUS_INSUFFICIENT_WORKSPACE, "%s: workspace_bytes is %zu; %lld rows need %zu",
+                fn, bytes, (long long)rows, need);
+  if (!need) return HL_STATUS_SUCCESS;
+  HL_TRY(check_not_null(fn, "workspace", ws));
+  if (reinterpret_cast<uintptr_t>(ws) % 16)
+    return fail(HL_STATUS_MISALIGNED, "%s: workspace (%p) must be 16-byte aligned", fn, ws);
+  return check_location(fn, "workspace", ws, p.desc.backend);
 }
 
-// The arguments of a split call (statistics or finish): the plan, backend, arguments and labels.
+// The arguments of a split call (statistics or finish): the plan, the arguments, host labels.
 hl_status_t split_args(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t *args, Phase phase,
                        hl_loss_args_t *a) {
   HL_TRY(check_not_null(fn, "plan", plan));
-  HL_TRY(check_split_backend(fn, *plan));
   HL_TRY(read_descriptor(fn, args, a));
   HL_TRY(validate_args(fn, *plan, *a, phase));
-  return check_host_labels(fn, *plan, *a);
+  return plan->desc.backend == HL_BACKEND_CPU ? check_host_labels(fn, *plan, *a) : HL_STATUS_SUCCESS;
 }
 
-// A buffer of `ranks` blocks: present, large enough, host memory, clear of the call's outputs.
+// A buffer of `ranks` blocks: present, large enough, 8-byte aligned, in the backend's memory,
+// clear of the call's other arguments.
 hl_status_t check_block_buffer(const char *fn, const char *name, const void *buf, size_t bytes,
                                int ranks, const hl_loss_args_t &a, const hl_loss_plan_st &p) {
   HL_TRY(check_not_null(fn, name, buf));
-  const size_t need = size_t(ranks) * block_bytes(a.rows);
+  const size_t need = size_t(ranks) * block_bytes(p, a.rows);
   if (bytes < need)
     return fail(HL_STATUS_INVALID_VALUE, "%s: %s_bytes is %zu; %d block(s) of %lld rows need %zu",
                 fn, name, bytes, ranks, (long long)a.rows, need);
+  if (reinterpret_cast<uintptr_t>(buf) % 8)
+    return fail(HL_STATUS_MISALIGNED, "%s: %s (%p) must be 8-byte aligned", fn, name, buf);
   HL_TRY(check_location(fn, name, buf, p.desc.backend));
+  const hl_loss_plan_desc_t &d = p.desc;
   const Buffer others[] = {
-      {"logits", a.logits, a.rows, p.desc.vocab, a.logits_stride, p.desc.logits_dtype, false},
-      {"grad", a.grad, a.rows, p.desc.vocab, a.grad_stride, p.desc.grad_dtype, false},
+      {"logits", a.logits, a.rows, d.vocab, a.logits_stride, d.logits_dtype, false},
+      {"labels", a.labels, a.rows, 1, 1, d.labels_dtype, false},
+      {"teacher_logits", a.teacher_logits, a.rows, d.vocab, a.teacher_stride, d.logits_dtype, false},
+      {"grad", a.grad, a.rows, d.vocab, a.grad_stride, d.grad_dtype, false},
       {"scalars", a.scalars, 1, HL_LOSS_NUM_SCALARS, HL_LOSS_NUM_SCALARS, HL_DTYPE_F32, false},
       {"token_loss", a.token_loss, a.rows, 1, 1, HL_DTYPE_F32, false},
       {"token_logp", a.token_logp, a.rows, 1, 1, HL_DTYPE_F32, false},
@@ -253,24 +266,62 @@ hl_status_t check_block_buffer(const char *fn, const char *name, const void *buf
   return HL_STATUS_SUCCESS;
 }
 
-// The gathered blocks: each from this plan and these rows, their shards tiling the vocabulary.
-hl_status_t check_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows, const char *buf,
-                         int ranks) {
+// The CPU backend's finish: headers checked, rows merged in buffer order, the rest of the loss.
+hl_status_t cpu_merge_finish(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                             const char *gathered) {
+  const int ranks = p.desc.ranks;
+  const size_t bb = block_bytes(p, a.rows);
+  std::vector<BlockHeader> h(static_cast<size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) std::memcpy(&h[size_t(r)], gathered + size_t(r) * bb, sizeof(BlockHeader));
+  HL_TRY(check_blocks(fn, p, a.rows, h.data()));
+  std::vector<CpuStats> merged(size_t(a.rows));
+  for (int r = 0; r < ranks; ++r) {
+    const char *rec = gathered + size_t(r) * bb + sizeof(BlockHeader);
+    for (int64_t i = 0; i < a.rows; ++i) {
+      CpuStats s;
+      std::memcpy(&s, rec + size_t(i) * sizeof s, sizeof s);
+      merged[size_t(i)] = r == 0 ? s : merge(merged[size_t(i)], s, double(p.opt.inv_ts));
+    }
+  }
+  return cpu_finish(p, a, merged.data());
+}
+
+}  // namespace
+
+size_t record_bytes(const hl_loss_plan_st &p) {
+  if (p.desc.backend == HL_BACKEND_CPU) return sizeof(CpuStats);
+  return p.opt.distill == kDistillNone ? offsetof(RowStats<float>, mt) : sizeof(RowStats<float>);
+}
+
+size_t block_bytes(const hl_loss_plan_st &p, int64_t rows) {
+  return sizeof(BlockHeader) + size_t(rows) * record_bytes(p);
+}
+
+BlockHeader make_header(const hl_loss_plan_st &p, int64_t rows) {
+  const hl_loss_plan_desc_t &d = p.desc;
+  return BlockHeader{kBlockTag, p.fingerprint, rows, d.vocab_start, d.vocab, d.vocab_global,
+                     int64_t(record_bytes(p)), 0};
+}
+
+hl_status_t check_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows,
+                         const BlockHeader *headers) {
   const hl_loss_plan_desc_t &d = p.desc;
   std::vector<std::pair<int64_t, int64_t>> shards;  // (vocab_start, vocab)
   bool mine = false;
-  for (int r = 0; r < ranks; ++r) {
-    BlockHeader h;
-    std::memcpy(&h, buf + size_t(r) * block_bytes(rows), sizeof h);
-    if (h.tag != kBlockTag || h.record_bytes != int64_t(sizeof(CpuStats)))
+  for (int r = 0; r < d.ranks; ++r) {
+    const BlockHeader &h = headers[r];
+    if (h.tag != kBlockTag)
       return fail(HL_STATUS_INVALID_VALUE, "%s: block %d is not a block of statistics from "
                   "hl_loss_plan_execute_stats (bad header)", fn, r);
+    if (h.record_bytes != int64_t(record_bytes(p)))
+      return fail(HL_STATUS_INVALID_VALUE, "%s: block %d has %lld-byte records; this plan's are %zu "
+                  "(ranks on different backends?)", fn, r, (long long)h.record_bytes, record_bytes(p));
     if (h.rows != rows)
       return fail(HL_STATUS_INVALID_VALUE, "%s: block %d has %lld rows; this call has %lld (the "
                   "ranks disagree on N)", fn, r, (long long)h.rows, (long long)rows);
     if (h.fingerprint != p.fingerprint || h.vocab_global != d.vocab_global)
       return fail(HL_STATUS_INVALID_VALUE, "%s: block %d comes from a different plan (the ranks "
-                  "disagree on the terms, options or vocab_global)", fn, r);
+                  "disagree on the terms, options, ranks or vocab_global)", fn, r);
     shards.emplace_back(h.vocab_start, h.vocab);
     mine |= h.vocab_start == d.vocab_start && h.vocab == d.vocab;
   }
@@ -292,7 +343,6 @@ hl_status_t check_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows,
   return HL_STATUS_SUCCESS;
 }
 
-}  // namespace
 }  // namespace hl::loss
 
 using namespace hl;
@@ -348,23 +398,12 @@ HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_
     HL_TRY(check_not_null(fn, "plan", plan));
     hl_loss_args_t a;
     HL_TRY(read_descriptor(fn, args, &a));
-    if (plan->desc.vocab_global != plan->desc.vocab)
+    if (plan->desc.ranks > 1)
       return fail(HL_STATUS_INVALID_VALUE, "%s: the plan is a vocabulary shard; run it with "
-                  "hl_loss_plan_execute_stats, a gather, and hl_loss_plan_execute_finish", fn);
+                  "hl_loss_plan_execute_stats, a gather, and hl_loss_plan_execute_finish (or "
+                  "hl_loss_plan_execute_nccl)", fn);
     HL_TRY(validate_args(fn, *plan, a, kWhole));
-    size_t need = 0;
-#if HL_HAVE_CUDA
-    if (plan->desc.backend == HL_BACKEND_CUDA) need = cuda_workspace_bytes(*plan, a.rows);
-#endif
-    if (workspace_bytes < need)
-      return fail(HL_STATUS_INSUFFICIENT_WORKSPACE, "%s: workspace_bytes is %zu; %lld rows need %zu",
-                  fn, workspace_bytes, (long long)a.rows, need);
-    if (need) {
-      HL_TRY(check_not_null(fn, "workspace", workspace));
-      if (reinterpret_cast<uintptr_t>(workspace) % 16)
-        return fail(HL_STATUS_MISALIGNED, "%s: workspace (%p) must be 16-byte aligned", fn, workspace);
-      HL_TRY(check_location(fn, "workspace", workspace, plan->desc.backend));
-    }
+    HL_TRY(check_workspace(fn, *plan, a.rows, workspace, workspace_bytes));
 #if HL_HAVE_CUDA
     if (plan->desc.backend == HL_BACKEND_CUDA) return cuda_execute(fn, *plan, a, workspace, stream);
 #endif
@@ -380,8 +419,7 @@ HL_API hl_status_t hl_loss_plan_get_stats_size(hl_loss_plan_t plan, int64_t rows
     HL_TRY(check_not_null(fn, "plan", plan));
     HL_TRY(check_not_null(fn, "bytes", bytes));
     HL_TRY(check_positive(fn, "rows", rows));
-    HL_TRY(check_split_backend(fn, *plan));
-    *bytes = block_bytes(rows);
+    *bytes = block_bytes(*plan, rows);
     return HL_STATUS_SUCCESS;
   });
 }
@@ -389,14 +427,15 @@ HL_API hl_status_t hl_loss_plan_get_stats_size(hl_loss_plan_t plan, int64_t rows
 HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss_args_t *args,
                                               void *stats, size_t stats_bytes, hl_stream_t stream) {
   static const char *fn = "hl_loss_plan_execute_stats";
-  (void)stream;
   return guarded(fn, [&]() -> hl_status_t {
     hl_loss_args_t a;
     HL_TRY(split_args(fn, plan, args, kStats, &a));
     HL_TRY(check_block_buffer(fn, "stats", stats, stats_bytes, 1, a, *plan));
-    const hl_loss_plan_desc_t &d = plan->desc;
-    const BlockHeader h{kBlockTag, plan->fingerprint, a.rows, d.vocab_start, d.vocab,
-                        d.vocab_global, int64_t(sizeof(CpuStats)), 0};
+#if HL_HAVE_CUDA
+    if (plan->desc.backend == HL_BACKEND_CUDA) return cuda_stats(fn, *plan, a, stats, stream);
+#endif
+    (void)stream;
+    const BlockHeader h = make_header(*plan, a.rows);
     std::vector<CpuStats> st(size_t(a.rows));
     cpu_stats(*plan, a, st.data());
     std::memcpy(stats, &h, sizeof h);
@@ -406,28 +445,45 @@ HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss
 }
 
 HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_loss_args_t *args,
-                                               const void *gathered, int ranks,
-                                               size_t gathered_bytes, hl_stream_t stream) {
+                                               const void *gathered, size_t gathered_bytes,
+                                               void *workspace, size_t workspace_bytes,
+                                               hl_stream_t stream) {
   static const char *fn = "hl_loss_plan_execute_finish";
-  (void)stream;
   return guarded(fn, [&]() -> hl_status_t {
     hl_loss_args_t a;
     HL_TRY(split_args(fn, plan, args, kFinish, &a));
-    if (ranks < 1) return fail(HL_STATUS_INVALID_VALUE, "%s: ranks is %d; must be >= 1", fn, ranks);
-    HL_TRY(check_block_buffer(fn, "gathered", gathered, gathered_bytes, ranks, a, *plan));
-    HL_TRY(check_blocks(fn, *plan, a.rows, static_cast<const char *>(gathered), ranks));
-    // Merge every row's shards in rank order (the same order, so the same bits, on every rank).
-    std::vector<CpuStats> merged(size_t(a.rows), empty_stats<double>());
-    const double inv_ts = plan->opt.inv_ts;
-    for (int r = 0; r < ranks; ++r) {
-      const char *rec = static_cast<const char *>(gathered) + size_t(r) * block_bytes(a.rows) + sizeof(BlockHeader);
-      for (int64_t i = 0; i < a.rows; ++i) {
-        CpuStats s;
-        std::memcpy(&s, rec + size_t(i) * sizeof s, sizeof s);
-        merged[size_t(i)] = r == 0 ? s : merge(merged[size_t(i)], s, inv_ts);
-      }
+    HL_TRY(check_block_buffer(fn, "gathered", gathered, gathered_bytes, plan->desc.ranks, a, *plan));
+    HL_TRY(check_workspace(fn, *plan, a.rows, workspace, workspace_bytes));
+#if HL_HAVE_CUDA
+    if (plan->desc.backend == HL_BACKEND_CUDA) {
+      if (overlaps(workspace, workspace_bytes, gathered, gathered_bytes))
+        return fail(HL_STATUS_INVALID_VALUE, "%s: workspace overlaps gathered", fn);
+      return cuda_finish(fn, *plan, a, gathered, workspace, stream);
     }
-    return cpu_finish(*plan, a, merged.data());
+#endif
+    (void)stream;
+    return cpu_merge_finish(fn, *plan, a, static_cast<const char *>(gathered));
+  });
+}
+
+HL_API hl_status_t hl_loss_plan_execute_nccl(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                             void *nccl_comm, void *workspace,
+                                             size_t workspace_bytes, hl_stream_t stream) {
+  static const char *fn = "hl_loss_plan_execute_nccl";
+  return guarded(fn, [&]() -> hl_status_t {
+    hl_loss_args_t a;
+    HL_TRY(split_args(fn, plan, args, kFinish, &a));
+    HL_TRY(check_not_null(fn, "nccl_comm", nccl_comm));
+    if (plan->desc.backend != HL_BACKEND_CUDA)
+      return fail(HL_STATUS_NOT_SUPPORTED, "%s: NCCL needs a CUDA plan; on the CPU backend use "
+                  "hl_loss_plan_execute_stats, your gather, and hl_loss_plan_execute_finish", fn);
+    HL_TRY(check_workspace(fn, *plan, a.rows, workspace, workspace_bytes));
+#if HL_HAVE_CUDA
+    return nccl_execute(fn, *plan, a, nccl_comm, workspace, stream);
+#else
+    (void)stream;
+    return fail(HL_STATUS_INTERNAL_ERROR, "%s: a CUDA plan in a build without CUDA", fn);
+#endif
   });
 }
 

@@ -9,20 +9,26 @@
 
 namespace hl::loss {
 
-// How the CUDA backend runs a plan, chosen once at plan creation.
-struct CudaChoice {
+// Which call runs: the whole loss, or a step of the split (tensor-parallel) execution. The
+// statistics step reads logits, labels and teacher logits only.
+enum Phase : int { kWhole = 0, kStats = 1, kFinish = 2 };
+
+// How the CUDA backend runs one phase of a plan, chosen once at plan creation.
+struct CudaLaunch {
   const void *kernel = nullptr;  // the specialised instantiation
   int cluster = 1;               // CTAs sharing one row through distributed shared memory
-  int threads = 0;
   int grid = 0;                  // CTAs of the persistent grid (a multiple of cluster)
   size_t smem = 0;               // dynamic shared memory per CTA: its slice of the row
   bool keep_row = false;         // the slice stays in shared memory between the two passes
+};
+struct CudaChoice {
+  CudaLaunch phase[3];  // by Phase
 };
 
 }  // namespace hl::loss
 
 struct hl_loss_plan_st {
-  hl_loss_plan_desc_t desc;  // validated; grad_dtype and vocab_global resolved
+  hl_loss_plan_desc_t desc;  // validated; grad_dtype, vocab_global and ranks resolved
   hl::loss::Options opt;     // opt.vocab is the global vocabulary
   bool needs_labels;         // CE, GRPO or GRPO_KL_REF is on
   uint64_t fingerprint;      // of every field the ranks of a sharded plan must share
@@ -41,6 +47,18 @@ constexpr uint64_t kBlockTag = 0x31534c48u;  // "HLS1"
 
 using CpuStats = RowStats<double>;
 
+// Bytes of one row's record in a block: fp64 RowStats on the CPU; fp32 on CUDA, without the
+// distillation fields when the plan has none.
+size_t record_bytes(const hl_loss_plan_st &p);
+// Bytes of one rank's block (header and records) for `rows` rows; a multiple of 8.
+size_t block_bytes(const hl_loss_plan_st &p, int64_t rows);
+// The header of this plan's block for `rows` rows.
+BlockHeader make_header(const hl_loss_plan_st &p, int64_t rows);
+// The ranks' headers, already read into host memory, against the plan: same plan and rows,
+// shards tiling [0, vocab_global), this plan's shard among them.
+hl_status_t check_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows,
+                         const BlockHeader *headers);
+
 // Every row at once (one shard that is the whole vocabulary).
 hl_status_t cpu_execute(const hl_loss_plan_st &p, const hl_loss_args_t &a);
 // The statistics of every row over this shard's columns.
@@ -50,9 +68,22 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
 
 #if HL_HAVE_CUDA
 hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p);
+// Per-row records, then room for `ranks` gathered blocks (hl_loss_plan_execute_nccl).
 size_t cuda_workspace_bytes(const hl_loss_plan_st &p, int64_t rows);
+// Where the gathered blocks live in a workspace.
+void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace);
 hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                          void *workspace, hl_stream_t stream);
+// This rank's block (header and records) into device memory.
+hl_status_t cuda_stats(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                       void *block, hl_stream_t stream);
+// Merges the gathered blocks (device memory) and runs the rest of the loss; checks the headers
+// (check_blocks) and labels with one synchronisation unless the plan is HL_LOSS_UNCHECKED.
+hl_status_t cuda_finish(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                        const void *gathered, void *workspace, hl_stream_t stream);
+// stats, one in-place ncclAllGather of the blocks in the workspace, finish.
+hl_status_t nccl_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                         void *comm, void *workspace, hl_stream_t stream);
 #endif
 
 }  // namespace hl::loss

@@ -99,6 +99,12 @@ static void bad_descriptions(void **state) {
   create_fails(d, HL_STATUS_INVALID_VALUE, "= [3, 9) is not inside [0, vocab_global = 0)");
   d = desc_ce(), d.vocab_start = 4, d.vocab_global = 9;
   create_fails(d, HL_STATUS_INVALID_VALUE, "= [4, 10) is not inside [0, vocab_global = 9)");
+  d = desc_ce(), d.vocab_global = 9, d.ranks = 1;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "needs ranks >= 2");
+  d = desc_ce(), d.ranks = 2;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "the whole of it ranks = 1");
+  d = desc_ce(), d.vocab_global = 9, d.ranks = 10;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "ranks is 10; must be in [0, vocab_global = 9]");
   d = desc_ce(), d.struct_size = 3;
   create_fails(d, HL_STATUS_INVALID_VALUE, "struct_size is 3");
   d = desc_ce(), d.backend = (hl_backend_t)9;
@@ -200,8 +206,48 @@ static void small_exact_case(void **state) {
   free(b);
 }
 
+/* The split (tensor-parallel) calls: their buffers are checked, NCCL needs a CUDA plan, and a
+ * shard plan is not run whole. Results are covered by tests/python/test_loss_tp.py. */
+static void split_calls(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  d.vocab_start = 0, d.vocab_global = V + 3, d.ranks = 2; /* the shard [0, 6) of 9 columns */
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  size_t block = 0;
+  assert_ok(hl_loss_plan_get_stats_size(p, N, &block));
+  assert_int_equal(block, 64 + N * 104); /* header + fp64 records */
+  int64_t *stats = calloc(2 * block / 8, 8);
+  hl_loss_args_t a = args_for(b);
+  assert_fails(hl_loss_plan_execute(p, &a, NULL, 0, NULL), HL_STATUS_INVALID_VALUE, "vocabulary shard");
+  assert_fails(hl_loss_plan_execute_stats(p, &a, stats, block - 1, NULL), HL_STATUS_INVALID_VALUE,
+               "stats_bytes is");
+  assert_fails(hl_loss_plan_execute_stats(p, &a, NULL, block, NULL), HL_STATUS_INVALID_VALUE,
+               "stats is NULL");
+  assert_fails(hl_loss_plan_execute_stats(p, &a, (char *)stats + 4, block, NULL), HL_STATUS_MISALIGNED,
+               "8-byte aligned");
+  assert_ok(hl_loss_plan_execute_stats(p, &a, stats, block, NULL));
+  assert_int_equal(stats[0], 0x31534c48); /* "HLS1" */
+  assert_int_equal(stats[2], N);
+  /* One block where the plan expects two: too small, then (a zeroed second block) a bad header. */
+  assert_fails(hl_loss_plan_execute_finish(p, &a, stats, block, NULL, 0, NULL), HL_STATUS_INVALID_VALUE,
+               "gathered_bytes is");
+  assert_fails(hl_loss_plan_execute_finish(p, &a, stats, 2 * block, NULL, 0, NULL),
+               HL_STATUS_INVALID_VALUE, "block 1 is not a block of statistics");
+  assert_true(untouched(b));
+  assert_fails(hl_loss_plan_execute_nccl(p, &a, (void *)stats, NULL, 0, NULL), HL_STATUS_NOT_SUPPORTED,
+               "NCCL needs a CUDA plan");
+  assert_fails(hl_loss_plan_execute_nccl(p, &a, NULL, NULL, 0, NULL), HL_STATUS_INVALID_VALUE,
+               "nccl_comm is NULL");
+  assert_ok(hl_loss_plan_destroy(p));
+  free(stats);
+  free(b);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(bad_descriptions), cmocka_unit_test(bad_arguments),
-                                     cmocka_unit_test(small_exact_case)};
+                                     cmocka_unit_test(small_exact_case), cmocka_unit_test(split_calls)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

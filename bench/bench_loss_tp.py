@@ -1,0 +1,144 @@
+"""Benchmark of the vocabulary-sharded loss on two GPUs (one process each), side by side in one run.
+
+The loss: CE + z-loss + entropy (as a small bonus) with gradient, bf16 logits [N, V] split in two
+contiguous shards. Per rank, median CUDA-event times (ms) of:
+  - headloss, the caller's collective: stats -> torch.distributed.all_gather_into_tensor -> finish
+    (one collective), and each step alone;
+  - headloss on a raw NCCL communicator (hl_loss_plan_execute_nccl: the same, one call);
+  - the way frameworks do it (Megatron-style vocab-parallel cross-entropy in PyTorch): an
+    all-reduce per statistic (max, sum of exponentials, label logit, sum p z for the entropy),
+    then the gradient from the reduced statistics;
+  - headloss unsharded on one GPU (the whole [N, V]) for scale.
+Labels unchecked (no host synchronisation), as the peers do not check them.
+
+Usage: python3 bench/bench_loss_tp.py [--out table.md] [--shape 8192x128256]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests" / "python"), str(Path(__file__).parent)]
+
+Z_W, ENT_W = 1e-4, -1e-2
+TERMS = ("ce", "z", "entropy")
+
+
+def torch_tp_loss(x, y, lo, dist):
+    """Forward statistics with one all-reduce each, then the gradient; returns (loss, grad)."""
+    xf = x.float()
+    n = x.shape[1]
+    m = xf.amax(-1)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)                     # 1: the row max
+    e = torch.exp(xf - m[:, None])
+    s = e.sum(-1)
+    dist.all_reduce(s)                                           # 2: the sum of exponentials
+    valid = y >= 0
+    mine = valid & (y >= lo) & (y < lo + n)
+    zy = torch.where(mine, xf.gather(1, (y - lo).clamp(0, n - 1)[:, None])[:, 0], 0.0)
+    dist.all_reduce(zy)                                          # 3: the label's logit
+    p = e / s[:, None]
+    ez = (p * xf).sum(-1)
+    dist.all_reduce(ez)                                          # 4: sum p z (entropy)
+    lse = m + torch.log(s)
+    ent = lse - ez
+    w = valid.float()
+    D = w.sum()
+    loss = ((lse - zy) * w).sum() / D + Z_W * (lse ** 2 * w).sum() / D + ENT_W * (ent * w).sum() / D
+    coef = (1 + 2 * Z_W * lse)[:, None] + ENT_W * (ez[:, None] - xf)
+    g = p * coef
+    g.scatter_add_(1, (y - lo).clamp(0, n - 1)[:, None], -mine.float()[:, None])
+    return loss, (g * (w / D)[:, None]).to(x.dtype)
+
+
+def worker(rank: int, init: str, args) -> None:
+    import torch.distributed as dist
+    from common import header, median_ms, table
+    from headloss.loss import LossPlan
+    from nccl_comm import Comm
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2,
+                            device_id=torch.device("cuda", rank))
+    N, V = map(int, args.shape.split("x"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    full = (torch.randn(N, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    y = torch.randint(0, V, (N,), device="cuda", generator=g)
+    y[::17] = -100
+    lo, n = (0, V // 2) if rank == 0 else (V // 2, V - V // 2)
+    x = full[:, lo:lo + n].contiguous()  # what a rank holds
+    opts = dict(z_weight=Z_W, entropy_weight=ENT_W, check=False)
+    t = {}
+    if rank == 0:
+        whole = LossPlan(V, "bfloat16", terms=TERMS, device="cuda", **opts)
+        gw = torch.empty_like(full)
+        t["unsharded, 1 GPU"] = median_ms(lambda: whole(full, y, grad=gw))
+        ref = whole(full, y, grad=gw).scalars[0].item()
+        del gw
+    del full
+    torch.cuda.empty_cache()
+    plan = LossPlan(n, "bfloat16", terms=TERMS, device="cuda", vocab_start=lo, vocab_global=V,
+                    ranks=2, **opts)
+    grad = torch.empty_like(x)
+    block = plan.stats(x, y)
+    gathered = torch.empty(2 * block.numel(), dtype=block.dtype, device="cuda")
+
+    def split():
+        b = plan.stats(x, y)
+        dist.all_gather_into_tensor(gathered, b)
+        return plan.finish(gathered, x, y, grad=grad)
+
+    t["headloss: stats + all-gather + finish"] = median_ms(split)
+    t["  stats alone"] = median_ms(lambda: plan.stats(x, y))
+    t["  all-gather alone"] = median_ms(lambda: dist.all_gather_into_tensor(gathered, block))
+    t["  finish alone"] = median_ms(lambda: plan.finish(gathered, x, y, grad=grad))
+    comm = Comm()
+    t["headloss: hl_loss_plan_execute_nccl"] = median_ms(lambda: plan.nccl(comm.ptr, x, y, grad=grad))
+    ours = split().scalars[0].item()
+    t["PyTorch, an all-reduce per statistic"] = median_ms(lambda: torch_tp_loss(x, y, lo, dist), iters=20)
+    theirs = torch_tp_loss(x, y, lo, dist)[0].item()
+    comm.destroy()
+    if rank == 0:
+        assert abs(ours - ref) <= 1e-5 * abs(ref) and abs(theirs - ref) <= 1e-3 * abs(ref), (ours, theirs, ref)
+        colls = {"headloss: stats + all-gather + finish": "1 all-gather",
+                 "headloss: hl_loss_plan_execute_nccl": "1 all-gather",
+                 "PyTorch, an all-reduce per statistic": "4 all-reduces"}
+        nbytes = {"headloss: stats + all-gather + finish": f"{2 * block.numel() * 8 / 1e3:.0f} KB gathered",
+                  "headloss: hl_loss_plan_execute_nccl": f"{2 * block.numel() * 8 / 1e3:.0f} KB gathered",
+                  "PyTorch, an all-reduce per statistic": f"4 x {N * 4 / 1e3:.0f} KB reduced"}
+        base = t["PyTorch, an all-reduce per statistic"]
+        rows = [[k, f"{v:.3f}", colls.get(k, ""), nbytes.get(k, ""),
+                 f"{base / v:.2f}x" if k in colls else ""] for k, v in t.items()]
+        text = "\n".join([
+            f"{header()}; 2 GPUs, one process each, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}",
+            f"Loss: CE + z + entropy with gradient, bf16 [{N}, {V}] in two shards of {V // 2} columns; "
+            f"loss {ref:.6f} (headloss sharded {ours:.6f}, PyTorch {theirs:.6f}).", "",
+            table(rows, ["per rank", "ms", "collectives", "bytes", "PyTorch / this"])])
+        print(text, flush=True)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shape", default="8192x128256")
+    args = ap.parse_args()
+    if torch.cuda.device_count() < 2:
+        print("# bench_loss_tp: needs two GPUs; skipped")
+        return
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(f"file://{tmp}/init", args), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
