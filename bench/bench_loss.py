@@ -49,7 +49,7 @@ class Direct:
         self.stream = torch.cuda.current_stream().cuda_stream
 
     def __call__(self):
-        hloss.check(hloss._execute(self.plan._handle, ctypes.byref(self.args), self.ws.data_ptr(),
+        hloss._check(hloss._execute(self.plan._handle, ctypes.byref(self.args), self.ws.data_ptr(),
                                    self.nbytes, self.stream))
 
 

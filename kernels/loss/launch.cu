@@ -108,6 +108,14 @@ reduce_kernel(const float *rec, int64_t rows, const float *prep, bool has_ratio,
                         acc[kRecFields + 3], prep[1], has_ratio, has_adv, terms, out);
 }
 
+const void *pick_bulk(hl_dtype_t dt, int phase, bool grad, bool cap) {
+  switch (dt) {
+    case HL_DTYPE_F32: return pick_bulk_kernel<float>(phase, grad, cap);
+    case HL_DTYPE_F16: return pick_bulk_kernel<__half>(phase, grad, cap);
+    default: return pick_bulk_kernel<__nv_bfloat16>(phase, grad, cap);
+  }
+}
+
 const void *pick(hl_dtype_t dt, int phase, bool grad, bool cap, int distill) {
   switch (dt) {
     case HL_DTYPE_F32: return pick_row_kernel<float>(phase, grad, cap, distill);
@@ -193,6 +201,13 @@ static hl_status_t launch_rows(const CudaLaunch &c, const Params &k, cudaStream_
   return HL_STATUS_SUCCESS;
 }
 
+// The bulk-copy kernel of a phase where it exists and the rows are 16-byte aligned, else the other.
+static const CudaLaunch &pick_launch(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase) {
+  const size_t elt = dtype_size(p.desc.logits_dtype);
+  const bool aligned = reinterpret_cast<uintptr_t>(a.logits) % 16 == 0 && a.logits_stride * elt % 16 == 0;
+  return aligned && p.cuda.bulk[phase].kernel ? p.cuda.bulk[phase] : p.cuda.phase[phase];
+}
+
 // The prep kernel (D, first bad label), then unless the plan is unchecked one synchronisation
 // that checks the labels and, for a finish, the gathered blocks' headers.
 static hl_status_t prep_and_check(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
@@ -230,7 +245,7 @@ static hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_l
     if (a.scalars) HL_CUDA_TRY(cudaMemsetAsync(a.scalars, 0, HL_LOSS_NUM_SCALARS * sizeof(float), stream));
     return HL_STATUS_SUCCESS;
   }
-  const CudaLaunch &c = p.cuda.phase[phase];
+  const CudaLaunch &c = pick_launch(p, a, phase);
   Params k = make_params(p, c, a, workspace);
   k.gathered = static_cast<const char *>(gathered);
   HL_TRY(prep_and_check(fn, p, a, static_cast<float *>(workspace), gathered, stream));
@@ -264,6 +279,13 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   while (cluster < max_cluster && bytes(cluster) > kKeepTarget) cluster *= 2;
   const bool keep_row = bytes(cluster) <= cap_bytes;
   if (!keep_row && cluster > 8) cluster = 8;
+  const auto finish_choice = [&](CudaLaunch &c) -> hl_status_t {
+    HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem)));
+    if (c.cluster > 8)
+      HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    c.grid = max_clusters(c) * c.cluster;
+    return HL_STATUS_SUCCESS;
+  };
   for (int ph = kWhole; ph <= kFinish; ++ph) {
     CudaLaunch &c = p.cuda.phase[ph];
     c.kernel = pick(d.logits_dtype, ph, grad, p.opt.cap > 0, p.opt.distill);
@@ -271,14 +293,22 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
     c.keep_row = ph == kWhole && keep_row;
     c.cluster = ph == kFinish && !grad ? 1 : cluster;
     c.smem = c.keep_row ? bytes(c.cluster) : 0;
-    HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem)));
-    if (c.cluster > 8)
-      HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    c.grid = max_clusters(c) * c.cluster;
+    HL_TRY(finish_choice(c));
     if (c.grid == 0)
       return fail(HL_STATUS_NOT_SUPPORTED,
                   "%s: no cluster of %d CTAs with %zu bytes of shared memory fits this device (vocab "
                   "%lld)", fn, c.cluster, c.smem, (long long)d.vocab);
+    // Bulk copies (Hopper): the whole-row shape, the slice kept in shared memory, where it fits.
+    CudaLaunch &b = p.cuda.bulk[ph];
+    b.kernel = major >= 9 && keep_row && p.opt.distill == kDistillNone
+                   ? pick_bulk(d.logits_dtype, ph, grad, p.opt.cap > 0) : nullptr;
+    if (b.kernel) {
+      b.cluster = cluster;
+      b.keep_row = true;
+      b.smem = bytes(cluster);
+      HL_TRY(finish_choice(b));
+      if (b.grid == 0) b.kernel = nullptr;
+    }
   }
   return HL_STATUS_SUCCESS;
 }
@@ -310,7 +340,7 @@ hl_status_t cuda_stats(const char *, const hl_loss_plan_st &p, const hl_loss_arg
     HL_CUDA_TRY(cudaMemcpyAsync(block, &h, sizeof h, cudaMemcpyHostToDevice, s));
     return HL_STATUS_SUCCESS;
   }
-  const CudaLaunch &c = p.cuda.phase[kStats];
+  const CudaLaunch &c = pick_launch(p, a, kStats);
   Params k = make_params(p, c, a, nullptr);
   k.block = static_cast<char *>(block);
   static_assert(sizeof h == sizeof k.header, "the header is 8 int64 fields");

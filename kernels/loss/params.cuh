@@ -37,5 +37,7 @@ struct Params {
 // logits dtype (rows_*.cu).
 template <class T>
 const void *pick_row_kernel(int phase, bool grad, bool cap, int distill);
+template <class T>
+const void *pick_bulk_kernel(int phase, bool grad, bool cap);
 
 }  // namespace hl::loss::cuda

@@ -23,6 +23,7 @@ struct CudaLaunch {
 };
 struct CudaChoice {
   CudaLaunch phase[3];  // by Phase
+  CudaLaunch bulk[3];   // the same through bulk copies (sm_90, aligned rows); kernel null if none
 };
 
 }  // namespace hl::loss

@@ -1,9 +1,9 @@
 """The vocabulary-sharded (tensor-parallel) loss: R ranks simulated in one process (on the CPU
 backend, or on one GPU), each with its slice of the logits, the blocks of statistics concatenated
 (the all-gather), and every rank's finish compared with the unsharded run: the same bits on every
-rank, scalars within 1e-6, per-token outputs within 1e-6 + 1e-5 (entropy cancels: an fp32 merge
-on the GPU loses about |z_max| * 2^-24), fp32 gradient slices within 1e-5. Then every refusal of bad blocks. The
-NCCL path on two GPUs is in test_loss_nccl.py."""
+rank, scalars within 1e-6, fp32 gradient slices within 1e-5, per-token outputs within 1e-5 (a
+token's loss is a difference of large terms, and the GPU merges in fp32 in another order). Then
+every refusal of bad blocks. The NCCL path on two GPUs is in test_loss_nccl.py."""
 import numpy as np
 import pytest
 
@@ -90,7 +90,7 @@ def test_sharded_matches_unsharded(be, rng, R, case, dtype):
            if abs(got[0][k] - ref[k]) > 1e-6 * max(abs(ref[k]), 1e-3)]
     assert not bad, f"{bad} differ from the unsharded run (shards {shards})"
     for t in range(4):
-        assert np.allclose(be.to_np(outs[0][2 + t]), be.to_np(full[2 + t]), rtol=1e-6, atol=1e-5)
+        assert np.allclose(be.to_np(outs[0][2 + t]), be.to_np(full[2 + t]), rtol=1e-5, atol=1e-5)
     grad = np.concatenate([be.to_np(o.grad) for o in outs], axis=1)
     g_ref = be.to_np(full.grad)
     assert np.linalg.norm(grad - g_ref) <= 1e-5 * np.linalg.norm(g_ref)
