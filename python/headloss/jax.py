@@ -4,6 +4,8 @@
     y = hlj.rmsnorm(x, w, eps=1e-6)                         # custom_vjp: jax.grad works
     loss, metrics = hlj.fused_loss(logits, labels, terms=("ce", "z"), z_weight=1e-4)
     jax.grad(lambda z: hlj.fused_loss(z, labels)[0])(logits)
+    # inside shard_map, logits sharded over the vocabulary along axis "tp":
+    loss, metrics = hlj.sharded_fused_loss(logits_shard, labels, axis_name="tp", vocab_global=V)
 
 The calls go through a small adapter library, libheadloss_jax.so (src/jax/headloss_jax.cc, built
 by CMake when jax's FFI headers are found), registered with jax.ffi.register_ffi_target for the
@@ -11,29 +13,36 @@ by CMake when jax's FFI headers are found), registered with jax.ffi.register_ffi
 adapter is looked for in $HEADLOSS_JAX_LIBRARY, beside the loaded libheadloss, in this package's
 folder, then in the checkout's lib/.
 
-Loss plans are created inside the adapter once per static configuration (options, vocabulary,
-dtypes, backend) and cached for the life of the process; jit-compiled steps reuse them.
+Loss plans are created inside the adapter once per static configuration (options, vocabulary and
+shard, dtypes, backend, device) and cached for the life of the process; jit-compiled steps reuse
+them.
 The loss's forward pass computes the gradient at the same time (one pass over the logits) and saves
 it; the backward pass scales it by the cotangent. Differentiation is with respect to the logits
 (and, for RMSNorm, x, the weight and the residual).
+
+The vocabulary-sharded loss runs in three steps, one collective: loss_stats (each shard's block of
+statistics), an all-gather of the blocks, loss_finish; sharded_fused_loss does the three inside
+shard_map (jax.lax.all_gather) and is differentiable. See examples/jax_shard_map.py.
 """
 from __future__ import annotations
 
 import ctypes
 import math
 import os
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._arrays import dtype_code
 from ._lib import _HERE, lib_path
-from .loss import SCALARS, TERMS
+from .loss import SCALARS, TERMS, LossPlan
 
-__all__ = ["rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "fused_loss", "loss_plan_count", "adapter_path"]
+__all__ = ["rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "fused_loss", "sharded_fused_loss", "loss_stats",
+           "loss_finish", "loss_plan_count", "adapter_path"]
 
 _CAST = {"llama": 0, "gemma": 1, "none": 2}
 _GRAD_MODES = {None: 0, "none": 0, "write": 1}
@@ -58,7 +67,7 @@ adapter_path = _find_adapter()
 _adapter = ctypes.CDLL(str(adapter_path))
 _adapter.hl_jax_loss_plan_count.restype = ctypes.c_int64
 
-for _name in ("rmsnorm_fwd", "rmsnorm_bwd", "loss"):
+for _name in ("rmsnorm_fwd", "rmsnorm_bwd", "loss", "loss_stats", "loss_finish"):
     jax.ffi.register_ffi_target(f"headloss_{_name}", jax.ffi.pycapsule(getattr(_adapter, f"hl_jax_{_name}")),
                                 platform="CUDA")
     jax.ffi.register_ffi_target(f"headloss_{_name}",
@@ -187,40 +196,151 @@ def rmsnorm(x, weight=None, *, eps: float = 1e-6, offset: float = 0.0, cast: str
 
 # ---- the fused loss plan -------------------------------------------------------------------------
 
-def _loss_call(cfg, logits, extras, grad: bool):
-    """Runs the plan; returns (scalars, grad or None, token outputs or None)."""
-    opts, token_outputs, grad_dtype = cfg
-    opts = dict(opts)
+_OPTIONS = frozenset({"ce_weight", "z_weight", "entropy_weight", "distill_weight", "grpo_weight",
+                      "kl_ref_beta", "label_smoothing", "logit_scale", "softcap",
+                      "teacher_temperature", "student_temperature", "eps_low", "eps_high"})
+
+
+class _Cfg(NamedTuple):
+    """A loss call's static configuration (hashable: custom_vjp's nondiff argument)."""
+    opts: Tuple[Tuple[str, Any], ...]  # the plan's attributes by name
+    token_outputs: bool
+    grad_dtype: Optional[str]          # None: the logits' dtype
+    axis_name: Any = None              # sharded_fused_loss: the shard_map axis of the vocabulary
+
+
+def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_dtype, token_outputs,
+            options, axis_name=None, **shard) -> _Cfg:
+    """Checks `fn`'s inputs and options; shard: vocab_global and ranks of a vocabulary shard."""
+    _check_float(logits, "logits")
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise TypeError(f"{fn}: unknown options {sorted(unknown)}")
+    labels = extras[0]
+    if labels is not None and labels.dtype not in (jnp.int32, jnp.int64):
+        raise TypeError(f"labels: dtype {labels.dtype}; expected int32 or int64")
+    for name, x in zip(_OPTIONAL_INPUTS, extras):
+        if x is None:
+            continue
+        want = logits.shape if name == "teacher_logits" else logits.shape[:-1]
+        if tuple(x.shape) != tuple(want):
+            raise ValueError(f"{name} has shape {x.shape}; expected {tuple(want)}")
+        if name == "teacher_logits" and x.dtype != logits.dtype:
+            raise TypeError("teacher_logits must have the logits' dtype")
+        if name not in ("labels", "teacher_logits") and x.dtype != jnp.float32:
+            raise TypeError(f"{name} must be float32, got {x.dtype}")
+    bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
+    opts = dict(options, terms=bits, flags=0 if check else 1, divisor=float(divisor), **shard)
+    if ignore_index is not None:
+        opts.update(use_ignore_index=1, ignore_index=int(ignore_index))
+    return _Cfg(tuple(sorted(opts.items())), bool(token_outputs),
+                None if grad_dtype is None else jnp.dtype(grad_dtype).name, axis_name)
+
+
+def _kwargs_config(fn: str, logits, labels, kwargs: dict, **shard):
+    """(cfg, extras) from fused_loss's keyword arguments as a dict."""
+    kw = dict(kwargs)
+    extras = (labels, *(kw.pop(k, None) for k in _OPTIONAL_INPUTS[1:]))
+    cfg = _config(fn, logits, extras, kw.pop("terms", ("ce",)), kw.pop("divisor", 0.0),
+                  kw.pop("ignore_index", None), kw.pop("check", True), kw.pop("grad_dtype", None),
+                  kw.pop("token_outputs", False), kw, **shard)
+    return cfg, extras
+
+
+def _attrs(cfg: _Cfg) -> dict:
+    """The plan's attributes with the types the adapter reads them as."""
+    return {k: (np.int64(v) if k in ("ignore_index", "vocab_global") else np.float64(v) if k == "divisor"
+                else _i32(v) if isinstance(v, (bool, int)) else _f32(v)) for k, v in cfg.opts}
+
+
+def _vocab_start(v):
+    v = jnp.asarray(v)
+    if v.shape != () or v.dtype not in (jnp.int32, jnp.int64):
+        raise TypeError(f"vocab_start must be a scalar int32 or int64, got {v.dtype}{list(v.shape)}")
+    return v
+
+
+def _loss_call(cfg: _Cfg, logits, extras, grad: bool, target: str = "headloss_loss", tail=()):
+    """Runs the plan (or, with target "headloss_loss_finish" and tail (gathered, vocab_start), the
+    finish of a shard); returns (scalars, grad or None, token outputs or None)."""
     inputs = 0
     args = [logits]
     for bit, x in enumerate(extras):
         if x is not None:
             inputs |= 1 << bit
             args.append(x)
-    rows = math.prod(logits.shape[:-1])
     outs = [jax.ShapeDtypeStruct((len(SCALARS),), jnp.float32)]
     if grad:
-        outs.append(jax.ShapeDtypeStruct(logits.shape, logits.dtype if grad_dtype is None else jnp.dtype(grad_dtype)))
-    if token_outputs:
+        outs.append(jax.ShapeDtypeStruct(logits.shape, jnp.dtype(cfg.grad_dtype or logits.dtype)))
+    if cfg.token_outputs:
         outs += [jax.ShapeDtypeStruct(logits.shape[:-1], jnp.float32)] * 4
-    attrs = {k: (np.int64(v) if k == "ignore_index" else np.float64(v) if k == "divisor"
-                 else _i32(v) if isinstance(v, (bool, int)) else _f32(v)) for k, v in opts.items()}
-    res = list(jax.ffi.ffi_call("headloss_loss", outs, vmap_method="sequential")(
-        *args, inputs=_i32(inputs), grad_mode=_i32(1 if grad else 0),
-        token_outputs=_i32(token_outputs), **attrs))
+    res = list(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(
+        *args, *tail, inputs=_i32(inputs), grad_mode=_i32(grad),
+        token_outputs=_i32(cfg.token_outputs), **_attrs(cfg)))
     scalars = res.pop(0)
     g = res.pop(0) if grad else None
-    return scalars, g, (tuple(res) if token_outputs else None)
+    return scalars, g, (tuple(res) if cfg.token_outputs else None)
+
+
+def _platform(x) -> str:
+    """The backend that will run a call on x: the mesh's under shard_map, else x's device, else the
+    default device's or backend's (under jit, x is a tracer and carries no device)."""
+    mesh = jax.sharding.get_abstract_mesh().abstract_device
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    where = next(w for w in (mesh, next(iter(x.devices())) if concrete else None,
+                             jax.config.jax_default_device, jax.default_backend()) if w is not None)
+    return "cpu" if getattr(where, "platform", where) == "cpu" else "cuda"
+
+
+@lru_cache(maxsize=64)
+def _stats_bytes(device: str, vocab: int, dtype: str, labels_dtype: Optional[str], rows: int,
+                 opts) -> int:
+    """The library's size of one block (its records are fp64 on the CPU backend, fp32 on CUDA):
+    XLA needs the result's shape when tracing."""
+    kw = {k: v for k, v in opts if k not in ("flags", "divisor", "use_ignore_index")}
+    plan = LossPlan(vocab, dtype, device=device, labels_dtype=labels_dtype, grad=None, **kw)
+    return plan.stats_bytes(rows)
+
+
+def _stats_call(cfg: _Cfg, logits, extras, vocab_start, grad: bool):
+    """Step 1 of a shard: its block of statistics, uint8[hl_loss_plan_get_stats_size]."""
+    labels, teacher = extras[0], extras[2]
+    args = [logits] + [x for x in (labels, teacher) if x is not None]
+    size = _stats_bytes(_platform(logits), logits.shape[-1], logits.dtype.name,
+                        None if labels is None else labels.dtype.name,
+                        math.prod(logits.shape[:-1]), cfg.opts)
+    # The block's plan must be the finish's, gradient dtype included.
+    gdt = dtype_code(cfg.grad_dtype or logits.dtype) if grad else 0
+    return jax.ffi.ffi_call("headloss_loss_stats", jax.ShapeDtypeStruct((size,), jnp.uint8),
+                            vmap_method="sequential")(
+        *args, _vocab_start(vocab_start), inputs=_i32((labels is not None) | (teacher is not None) << 2),
+        grad_mode=_i32(grad), grad_dtype=_i32(gdt), **_attrs(cfg))
+
+
+def _run(cfg: _Cfg, logits, extras, grad: bool):
+    """The whole loss, or with cfg.axis_name (inside shard_map) this shard's: stats, one
+    all-gather of the blocks over the axis, finish."""
+    axis = cfg.axis_name
+    if axis is None:
+        return _loss_call(cfg, logits, extras, grad)
+    start = jax.lax.axis_index(axis) * logits.shape[-1]
+    # ffi_call types its results as the same on every device along the axis: true of the scalars
+    # and token outputs (the same bits everywhere), not of the block and the gradient. Say so for
+    # shard_map's check_vma (the custom_vjp's gradient must vary as the logits shard does).
+    block = jax.lax.pcast(_stats_call(cfg, logits, extras, start, grad), axis, to="varying")
+    gathered = jax.lax.all_gather(block, axis, tiled=True)
+    scalars, g, toks = _loss_call(cfg, logits, extras, grad, "headloss_loss_finish", (gathered, start))
+    return scalars, (g if g is None else jax.lax.pcast(g, axis, to="varying")), toks
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_loss(cfg, logits, extras):
-    scalars, _, toks = _loss_call(cfg, logits, extras, grad=False)
+    scalars, _, toks = _run(cfg, logits, extras, grad=False)
     return scalars[0], scalars, toks
 
 
 def _fused_loss_fwd(cfg, logits, extras):
-    scalars, g, toks = _loss_call(cfg, logits, extras, grad=True)
+    scalars, g, toks = _run(cfg, logits, extras, grad=True)
     return (scalars[0], scalars, toks), g
 
 
@@ -231,6 +351,17 @@ def _fused_loss_bwd(cfg, g, cts):
 
 
 _fused_loss.defvjp(_fused_loss_fwd, _fused_loss_bwd)
+
+
+def _results(cfg: _Cfg, logits, extras):
+    """(loss, metrics[, token outputs]) of the differentiable loss."""
+    loss, scalars, toks = _fused_loss(cfg, logits, extras)
+    metrics = _metrics(jax.lax.stop_gradient(scalars))
+    return (loss, metrics, toks) if cfg.token_outputs else (loss, metrics)
+
+
+def _metrics(scalars) -> Dict[str, Any]:
+    return {k: scalars[i] for i, k in enumerate(SCALARS)}
 
 
 def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=None,
@@ -252,32 +383,71 @@ def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=N
     token_lse) when token_outputs. jax.grad of the loss w.r.t. the logits uses the gradient formed
     in the same pass (the forward of a jax.grad / jax.vjp computes and keeps it).
     """
-    _check_float(logits, "logits")
-    unknown = set(options) - {"ce_weight", "z_weight", "entropy_weight", "distill_weight", "grpo_weight",
-                              "kl_ref_beta", "label_smoothing", "logit_scale", "softcap",
-                              "teacher_temperature", "student_temperature", "eps_low", "eps_high"}
-    if unknown:
-        raise TypeError(f"fused_loss: unknown options {sorted(unknown)}")
-    bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
-    opts = dict(options, terms=bits, flags=0 if check else 1, divisor=float(divisor))
-    if ignore_index is not None:
-        opts.update(use_ignore_index=1, ignore_index=int(ignore_index))
-    if labels is not None and labels.dtype not in (jnp.int32, jnp.int64):
-        raise TypeError(f"labels: dtype {labels.dtype}; expected int32 or int64")
     extras = (labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs)
-    for name, x in zip(_OPTIONAL_INPUTS, extras):
-        if x is None:
-            continue
-        want = logits.shape if name == "teacher_logits" else logits.shape[:-1]
-        if tuple(x.shape) != tuple(want):
-            raise ValueError(f"{name} has shape {x.shape}; expected {tuple(want)}")
-        if name == "teacher_logits" and x.dtype != logits.dtype:
-            raise TypeError("teacher_logits must have the logits' dtype")
-        if name not in ("labels", "teacher_logits") and x.dtype != jnp.float32:
-            raise TypeError(f"{name} must be float32, got {x.dtype}")
-    cfg = (tuple(sorted(opts.items())), bool(token_outputs),
-           None if grad_dtype is None else jnp.dtype(grad_dtype).name)
-    loss, scalars, toks = _fused_loss(cfg, logits, extras)
-    scalars = jax.lax.stop_gradient(scalars)
-    metrics = {k: scalars[i] for i, k in enumerate(SCALARS)}
-    return (loss, metrics, toks) if token_outputs else (loss, metrics)
+    cfg = _config("fused_loss", logits, extras, terms, divisor, ignore_index, check, grad_dtype,
+                  token_outputs, options)
+    return _results(cfg, logits, extras)
+
+
+def sharded_fused_loss(logits_shard, labels=None, *, axis_name, vocab_global: int, **kwargs):
+    """fused_loss over a vocabulary sharded along the shard_map axis `axis_name`: call it INSIDE
+    shard_map, with logits_shard this device's columns [i * V_local, (i + 1) * V_local) of the
+    [..., vocab_global] logits, i = jax.lax.axis_index(axis_name). Shards must be equal
+    (V_local * axis size == vocab_global); labels are global column ids, and every per-row input
+    (labels, weights, ...) is the whole batch's on every device.
+
+    One collective: each device's block of statistics (hl_loss_plan_execute_stats), a
+    jax.lax.all_gather of the blocks over the axis, then hl_loss_plan_execute_finish. Every other
+    keyword argument and the return value are fused_loss's: the loss and metrics, the same on every
+    device; jax.grad gives the gradient w.r.t. logits_shard (this device's slice of the full one).
+    Take the gradient inside the shard_map body, or outside it with check_vma on (the default):
+    with check_vma=False shard_map cannot tell that the loss is replicated, and its transpose
+    divides the gradient by the axis size. On CUDA, each of the two calls reads this device's first
+    column from device memory: one 8-byte copy and a synchronisation of XLA's stream each.
+    """
+    ranks = jax.lax.axis_size(axis_name)
+    if logits_shard.shape[-1] * ranks != vocab_global:
+        raise ValueError(f"sharded_fused_loss needs equal shards: {logits_shard.shape[-1]} columns "
+                         f"x {ranks} devices along {axis_name!r} != vocab_global = {vocab_global}")
+    cfg, extras = _kwargs_config("sharded_fused_loss", logits_shard, labels, kwargs, axis_name=axis_name,
+                                 vocab_global=int(vocab_global), ranks=ranks)
+    return _results(cfg, logits_shard, extras)
+
+
+# ---- the split steps, for a gather of your own ------------------------------------------------------
+
+def loss_stats(logits_shard, labels=None, *, vocab_start, vocab_global: int, ranks: int,
+               grad: bool = True, **kwargs):
+    """Step 1 of the vocabulary-sharded loss (hl_loss_plan_execute_stats): this shard's block of
+    per-row statistics, a uint8 array of hl_loss_plan_get_stats_size bytes, to all-gather (tiled,
+    in any order) across the `ranks` shards, e.g. jax.lax.all_gather(block, axis, tiled=True).
+
+    logits_shard holds columns [vocab_start, vocab_start + V_local) of a vocabulary of vocab_global
+    columns (shards may be uneven); labels are global ids. vocab_start is a Python int or a scalar
+    int32 / int64 array, e.g. computed from jax.lax.axis_index under shard_map (on CUDA it is read
+    from device memory: an 8-byte copy and a synchronisation of XLA's stream). grad and the keyword
+    arguments (fused_loss's) must be loss_finish's: the block carries a fingerprint of the plan and
+    the finish refuses another plan's; those that do not bear on the statistics (weights, ...) are
+    accepted and unused. No autodiff rule: see sharded_fused_loss for a differentiable loss.
+    The block's size depends on the backend (fp64 records on the CPU, fp32 on CUDA): it is the
+    platform of the shard_map mesh, else of logits_shard, else (under jit) of the default device.
+    """
+    cfg, extras = _kwargs_config("loss_stats", logits_shard, labels, kwargs,
+                                 vocab_global=int(vocab_global), ranks=int(ranks))
+    return _stats_call(cfg, logits_shard, extras, vocab_start, grad)
+
+
+def loss_finish(gathered, logits_shard, labels=None, *, vocab_start, vocab_global: int, ranks: int,
+                grad: bool = True, **kwargs):
+    """Step 3 (hl_loss_plan_execute_finish): merges the gathered blocks (every shard's loss_stats,
+    concatenated) and returns (loss, metrics, grad or None), plus the token outputs with
+    token_outputs=True: the loss and metrics are the same bits on every shard, grad is this shard's
+    columns of the gradient. Arguments as loss_stats; a buffer that does not hold the `ranks`
+    blocks of one plan tiling the vocabulary raises with the library's message.
+    """
+    cfg, extras = _kwargs_config("loss_finish", logits_shard, labels, kwargs,
+                                 vocab_global=int(vocab_global), ranks=int(ranks))
+    scalars, g, toks = _loss_call(cfg, logits_shard, extras, grad, "headloss_loss_finish",
+                                  (gathered, _vocab_start(vocab_start)))
+    out = (scalars[0], _metrics(scalars), g)
+    return out + (toks,) if cfg.token_outputs else out

@@ -187,6 +187,7 @@ class LossPlan:
         return out
 
     def _call_args(self, logits, labels, kwargs):
+        kwargs = dict(kwargs)  # the caller's keeps its arrays alive through the call (bare pointers)
         names = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
         opt = {k: kwargs.pop(k, None) for k in names}
         rest = (kwargs.pop("divisor", 0.0), kwargs.pop("grad_scale", 0.0), kwargs.pop("grad", None),

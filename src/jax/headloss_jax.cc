@@ -17,9 +17,20 @@
 //                       rets scalars f32[HL_LOSS_NUM_SCALARS], [grad: grad_mode != 0],
 //                       [token_loss, token_logp, token_entropy, token_lse: token_outputs]
 //                       attrs: the hl_loss_plan_desc_t fields by name (terms, flags, ce_weight, ...,
-//                       grad_mode), divisor (f64), grad_scale (f32), inputs, token_outputs (i32).
-// Loss plans are created once per configuration (the plan description plus the backend) and kept
-// in a process-wide, mutex-guarded cache; plans are immutable and safe to share between threads.
+//                       grad_mode; vocab_global (i64) and ranks for a shard), divisor (f64),
+//                       grad_scale (f32), inputs, token_outputs (i32).
+// The vocabulary-sharded loss (hl_loss_plan_execute_stats / _finish; the caller all-gathers the
+// blocks in between, e.g. jax.lax.all_gather under shard_map), attrs as hl_jax_loss:
+//   hl_jax_loss_stats   args logits, [labels], [teacher_logits] (bits of `inputs`), vocab_start
+//                       rets block u8[hl_loss_plan_get_stats_size]; attr grad_dtype (i32
+//                       hl_dtype_t) names the finish's gradient dtype (the block's plan must match)
+//   hl_jax_loss_finish  args as hl_jax_loss, then gathered (u8, the ranks' blocks), vocab_start
+//                       rets as hl_jax_loss
+// vocab_start is a scalar s32 / s64 operand, not an attribute: under shard_map every device runs
+// one program and learns its shard's first column at run time (from jax.lax.axis_index).
+// Loss plans are created once per configuration (the plan description, vocab_start included, plus
+// the backend and the device) and kept in a process-wide, mutex-guarded cache; plans are immutable
+// and safe to share between threads.
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -30,6 +41,9 @@
 
 #include "headloss.h"
 #include "xla/ffi/api/ffi.h"
+#if HL_JAX_CUDA
+#include <cuda_runtime_api.h>  // only to read vocab_start from device memory
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -42,6 +56,16 @@ ffi::Error Fail(hl_status_t s, const char *what) {
   return ffi::Error(s == HL_STATUS_INVALID_VALUE ? ffi::ErrorCode::kInvalidArgument : ffi::ErrorCode::kInternal,
                     msg);
 }
+
+ffi::Error Done(hl_status_t s, const char *what) {
+  return s == HL_STATUS_SUCCESS ? ffi::Error::Success() : Fail(s, what);
+}
+
+#define HL_JAX_TRY(expr)                    \
+  do {                                      \
+    ffi::Error hl_err_ = (expr);            \
+    if (!hl_err_.success()) return hl_err_; \
+  } while (0)
 
 bool ToHl(ffi::DataType t, hl_dtype_t *out) {
   switch (t) {
@@ -75,18 +99,23 @@ void RowsCols(const ffi::AnyBuffer &b, int64_t *rows, int64_t *cols) {
 struct Workspace {
   ffi::ScratchAllocator *scratch;
   std::vector<unsigned char> host;
-  void *Get(size_t bytes, bool *ok) {
-    *ok = true;
-    if (bytes == 0) return nullptr;
-    if (scratch) {
-      // XLA's FFI allocator accepts alignments up to 16 (its memory is 256-byte aligned anyway);
-      // the library asks for 16.
-      auto p = scratch->Allocate(bytes, 16);
-      if (!p.has_value()) { *ok = false; return nullptr; }
-      return *p;
+  ffi::Error Get(size_t bytes, const char *what, void **out) {
+    *out = nullptr;
+    if (bytes == 0) return ffi::Error::Success();
+    if (!scratch) {
+      host.resize(bytes);
+      *out = host.data();
+      return ffi::Error::Success();
     }
-    host.resize(bytes);
-    return host.data();
+    // XLA's FFI allocator accepts alignments up to 16 (its memory is 256-byte aligned anyway);
+    // the library asks for 16.
+    auto p = scratch->Allocate(bytes, 16);
+    if (!p.has_value())
+      return ffi::Error::Internal(std::string("headloss: ") + what +
+                                  ": XLA could not allocate a workspace of " + std::to_string(bytes) +
+                                  " bytes");
+    *out = *p;
+    return ffi::Error::Success();
   }
 };
 
@@ -137,8 +166,7 @@ ffi::Error RmsnormFwd(hl_backend_t backend, hl_stream_t stream, ffi::RemainingAr
     HL_JAX_RET(rstd, rets, ri++);
     a.rstd = static_cast<float *>(rstd->untyped_data());
   }
-  hl_status_t s = rmsnorm_fwd(&a, stream);
-  return s == HL_STATUS_SUCCESS ? ffi::Error::Success() : Fail(s, "rmsnorm_fwd");
+  return Done(rmsnorm_fwd(&a, stream), "rmsnorm_fwd");
 }
 
 ffi::Error RmsnormBwd(hl_backend_t backend, hl_stream_t stream, ffi::ScratchAllocator *scratch,
@@ -179,18 +207,10 @@ ffi::Error RmsnormBwd(hl_backend_t backend, hl_stream_t stream, ffi::ScratchAllo
     HL_JAX_DTYPE(a.dw_dtype, *dw, "dw");
     a.dw = dw->untyped_data();
   }
-  size_t bytes = 0;
-  hl_status_t s = rmsnorm_bwd_workspace_size(&a, &bytes);
-  if (s != HL_STATUS_SUCCESS) return Fail(s, "rmsnorm_bwd_workspace_size");
+  HL_JAX_TRY(Done(rmsnorm_bwd_workspace_size(&a, &a.workspace_bytes), "rmsnorm_bwd_workspace_size"));
   Workspace ws{scratch, {}};
-  bool ok = true;
-  a.workspace = ws.Get(bytes, &ok);
-  a.workspace_bytes = bytes;
-  if (!ok)
-    return ffi::Error::Internal("headloss: rmsnorm_bwd: XLA could not allocate a workspace of " +
-                                std::to_string(bytes) + " bytes");
-  s = rmsnorm_bwd(&a, stream);
-  return s == HL_STATUS_SUCCESS ? ffi::Error::Success() : Fail(s, "rmsnorm_bwd");
+  HL_JAX_TRY(ws.Get(a.workspace_bytes, "rmsnorm_bwd", &a.workspace));
+  return Done(rmsnorm_bwd(&a, stream), "rmsnorm_bwd");
 }
 
 // ---- loss plans, cached per configuration --------------------------------------------------------
@@ -198,32 +218,44 @@ ffi::Error RmsnormBwd(hl_backend_t backend, hl_stream_t stream, ffi::ScratchAllo
 std::mutex g_plans_mu;
 std::map<std::string, hl_loss_plan_t> g_plans;
 
-ffi::Error GetPlan(const hl_loss_plan_desc_t &d, hl_loss_plan_t *plan) {
+// The key is the whole description (so one plan per shard: vocab_start, vocab_global and ranks are
+// in it) and the device: a CUDA plan sets its kernels' attributes on the device that created it.
+ffi::Error GetPlan(const hl_loss_plan_desc_t &d, int32_t device, hl_loss_plan_t *plan) {
   std::string key(reinterpret_cast<const char *>(&d), sizeof d);
+  key.append(reinterpret_cast<const char *>(&device), sizeof device);
   std::lock_guard<std::mutex> lock(g_plans_mu);
   auto it = g_plans.find(key);
   if (it != g_plans.end()) {
     *plan = it->second;
     return ffi::Error::Success();
   }
-  hl_status_t s = hl_loss_plan_create(&d, plan);
-  if (s != HL_STATUS_SUCCESS) return Fail(s, "hl_loss_plan_create");
+  HL_JAX_TRY(Done(hl_loss_plan_create(&d, plan), "hl_loss_plan_create"));
   g_plans.emplace(std::move(key), *plan);
   return ffi::Error::Success();
 }
 
-ffi::Error Loss(hl_backend_t backend, hl_stream_t stream, ffi::ScratchAllocator *scratch,
-                ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  const int inputs = Get<int32_t>(attrs, "inputs", 0);
-  size_t ai = 0, ri = 0;
-  HL_JAX_ARG(logits, args, ai++);
+// One loss call's plan description and arguments; ai, ri: the next argument and result.
+struct LossCall {
   hl_loss_plan_desc_t d;
+  hl_loss_args_t a;
+  size_t ai = 0, ri = 0;
+};
+
+// The description from the attributes and the logits; the arguments from the logits and the
+// per-row inputs that the `inputs` bits name.
+ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictionary attrs,
+                      LossCall *c) {
+  hl_loss_plan_desc_t &d = c->d;
+  hl_loss_args_t &a = c->a;
   std::memset(&d, 0, sizeof d);  // also zeroes the padding: the description is the cache key
   d.struct_size = sizeof d;
   d.backend = backend;
-  int64_t rows = 0;
-  RowsCols(logits, &rows, &d.vocab);
+  std::memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  HL_JAX_ARG(logits, args, c->ai++);
+  RowsCols(logits, &a.rows, &d.vocab);
   HL_JAX_DTYPE(d.logits_dtype, logits, "logits");
+  a.logits = logits.untyped_data();
   d.labels_dtype = HL_DTYPE_NONE;
   d.terms = static_cast<unsigned>(Get<int32_t>(attrs, "terms", HL_LOSS_CE));
   d.flags = static_cast<unsigned>(Get<int32_t>(attrs, "flags", 0));
@@ -243,16 +275,13 @@ ffi::Error Loss(hl_backend_t backend, hl_stream_t stream, ffi::ScratchAllocator 
   d.use_ignore_index = Get<int32_t>(attrs, "use_ignore_index", 0);
   d.ignore_index = Get<int64_t>(attrs, "ignore_index", -100);
   d.grad_mode = static_cast<hl_loss_grad_mode_t>(Get<int32_t>(attrs, "grad_mode", 0));
-
-  hl_loss_args_t a;
-  std::memset(&a, 0, sizeof a);
-  a.struct_size = sizeof a;
-  a.rows = rows;
-  a.logits = logits.untyped_data();
+  d.vocab_global = Get<int64_t>(attrs, "vocab_global", 0);
+  d.ranks = Get<int32_t>(attrs, "ranks", 0);
   a.divisor = Get<double>(attrs, "divisor", 0.0);
   a.grad_scale = Get<float>(attrs, "grad_scale", 0.0f);
+  const int inputs = Get<int32_t>(attrs, "inputs", 0);
   if (inputs & 1) {
-    HL_JAX_ARG(b, args, ai++);
+    HL_JAX_ARG(b, args, c->ai++);
     HL_JAX_DTYPE(d.labels_dtype, b, "labels");
     a.labels = b.untyped_data();
   }
@@ -262,38 +291,119 @@ ffi::Error Loss(hl_backend_t backend, hl_stream_t stream, ffi::ScratchAllocator 
                         reinterpret_cast<const void **>(&a.ref_logprobs)};
   for (int bit = 1; bit < 6; ++bit) {
     if (inputs & (1 << bit)) {
-      HL_JAX_ARG(b, args, ai++);
+      HL_JAX_ARG(b, args, c->ai++);
       *opt[bit - 1] = b.untyped_data();
     }
   }
-  HL_JAX_RET(scalars, rets, ri++);
-  a.scalars = static_cast<float *>(scalars->untyped_data());
-  if (d.grad_mode != HL_LOSS_GRAD_NONE) {
-    HL_JAX_RET(grad, rets, ri++);
-    HL_JAX_DTYPE(d.grad_dtype, *grad, "grad");
-    a.grad = grad->untyped_data();
+  return ffi::Error::Success();
+}
+
+// The results of a loss or finish call: scalars, [grad: grad_mode != 0], [4 per-token outputs].
+ffi::Error LossOutputs(ffi::RemainingRets rets, ffi::Dictionary attrs, LossCall *c) {
+  HL_JAX_RET(scalars, rets, c->ri++);
+  c->a.scalars = static_cast<float *>(scalars->untyped_data());
+  if (c->d.grad_mode != HL_LOSS_GRAD_NONE) {
+    HL_JAX_RET(grad, rets, c->ri++);
+    HL_JAX_DTYPE(c->d.grad_dtype, *grad, "grad");
+    c->a.grad = grad->untyped_data();
   }
   if (Get<int32_t>(attrs, "token_outputs", 0)) {
-    float **tok[] = {&a.token_loss, &a.token_logp, &a.token_entropy, &a.token_lse};
+    float **tok[] = {&c->a.token_loss, &c->a.token_logp, &c->a.token_entropy, &c->a.token_lse};
     for (float **t : tok) {
-      HL_JAX_RET(b, rets, ri++);
+      HL_JAX_RET(b, rets, c->ri++);
       *t = static_cast<float *>(b->untyped_data());
     }
   }
+  return ffi::Error::Success();
+}
+
+// This shard's first column, the next argument: a scalar s32 / s64. On CUDA it is in device memory,
+// so reading it costs an 8-byte copy and a synchronisation of XLA's stream, once per call (the
+// library's own label and header checks add theirs unless flags has HL_LOSS_UNCHECKED).
+ffi::Error VocabStart(hl_backend_t backend, hl_stream_t stream, ffi::RemainingArgs args, LossCall *c) {
+  HL_JAX_ARG(b, args, c->ai++);
+  const ffi::DataType t = b.element_type();
+  if (b.element_count() != 1 || (t != ffi::DataType::S32 && t != ffi::DataType::S64))
+    return ffi::Error::InvalidArgument("headloss: vocab_start must be a scalar int32 or int64");
+  int32_t v32 = 0;
+  int64_t v64 = 0;
+  void *host = t == ffi::DataType::S32 ? static_cast<void *>(&v32) : static_cast<void *>(&v64);
+  if (backend == HL_BACKEND_CPU) {
+    std::memcpy(host, b.untyped_data(), b.size_bytes());
+  } else {
+#if HL_JAX_CUDA
+    cudaError_t e = cudaMemcpyAsync(host, b.untyped_data(), b.size_bytes(), cudaMemcpyDeviceToHost, stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+    if (e != cudaSuccess)
+      return ffi::Error::Internal(std::string("headloss: reading vocab_start: ") + cudaGetErrorString(e));
+#else
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "headloss: libheadloss_jax was built without CUDA; it cannot read vocab_start "
+                      "from device memory");
+#endif
+  }
+  c->d.vocab_start = t == ffi::DataType::S32 ? v32 : v64;
+  return ffi::Error::Success();
+}
+
+// Finds c's plan and runs `run(plan, workspace, workspace_bytes)` with a workspace for its rows.
+template <typename Run>
+ffi::Error WithPlan(const LossCall &c, int32_t device, ffi::ScratchAllocator *scratch, Run run) {
   hl_loss_plan_t plan = nullptr;
-  ffi::Error err = GetPlan(d, &plan);
-  if (!err.success()) return err;
+  HL_JAX_TRY(GetPlan(c.d, device, &plan));
   size_t bytes = 0;
-  hl_status_t s = hl_loss_plan_get_workspace_size(plan, rows, &bytes);
-  if (s != HL_STATUS_SUCCESS) return Fail(s, "hl_loss_plan_get_workspace_size");
+  HL_JAX_TRY(Done(hl_loss_plan_get_workspace_size(plan, c.a.rows, &bytes),
+                  "hl_loss_plan_get_workspace_size"));
   Workspace ws{scratch, {}};
-  bool ok = true;
-  void *w = ws.Get(bytes, &ok);
-  if (!ok)
-    return ffi::Error::Internal("headloss: loss plan: XLA could not allocate a workspace of " +
-                                std::to_string(bytes) + " bytes");
-  s = hl_loss_plan_execute(plan, &a, w, bytes, stream);
-  return s == HL_STATUS_SUCCESS ? ffi::Error::Success() : Fail(s, "hl_loss_plan_execute");
+  void *w = nullptr;
+  HL_JAX_TRY(ws.Get(bytes, "loss plan", &w));
+  return run(plan, w, bytes);
+}
+
+ffi::Error Loss(hl_backend_t backend, hl_stream_t stream, int32_t device, ffi::ScratchAllocator *scratch,
+                ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  LossCall c;
+  HL_JAX_TRY(LossInputs(backend, args, attrs, &c));
+  HL_JAX_TRY(LossOutputs(rets, attrs, &c));
+  return WithPlan(c, device, scratch, [&](hl_loss_plan_t plan, void *w, size_t bytes) {
+    return Done(hl_loss_plan_execute(plan, &c.a, w, bytes, stream), "hl_loss_plan_execute");
+  });
+}
+
+ffi::Error LossStats(hl_backend_t backend, hl_stream_t stream, int32_t device, ffi::ScratchAllocator *,
+                     ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  LossCall c;
+  HL_JAX_TRY(LossInputs(backend, args, attrs, &c));
+  HL_JAX_TRY(VocabStart(backend, stream, args, &c));
+  // No gradient buffer here to take its dtype from, yet the block's plan must be the finish's.
+  c.d.grad_dtype = static_cast<hl_dtype_t>(Get<int32_t>(attrs, "grad_dtype", HL_DTYPE_NONE));
+  HL_JAX_RET(block, rets, c.ri++);
+  hl_loss_plan_t plan = nullptr;
+  HL_JAX_TRY(GetPlan(c.d, device, &plan));
+  size_t bytes = 0;
+  HL_JAX_TRY(Done(hl_loss_plan_get_stats_size(plan, c.a.rows, &bytes), "hl_loss_plan_get_stats_size"));
+  // A larger block would pass the library's size check but misplace the gathered blocks.
+  if (block->size_bytes() != bytes)
+    return ffi::Error::InvalidArgument("headloss: the stats block has " +
+                                       std::to_string(block->size_bytes()) + " bytes; this plan's has " +
+                                       std::to_string(bytes) + " (sized for another platform?)");
+  return Done(hl_loss_plan_execute_stats(plan, &c.a, block->untyped_data(), bytes, stream),
+              "hl_loss_plan_execute_stats");
+}
+
+ffi::Error LossFinish(hl_backend_t backend, hl_stream_t stream, int32_t device,
+                      ffi::ScratchAllocator *scratch, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                      ffi::Dictionary attrs) {
+  LossCall c;
+  HL_JAX_TRY(LossInputs(backend, args, attrs, &c));
+  HL_JAX_ARG(gathered, args, c.ai++);
+  HL_JAX_TRY(VocabStart(backend, stream, args, &c));
+  HL_JAX_TRY(LossOutputs(rets, attrs, &c));
+  return WithPlan(c, device, scratch, [&](hl_loss_plan_t plan, void *w, size_t bytes) {
+    return Done(hl_loss_plan_execute_finish(plan, &c.a, gathered.untyped_data(), gathered.size_bytes(), w,
+                                            bytes, stream),
+                "hl_loss_plan_execute_finish");
+  });
 }
 
 }  // namespace
@@ -326,19 +436,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .RemainingRets()
         .Attrs());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    hl_jax_loss,
-    [](hl_stream_t stream, ffi::ScratchAllocator scratch, ffi::RemainingArgs args,
-       ffi::RemainingRets rets, ffi::Dictionary attrs) {
-      return Loss(HL_BACKEND_CUDA, stream, &scratch, args, rets, attrs);
-    },
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<hl_stream_t>>()
-        .Ctx<ffi::ScratchAllocator>()
-        .RemainingArgs()
-        .RemainingRets()
-        .Attrs());
-
 // ---- CPU: the reference backend on host buffers ---------------------------------------------------
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -355,9 +452,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     },
     ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attrs());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    hl_jax_loss_cpu,
-    [](ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
-      return Loss(HL_BACKEND_CPU, nullptr, nullptr, args, rets, attrs);
-    },
-    ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attrs());
+// ---- the loss handlers on both platforms (the CPU ones as device -1) ----------------------------
+
+#define HL_JAX_LOSS_HANDLERS(name, impl)                                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                  \
+      name,                                                                                       \
+      [](hl_stream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::RemainingArgs args, \
+         ffi::RemainingRets rets, ffi::Dictionary attrs) {                                        \
+        return impl(HL_BACKEND_CUDA, stream, device, &scratch, args, rets, attrs);                \
+      },                                                                                          \
+      ffi::Ffi::Bind()                                                                            \
+          .Ctx<ffi::PlatformStream<hl_stream_t>>()                                                \
+          .Ctx<ffi::DeviceOrdinal>()                                                              \
+          .Ctx<ffi::ScratchAllocator>()                                                           \
+          .RemainingArgs()                                                                        \
+          .RemainingRets()                                                                        \
+          .Attrs());                                                                              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                  \
+      name##_cpu,                                                                                 \
+      [](ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {               \
+        return impl(HL_BACKEND_CPU, nullptr, -1, nullptr, args, rets, attrs);                     \
+      },                                                                                          \
+      ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attrs())
+
+HL_JAX_LOSS_HANDLERS(hl_jax_loss, Loss);
+HL_JAX_LOSS_HANDLERS(hl_jax_loss_stats, LossStats);
+HL_JAX_LOSS_HANDLERS(hl_jax_loss_finish, LossFinish);

@@ -2,6 +2,9 @@
 jax.numpy references, on each JAX platform present ("cpu" runs the CPU reference backend, "gpu"
 the CUDA kernels on XLA's stream). Skips without jax or without the adapter library."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
@@ -10,8 +13,10 @@ import pytest
 
 jax = pytest.importorskip("jax", reason="JAX is not installed")
 import jax.numpy as jnp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import headloss  # noqa: E402
+from headloss.loss import SCALARS  # noqa: E402
 
 try:
     import headloss.jax as hlj
@@ -19,6 +24,7 @@ except ImportError as e:  # the adapter is built only where jax's FFI headers we
     pytest.skip(f"headloss.jax unavailable: {e}", allow_module_level=True)
 
 EPS = 1e-5
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _platforms():
@@ -136,4 +142,109 @@ def test_loss_error_carries_message(device, rng):
 
 
 def test_shard_map_example():
-    pytest.skip("the sharded loss needs the split stats/finish API (issue 4), which does not exist yet")
+    """examples/jax_shard_map.py: the sharded loss under jax.shard_map against fused_loss. In its own
+    process: XLA fixes the number of host devices when jax starts, and this one has started."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example asks for 4
+    env["HEADLOSS_LIBRARY"] = str(headloss._lib.lib_path)
+    env["HEADLOSS_JAX_LIBRARY"] = str(hlj.adapter_path)
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "jax_shard_map.py")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK" in r.stdout
+
+
+# The split steps on two uneven shards of one vocabulary.
+N, V, SHARDS = 24, 700, [(0, 300), (300, 400)]
+SPLIT_OPTIONS = dict(terms=("ce", "z", "distill_fwd"), z_weight=1e-3, label_smoothing=0.1,
+                     teacher_temperature=2.0, ignore_index=5)
+
+
+def split_inputs(rng):
+    z = rng.standard_normal((N, V)).astype(np.float32) * 3
+    t = rng.standard_normal((N, V)).astype(np.float32)
+    labels = rng.integers(0, V, N).astype(np.int32)
+    labels[[1, 7]] = -100, 5  # ignored: negative, and ignore_index
+    weights = rng.uniform(0.5, 2.0, N).astype(np.float32)
+    return z, t, labels, weights
+
+
+def cols(a, shard):
+    return a[:, shard[0]:shard[0] + shard[1]]
+
+
+def test_split_steps_match_loss_plan(rng):
+    """loss_stats / loss_finish give LossPlan.stats / finish's bits (vocab_start traced under jit)."""
+    z, t, labels, weights = split_inputs(rng)
+    cpu = jax.devices("cpu")[0]
+    kw = dict(SPLIT_OPTIONS, vocab_global=V, ranks=len(SHARDS))
+    stats = jax.jit(lambda z, t, y, start: hlj.loss_stats(z, y, teacher_logits=t, vocab_start=start,
+                                                          **kw))
+    finish = jax.jit(lambda g, z, t, y, w, start: hlj.loss_finish(
+        g, z, y, teacher_logits=t, weights=w, vocab_start=start, token_outputs=True, **kw))
+    plans = [headloss.LossPlan(s[1], "float32", labels_dtype="int32", grad_dtype="float32",
+                               vocab_start=s[0], **kw) for s in SHARDS]
+    with jax.default_device(cpu):
+        blocks = [stats(cols(z, s), cols(t, s), labels, np.int32(s[0])) for s in SHARDS]
+        ref_blocks = [p.stats(cols(z, s), labels, teacher_logits=cols(t, s))
+                      for p, s in zip(plans, SHARDS)]
+        for b, rb in zip(blocks, ref_blocks):
+            assert b.dtype == jnp.uint8 and np.array_equal(np.asarray(b), rb.view(np.uint8))
+        gathered = jnp.concatenate(blocks)
+        for p, s in zip(plans, SHARDS):
+            loss, metrics, grad, toks = finish(gathered, cols(z, s), cols(t, s), labels, weights,
+                                               np.int32(s[0]))
+            ref = p.finish(np.concatenate(ref_blocks), cols(z, s), labels, teacher_logits=cols(t, s),
+                           weights=weights, token_outputs=True)
+            got = np.array([metrics[k] for k in SCALARS])
+            assert np.array_equal(got, ref.scalars) and loss == ref.scalars[0]
+            assert np.array_equal(np.asarray(grad), ref.grad)
+            for a, b in zip(toks, ref[2:]):
+                assert np.array_equal(np.asarray(a), b)
+
+
+def test_split_steps_against_fused_loss(device, rng):
+    """loss_stats / loss_finish on two uneven shards held by one device, and sharded_fused_loss on a
+    one-device mesh, against fused_loss (on the GPU: the CUDA handlers, vocab_start read back)."""
+    z, t, labels, weights = [jax.device_put(a, device) for a in split_inputs(rng)]
+
+    def whole(z):
+        return hlj.fused_loss(z, labels, teacher_logits=t, weights=weights, **SPLIT_OPTIONS)[0]
+    ref_loss, ref_grad = jax.value_and_grad(whole)(z)
+    kw = dict(SPLIT_OPTIONS, vocab_global=V, ranks=len(SHARDS), weights=weights)
+    start = [jax.device_put(np.int32(s[0]), device) for s in SHARDS]  # in device memory
+    shards = [(cols(z, s), dict(kw, teacher_logits=cols(t, s), vocab_start=v0))
+              for s, v0 in zip(SHARDS, start)]
+    gathered = jnp.concatenate([hlj.loss_stats(zs, labels, **a) for zs, a in shards])
+    outs = [hlj.loss_finish(gathered, zs, labels, **a) for zs, a in shards]
+    assert outs[0][0] == outs[1][0] and rel(outs[0][0], ref_loss) <= 1e-5
+    assert rel(jnp.concatenate([o[2] for o in outs], axis=1), ref_grad) <= 1e-4
+
+    mesh = jax.sharding.Mesh(np.array([device]), ("tp",))
+    sharded = jax.shard_map(jax.value_and_grad(lambda z, y, t, w: hlj.sharded_fused_loss(
+        z, y, axis_name="tp", vocab_global=V, teacher_logits=t, weights=w, **SPLIT_OPTIONS)[0]),
+        mesh=mesh, in_specs=(P(None, "tp"), P(), P(None, "tp"), P()), out_specs=(P(), P(None, "tp")))
+    loss, grad = jax.jit(sharded)(z, labels, t, weights)
+    assert rel(loss, ref_loss) <= 1e-5 and rel(grad, ref_grad) <= 1e-4
+
+
+def test_finish_refuses_blocks_of_other_shards(rng):
+    z, t, labels, weights = split_inputs(rng)
+    kw = dict(SPLIT_OPTIONS, vocab_global=V, ranks=len(SHARDS), teacher_logits=cols(t, SHARDS[0]))
+    with jax.default_device(jax.devices("cpu")[0]):
+        b0 = hlj.loss_stats(cols(z, SHARDS[0]), labels, vocab_start=0, **kw)
+        with pytest.raises(Exception, match="column 0 is owned by two shards"):
+            hlj.loss_finish(jnp.concatenate([b0, b0]), cols(z, SHARDS[0]), labels, vocab_start=0,
+                            **kw)[0].block_until_ready()
+        other = hlj.loss_stats(cols(z, SHARDS[0]), labels, vocab_start=0, **dict(kw, z_weight=0.5))
+        with pytest.raises(Exception, match="comes from a different plan"):
+            hlj.loss_finish(jnp.concatenate([other, b0]), cols(z, SHARDS[0]), labels, vocab_start=0,
+                            **kw)[0].block_until_ready()
+
+
+def test_sharded_loss_needs_equal_shards():
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("tp",))
+    z, labels = jnp.zeros((4, 10), jnp.float32), jnp.zeros((4,), jnp.int32)
+    f = jax.shard_map(lambda z, y: hlj.sharded_fused_loss(z, y, axis_name="tp", vocab_global=12)[0],
+                      mesh=mesh, in_specs=(P(None, "tp"), P()), out_specs=P())
+    with pytest.raises(ValueError, match="equal shards"):
+        f(z, labels)

@@ -181,3 +181,27 @@ def test_a_shard_plan_is_not_run_whole(be, rng):
     if be.name == "cpu":
         with pytest.raises(headloss.HeadlossError, match="NCCL needs a CUDA plan"):
             plans[0].nccl(1, columns(be, inp, "logits", shards[0]), be.to_dev(inp["labels"]))
+
+
+def test_finish_keeps_keyword_arrays_alive(be, rng, monkeypatch):
+    """The library gets bare pointers: an array passed to finish() only as a keyword (a temporary)
+    must live until the call returns (it used to be freed before, its memory reused)."""
+    import weakref
+    import headloss.loss as hl_loss
+    terms, opts, inp, shards, plans, blocks = bad_setup(be, rng)
+    weights = []  # a weak reference to the temporary
+    alive = []
+    real = hl_loss._finish
+
+    def finish(*args):
+        alive.append(weights[0]() is not None)
+        return real(*args)
+
+    def temporary():
+        w = be.to_dev(np.ones(N, np.float32))
+        weights.append(weakref.ref(w))
+        return w
+    monkeypatch.setattr(hl_loss, "_finish", finish)
+    plans[0].finish(concat(be, blocks), columns(be, inp, "logits", shards[0]), be.to_dev(inp["labels"]),
+                    weights=temporary())
+    assert alive == [True]
