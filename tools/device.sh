@@ -46,10 +46,11 @@ if want sanitize; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool (GPU tests, a subset of sizes)"
     rc=0
-    for sel in "rms" "loss" "gdn"; do
+    for sel in "rms" "loss" "tp" "gdn"; do
       case $sel in
         rms) args=("${rms[@]}") ;;
         loss) args=(tests/python/test_loss.py -k "cuda and (all or entropy or distill_fwd) and (bfloat16 or float32)") ;;
+        tp) args=(tests/python/test_loss_tp.py -k "cuda and (all or ce_smooth) and bfloat16") ;;
         gdn) args=(tests/python/test_gdn.py -k "cuda_fp32_state") ;;
       esac
       [ -e "${args[0]%%::*}" ] || continue
