@@ -410,7 +410,18 @@ bool has_clusters() {
 template <class T, class HT>
 hl_status_t launch(Params p, int64_t heads_chunks, size_t smem, hl_stream_t stream) {
   auto kernel = dqkwg_kernel<T, HT>;
-  HL_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  // The limit belongs to the kernel, which calls of other sizes (maybe on other threads) share:
+  // raise it to the most the device allows rather than to this call's size.
+  int dev = 0, optin = 0;
+  cudaFuncAttributes fa{};
+  HL_CUDA_TRY(cudaGetDevice(&dev));
+  HL_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  HL_CUDA_TRY(cudaFuncGetAttributes(&fa, kernel));
+  const int most = optin - int(fa.sharedSizeBytes);
+  if (int64_t(smem) > most)
+    return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: %zu bytes of shared memory needed, %d available",
+                smem, most);
+  HL_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
   p.nsplit = p.KS > 1 && has_clusters<T, HT>() ? p.KS : 1;  // one CTA per K slice, in one cluster
   const int64_t blocks = heads_chunks * p.nsplit;
   if (blocks > INT32_MAX)

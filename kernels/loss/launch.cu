@@ -280,7 +280,10 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   const bool keep_row = bytes(cluster) <= cap_bytes;
   if (!keep_row && cluster > 8) cluster = 8;
   const auto finish_choice = [&](CudaLaunch &c) -> hl_status_t {
-    HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem)));
+    // The attribute belongs to the kernel, which plans of other vocabularies share: allow the most
+    // any plan may use, so that a later plan never lowers it under an earlier one's launch.
+    HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     int(cap_bytes)));
     if (c.cluster > 8)
       HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     c.grid = max_clusters(c) * c.cluster;
