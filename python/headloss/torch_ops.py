@@ -223,9 +223,11 @@ def _loss_setup(ctx, inputs, output):
 def _loss_backward(ctx, dscalars, _dgrad):
     (g,) = ctx.saved_tensors
     # The loss is scalars[0]: its incoming gradient scales the one formed in the forward pass
-    # (no host synchronisation to test for 1; the multiply is one pass over the gradient).
-    dlogits = (g * dscalars[0].to(g.dtype)).to(ctx.logits_dtype)
-    return (dlogits,) + (None,) * 9
+    # (no host synchronisation to test for 1). In place: the forward's buffer is used once, so
+    # no second [rows, vocab] tensor is allocated. A second backward (retain_graph=True) is
+    # refused by autograd's version check on the saved buffer rather than scaled twice.
+    g.mul_(dscalars[0].to(g.dtype))
+    return (g.to(ctx.logits_dtype),) + (None,) * 9
 
 
 _fused_loss.register_autograd(_loss_backward, setup_context=_loss_setup)
