@@ -180,8 +180,11 @@ def test_cpu_finite_differences_of_chunk_loss():
 def _raw_args(**over):
     """A valid CPU descriptor over tiny NumPy buffers, with fields overridden."""
     B, T, H, HV, K, V = 1, 10, 1, 1, 8, 8
+    # h and dh hold up to 4 chunks: the cu_seqlens cases describe 2 or 3 (a shorter buffer would
+    # make its described span overlap whatever the allocator put next, e.g. dq).
     bufs = {n: np.zeros(s, np.float16) for n, s in dict(q=(T * K,), k=(T * K,), v=(T * V,), do=(T * V,),
-                                                       h=(K * V,), dh=(K * V,), dq=(T * K,), dk=(T * K,)).items()}
+                                                       h=(4 * K * V,), dh=(4 * K * V,), dq=(T * K,),
+                                                       dk=(T * K,)).items()}
     g, dg = np.zeros(T, np.float32), np.zeros(T, np.float32)
     a = hg._Args(ctypes.sizeof(hg._Args), 1, B, T, H, HV, K, V, 0, 2, 2,
                  *(bufs[n].ctypes.data for n in ("q", "k", "v", "do", "h", "dh")), 0,
