@@ -1,0 +1,486 @@
+// gdn_bwd_dqkwg on the GPU.
+//
+// Work item: one (chunk, q/k head). A persistent grid (two CTAs of 8 warps per SM) takes items
+// round-robin; inside an item the CTA walks K in 64-wide slices, inside each the value heads of
+// the q/k head (GVA: their dq, dk sum stays on chip, deterministic), inside each V in 32-wide
+// chunks streamed with cp.async through three shared-memory stages, one barrier per chunk. The
+// load pipeline runs on across slice and item boundaries: an epilogue (ds gated and rounded,
+// ds k, ds^T q, dg from the final dq, dk, stores) always has the next two stages in flight, and the
+// other CTA on the SM keeps streaming meanwhile. Each warp owns a 16 x 32 block of the four 64 x 64
+// products (ds = do v^T, dq = do h^T, dk = v dh^T, dw = dv h^T) and shares fragments between them
+// (do's A feeds ds and dq, h's B feeds dq and dw). do, v, dv are re-read once per K slice, from L2.
+// ~103 KB of shared memory and <= 128 registers. K and V that are not multiples of 64 / 32 run
+// through zero-filled tiles.
+#include <algorithm>
+#include <initializer_list>
+#include <vector>
+
+#include "common/cuda_util.h"
+#include "common/dtype.cuh"
+#include "gdn/gdn.h"
+#include "gdn/mma.cuh"
+
+namespace hl::cuda::gdn {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kStages = 3;            // stage buffers: two loads in flight during compute
+constexpr int kVC = 32;               // V columns per stage
+constexpr int kLdS = kVC + 8;         // stage tile pitch (80 bytes: ldmatrix conflict-free)
+constexpr int kStageTile = kTile * kLdS;
+
+struct Params {
+  const void *q, *k, *v, *do_, *dv, *h, *dh;
+  void *dq, *dk, *dw;
+  const float *g, *g_gamma;
+  float *dg;
+  const int64_t *chunk_first;  // varlen: [S + 1] first global chunk of each sequence
+  const int64_t *seq_start;    // varlen: [S + 1] cu_seqlens
+  int64_t T, nt, num_seqs;     // nt: chunks per batch row (non-varlen)
+  int H, HV, K, V, G, KS, VCN;  // KS: 64-wide K slices; VCN: 32-wide V chunks
+  int64_t items;                // (chunk, q/k head) work items
+  float scale;
+  bool gated, log2, dg_on, dw_on, vec, vec4, reverse_cumsum;
+};
+
+// Loads a 64 x COLS block (row stride ld elements) into a shared tile of pitch LDS; zero outside
+// nr x nc. vec: 16-byte cp.async (S == T; nc, ld multiples of 8; 16-byte aligned rows). vec4: fp32
+// source read 16 bytes at a time and rounded (nc, ld multiples of 4, aligned). Else element-wise.
+template <int COLS, int LDS, class T, class S>
+__device__ __forceinline__ void load_tile(T *dst, const S *src, int64_t ld, int nr, int nc, bool vec, bool vec4) {
+  const int tid = threadIdx.x;
+  if constexpr (sizeof(S) == sizeof(T)) {
+    if (vec) {
+      constexpr int kSeg = COLS / 8, kPer = kTile * kSeg / kThreads;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int id = tid + i * kThreads, r = id / kSeg, c = (id % kSeg) * 8;
+        const bool ok = r < nr && c < nc;
+        cp_async16(dst + r * LDS + c, ok ? src + r * ld + c : src, ok ? 16 : 0);
+      }
+      return;
+    }
+  } else {
+    if (vec4) {
+      constexpr int kSeg = COLS / 4, kPer = kTile * kSeg / kThreads;
+      float4 x[kPer];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int id = tid + i * kThreads, r = id / kSeg, c = (id % kSeg) * 4;
+        x[i] = r < nr && c < nc ? *reinterpret_cast<const float4 *>(src + r * ld + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int id = tid + i * kThreads, r = id / kSeg, c = (id % kSeg) * 4;
+        Pack<T, 4> pk;
+        pk.v[0] = from_float<T>(x[i].x), pk.v[1] = from_float<T>(x[i].y);
+        pk.v[2] = from_float<T>(x[i].z), pk.v[3] = from_float<T>(x[i].w);
+        store_pack<T, 4>(dst + r * LDS + c, pk);
+      }
+      return;
+    }
+  }
+#pragma unroll 4
+  for (int i = 0; i < kTile * COLS / kThreads; ++i) {
+    const int id = tid + i * kThreads, r = id / COLS, c = id % COLS;
+    dst[r * LDS + c] = from_float<T>(r < nr && c < nc ? to_float(src[r * ld + c]) : 0.f);
+  }
+}
+
+__device__ __forceinline__ float gexp(float x, bool log2) { return log2 ? exp2f(x) : expf(x); }
+
+// Stores an accumulator block (times mul) to a row-major [rows, ld] output: rows < nr, cols < nc.
+template <class T>
+__device__ __forceinline__ void store_block(T *out, int64_t ld, int nr, int nc, const float (&acc)[4][4], float mul,
+                                            int m0, int n0, int lane, bool pairs) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = m0 + lane / 4 + 8 * half, c = n0 + 8 * j + 2 * (lane % 4);
+      if (r >= nr) continue;
+      const float x0 = acc[j][2 * half] * mul, x1 = acc[j][2 * half + 1] * mul;
+      T *p = out + r * ld + c;
+      if (pairs && c + 1 < nc) {
+        Pack<T, 2> pk;
+        pk.v[0] = from_float<T>(x0);
+        pk.v[1] = from_float<T>(x1);
+        store_pack<T, 2>(p, pk);
+      } else {
+        if (c < nc) p[0] = from_float<T>(x0);
+        if (c + 1 < nc) p[1] = from_float<T>(x1);
+      }
+    }
+}
+
+// The four products of one stage for one warp's 16 x 32 block, over the stage's 32 V columns.
+// All tiles are [64][kLdS], k (= V) contiguous: ds += do v^T, dq += do h^T, dk += v dh^T,
+// dw += dv h^T. Fragments are shared: do's A feeds ds and dq, h's B feeds dq and dw.
+template <class T>
+__device__ __forceinline__ void stage_mma(float (&ds)[4][4], float (&dq)[4][4], float (&dk)[4][4], float (&dw)[4][4],
+                                          const T *do_t, const T *v_t, const T *dv_t, const T *h_t, const T *dh_t,
+                                          bool dw_on, int m0, int n0, int lane) {
+  const int r8 = lane % 8, hi = lane / 16, mid = (lane / 8) % 2;
+#pragma unroll
+  for (int k0 = 0; k0 < kVC; k0 += 16) {
+    const int aoff = (m0 + lane % 16) * kLdS + k0 + hi * 8;
+    uint32_t a_do[4], a_v[4], a_dv[4];
+    ldsm_x4(a_do, do_t + aoff);
+    ldsm_x4(a_v, v_t + aoff);
+    if (dw_on) ldsm_x4(a_dv, dv_t + aoff);
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int boff = (n0 + 16 * p + hi * 8 + r8) * kLdS + k0 + mid * 8;
+      uint32_t b[4];
+      ldsm_x4(b, v_t + boff);
+      mma16816<T>(ds[2 * p], a_do, b[0], b[1]);
+      mma16816<T>(ds[2 * p + 1], a_do, b[2], b[3]);
+      ldsm_x4(b, h_t + boff);
+      mma16816<T>(dq[2 * p], a_do, b[0], b[1]);
+      mma16816<T>(dq[2 * p + 1], a_do, b[2], b[3]);
+      if (dw_on) {
+        mma16816<T>(dw[2 * p], a_dv, b[0], b[1]);
+        mma16816<T>(dw[2 * p + 1], a_dv, b[2], b[3]);
+      }
+      ldsm_x4(b, dh_t + boff);
+      mma16816<T>(dk[2 * p], a_v, b[0], b[1]);
+      mma16816<T>(dk[2 * p + 1], a_v, b[2], b[3]);
+    }
+  }
+}
+
+// Where work item w (a (chunk, q/k head) pair) lives: first token (flattened over B*T), valid rows.
+struct Item {
+  int64_t tok0, cid;
+  int nr, hq;
+};
+__device__ __forceinline__ Item locate(const Params &P, int64_t w) {
+  Item it;
+  it.cid = w / P.H;
+  it.hq = int(w % P.H);
+  int64_t n;
+  if (P.chunk_first) {
+    int64_t lo = 0, hi = P.num_seqs;  // last s with chunk_first[s] <= cid (a non-empty sequence)
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (P.chunk_first[mid] <= it.cid) lo = mid; else hi = mid;
+    }
+    it.tok0 = P.seq_start[lo] + (it.cid - P.chunk_first[lo]) * kTile;
+    n = P.seq_start[lo + 1] - it.tok0;
+  } else {
+    const int64_t b = it.cid / P.nt, i = it.cid % P.nt;
+    it.tok0 = b * P.T + i * kTile;
+    n = P.T - i * kTile;
+  }
+  it.nr = n < kTile ? int(n) : kTile;
+  return it;
+}
+
+// Persistent: CTA b takes work items b, b + gridDim.x, ... The load pipeline runs on across item
+// boundaries, so one item's epilogue overlaps the next item's first loads.
+template <class T, class HT>
+__global__ void __launch_bounds__(kThreads, 2) dqkwg_kernel(Params P) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int n_stage = P.dw_on ? 5 : 4;  // do, v, h, dh (, dv)
+  T *stage = reinterpret_cast<T *>(smem);
+  T *q_s = stage + kStages * n_stage * kStageTile, *k_s = q_s + kTileElems, *ds_s = k_s + kTileElems;
+  float *gam_s = reinterpret_cast<float *>(ds_s + kTileElems);  // [2][64] gate, by (slice, head) parity
+  float *red_s = gam_s + 2 * kTile;                              // [2][64] dg row partials
+  float *red8 = red_s + 2 * kTile;                               // [8] per-warp dgl partials
+  float *dg_s = red8 + 8;                                        // [G][64] dg per value head
+  float *dgl_s = dg_s + P.G * kTile;                             // [G] last-row term
+  float *sum_s = dgl_s + ((P.G + 3) & ~3);                       // GVA: [32][kThreads] dq, dk sums
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int m0 = 16 * (warp % 4), n0 = 32 * (warp / 4);
+  const int64_t w0 = blockIdx.x, wstep = gridDim.x;
+  if (w0 >= P.items) return;
+  const int64_t n_items = (P.items - w0 + wstep - 1) / wstep;
+
+  for (int i = tid; i < P.G * (kTile + 1); i += kThreads) dg_s[i] = 0.f;  // dg_s and dgl_s
+
+  const T *q = static_cast<const T *>(P.q), *k = static_cast<const T *>(P.k);
+  const T *v = static_cast<const T *>(P.v), *dO = static_cast<const T *>(P.do_), *dv = static_cast<const T *>(P.dv);
+  const HT *h = static_cast<const HT *>(P.h), *dh = static_cast<const HT *>(P.dh);
+  const int64_t ldqk = int64_t(P.H) * P.K, ldv = int64_t(P.HV) * P.V, ldw = int64_t(P.HV) * P.K;
+  const int per_slice = P.G * P.VCN, per_item = P.KS * per_slice;
+  const int64_t total = n_items * per_item;
+
+  int64_t l_idx = -1;  // the loader's item (it runs up to two iterations ahead of the compute)
+  Item L{};
+  auto issue_stage = [&](int64_t it) {
+    if (it >= total) return;
+    const int64_t idx = it / per_item;
+    if (idx != l_idx) l_idx = idx, L = locate(P, w0 + idx * wstep);
+    const int r = int(it - idx * per_item);
+    const int ks = r / per_slice, hvl = (r % per_slice) / P.VCN, vc = r % P.VCN;
+    const int hv = L.hq * P.G + hvl;
+    T *buf = stage + int(it % kStages) * n_stage * kStageTile;
+    const int ncv = min(kVC, P.V - vc * kVC), nrk = min(kTile, P.K - ks * kTile);
+    const int64_t tv = (L.tok0 * P.HV + hv) * P.V + vc * kVC;
+    const int64_t th = ((L.cid * P.HV + hv) * P.K + ks * kTile) * P.V + vc * kVC;
+    load_tile<kVC, kLdS>(buf, dO + tv, ldv, L.nr, ncv, P.vec, false);
+    load_tile<kVC, kLdS>(buf + kStageTile, v + tv, ldv, L.nr, ncv, P.vec, false);
+    load_tile<kVC, kLdS>(buf + 2 * kStageTile, h + th, P.V, nrk, ncv, P.vec, P.vec4);
+    load_tile<kVC, kLdS>(buf + 3 * kStageTile, dh + th, P.V, nrk, ncv, P.vec, P.vec4);
+    if (P.dw_on) load_tile<kVC, kLdS>(buf + 4 * kStageTile, dv + tv, ldv, L.nr, ncv, P.vec, false);
+  };
+
+  float ds[4][4], dq[4][4], dk[4][4], dw[4][4];
+  zero(ds), zero(dq), zero(dk), zero(dw);
+  float hdh = 0.f;  // this thread's share of sum(h * dh) for the current (slice, value head)
+
+  // Commit groups: s0, (empty), s1, then per iteration: [q, k of a new slice], s(it + 2).
+  issue_stage(0);
+  cp_async_commit();
+  cp_async_commit();
+  issue_stage(1);
+  cp_async_commit();
+  int64_t it_slice = 0;  // first iteration of the current slice
+  Item C{};              // the compute's item
+  for (int64_t it = 0; it < total; ++it) {
+    const int64_t idx = it / per_item;
+    const int r = int(it - idx * per_item);
+    if (r == 0) C = locate(P, w0 + idx * wstep);
+    const int ks = r / per_slice, hvl = (r % per_slice) / P.VCN, vc = r % P.VCN;
+    const int hv = C.hq * P.G + hvl, nck = min(kTile, P.K - ks * kTile), nr = C.nr;
+    const int epoch = int(it / P.VCN) & 1;  // (slice, value head) parity: picks the gate buffer
+    const int64_t tqk = (C.tok0 * P.H + C.hq) * P.K + ks * kTile;
+    if (vc == 0 && tid < kTile) {  // this (slice, head)'s gate; visible after the barrier below
+      float gv = 0.f;
+      if (P.gated && tid < nr) gv = P.g ? P.g[(C.tok0 + tid) * P.HV + hv] : P.g_gamma[hv] * float(tid + 1);
+      gam_s[epoch * kTile + tid] = gv;
+    }
+    cp_async_wait<2>();  // stage it landed (this thread's part)
+    __syncthreads();     // ... everyone's; and iteration it - 1 is over: its buffer may be refilled
+    if (r % per_slice == 0) {  // this slice's q, k (the previous slice's epilogues are over)
+      it_slice = it;
+      load_tile<kTile, kLd>(q_s, q + tqk, ldqk, nr, nck, P.vec, false);
+      load_tile<kTile, kLd>(k_s, k + tqk, ldqk, nr, nck, P.vec, false);
+    }
+    cp_async_commit();
+    issue_stage(it + 2);
+    cp_async_commit();
+
+    const T *buf = stage + int(it % kStages) * n_stage * kStageTile;
+    const T *h_t = buf + 2 * kStageTile, *dh_t = buf + 3 * kStageTile;
+    stage_mma<T>(ds, dq, dk, dw, buf, buf + kStageTile, buf + 4 * kStageTile, h_t, dh_t, P.dw_on, m0, n0, lane);
+    if (P.dg_on) {  // 8 consecutive elements of one row of h and dh
+      const int off = (tid / 4) * kLdS + (tid % 4) * 8;
+      const Pack<T, 8> a = load_pack<T, 8>(h_t + off), b = load_pack<T, 8>(dh_t + off);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) hdh += to_float(a.v[c]) * to_float(b.v[c]);
+    }
+    if (vc != P.VCN - 1) continue;
+
+    // epilogue of (slice ks, value head hv)
+    if (it - it_slice < 2) {  // q, k were committed too recently for the wait above
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+    const float *gam = gam_s + epoch * kTile;
+    const float gl = gam[nr - 1];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rr = m0 + lane / 4 + 8 * (e / 2), c = n0 + 8 * j + 2 * (lane % 4) + e % 2;
+        // a select, never a multiply by a mask: E(g_t - g_s) overflows above the diagonal
+        ds[j][e] = c <= rr && rr < nr ? ds[j][e] * gexp(gam[rr] - gam[c], P.log2) * P.scale : 0.f;
+        dq[j][e] *= gexp(gam[rr], P.log2) * P.scale;
+        dk[j][e] = rr < nr ? dk[j][e] * gexp(gl - gam[rr], P.log2) : 0.f;
+      }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int rr = m0 + lane / 4 + 8 * half, c = n0 + 8 * j + 2 * (lane % 4);
+        Pack<T, 2> pk;
+        pk.v[0] = from_float<T>(ds[j][2 * half]);
+        pk.v[1] = from_float<T>(ds[j][2 * half + 1]);
+        store_pack<T, 2>(ds_s + rr * kLd + c, pk);
+      }
+    __syncthreads();
+    float dglk = 0.f;  // sum(dk_inter * k), part of the last-row term
+    if (P.dg_on) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int rr = m0 + lane / 4 + 8 * half, c = n0 + 8 * j + 2 * (lane % 4);
+          const Pack<T, 2> kk = load_pack<T, 2>(k_s + rr * kLd + c);
+          dglk += dk[j][2 * half] * to_float(kk.v[0]) + dk[j][2 * half + 1] * to_float(kk.v[1]);
+        }
+    }
+    warp_mma<T, false, true>(dq, ds_s, k_s, m0, n0, lane);
+    warp_mma<T, true, true>(dk, ds_s, q_s, m0, n0, lane);
+    if (P.dg_on) {
+      float p[2] = {0.f, 0.f};  // this thread's part of dg for its two rows
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int rr = m0 + lane / 4 + 8 * half, c = n0 + 8 * j + 2 * (lane % 4);
+          const Pack<T, 2> qq = load_pack<T, 2>(q_s + rr * kLd + c), kk = load_pack<T, 2>(k_s + rr * kLd + c);
+          p[half] += dq[j][2 * half] * to_float(qq.v[0]) + dq[j][2 * half + 1] * to_float(qq.v[1]) -
+                     dk[j][2 * half] * to_float(kk.v[0]) - dk[j][2 * half + 1] * to_float(kk.v[1]);
+        }
+      float l = hdh * gexp(gl, P.log2) + dglk;
+#pragma unroll
+      for (int o = 1; o < 4; o *= 2) {
+        p[0] += __shfl_xor_sync(0xffffffffu, p[0], o);
+        p[1] += __shfl_xor_sync(0xffffffffu, p[1], o);
+      }
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) l += __shfl_xor_sync(0xffffffffu, l, o);
+      if (lane % 4 == 0) {
+        red_s[(warp / 4) * kTile + m0 + lane / 4] = p[0];
+        red_s[(warp / 4) * kTile + m0 + lane / 4 + 8] = p[1];
+      }
+      if (lane == 0) red8[warp] = l;
+      __syncthreads();
+      if (tid < kTile) dg_s[hvl * kTile + tid] += red_s[tid] + red_s[kTile + tid];
+      if (tid == kTile) {
+        float s = 0.f;
+        for (int w = 0; w < 8; ++w) s += red8[w];
+        dgl_s[hvl] += s;
+      }
+    }
+    if (P.dw_on)
+      store_block(static_cast<T *>(P.dw) + (C.tok0 * P.HV + hv) * P.K + ks * kTile, ldw, nr, nck, dw, -1.f, m0, n0,
+                  lane, P.vec);
+    if (P.G > 1) {  // GVA: running dq, dk sums over the value heads, each thread its own words
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float *sq = sum_s + (j * 4 + e) * kThreads + tid, *sk = sq + 16 * kThreads;
+          if (hvl > 0) dq[j][e] += *sq, dk[j][e] += *sk;
+          if (hvl < P.G - 1) *sq = dq[j][e], *sk = dk[j][e];
+        }
+    }
+    if (hvl == P.G - 1) {
+      store_block(static_cast<T *>(P.dq) + tqk, ldqk, nr, nck, dq, 1.f, m0, n0, lane, P.vec);
+      store_block(static_cast<T *>(P.dk) + tqk, ldqk, nr, nck, dk, 1.f, m0, n0, lane, P.vec);
+    }
+    zero(ds), zero(dq), zero(dk), zero(dw);
+    hdh = 0.f;
+
+    if (P.dg_on && r == per_item - 1) {  // the item is done: dg out, dg_s cleared for the next
+      __syncthreads();
+      if (tid < P.G) {  // last-row term and the optional in-chunk reverse cumsum, one thread per head
+        float *d = dg_s + tid * kTile;
+        d[nr - 1] += dgl_s[tid];
+        dgl_s[tid] = 0.f;
+        for (int t = nr - 2; t >= 0 && P.reverse_cumsum; --t) d[t] += d[t + 1];
+      }
+      __syncthreads();
+      for (int i = tid; i < P.G * kTile; i += kThreads) {
+        const int hl = i / kTile, t = i % kTile;
+        if (t < nr) P.dg[(C.tok0 + t) * P.HV + C.hq * P.G + hl] = dg_s[i];
+        dg_s[i] = 0.f;
+      }
+    }
+  }
+}
+
+size_t smem_bytes(const hl_gdn_bwd_dqkwg_args_t &a) {
+  const int n_stage = a.dw ? 5 : 4;
+  const size_t G = size_t(a.HV / a.H);
+  size_t b = size_t(kStages * n_stage) * kStageTile * 2 + 3 * size_t(kTileElems) * 2;
+  b += (kTile * 4 + 8 + G * kTile + ((G + 3) & ~size_t(3))) * sizeof(float);
+  if (G > 1) b += 32 * kThreads * sizeof(float);
+  return b;
+}
+
+template <class T, class HT>
+hl_status_t launch(const Params &p, size_t smem, hl_stream_t stream) {
+  auto kernel = dqkwg_kernel<T, HT>;
+  HL_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  HL_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   int(cudaSharedmemCarveoutMaxShared)));
+  int dev = 0, sms = 0, per_sm = 0;
+  HL_CUDA_TRY(cudaGetDevice(&dev));
+  HL_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  HL_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  const int64_t grid = std::min<int64_t>(p.items, int64_t(sms) * std::max(per_sm, 1));
+  kernel<<<unsigned(grid), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
+  HL_CUDA_TRY_LAUNCH();
+  return HL_STATUS_SUCCESS;
+}
+
+bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+}  // namespace hl::cuda::gdn
+
+namespace hl::gdn {
+using namespace hl::cuda::gdn;
+
+size_t cuda_workspace_bytes(const hl_gdn_bwd_dqkwg_args_t &a) {
+  return a.cu_seqlens ? size_t(2 * (a.num_seqs + 1)) * sizeof(int64_t) : 0;
+}
+
+hl_status_t cuda_read_cu_seqlens(const hl_gdn_bwd_dqkwg_args_t &a, hl_stream_t stream, std::vector<int64_t> *cu) {
+  const size_t n = size_t(a.num_seqs + 1);
+  cu->resize(n);
+  if (a.cu_seqlens_dtype == HL_DTYPE_I64) {
+    HL_CUDA_TRY(cudaMemcpyAsync(cu->data(), a.cu_seqlens, n * 8, cudaMemcpyDeviceToHost, stream));
+    HL_CUDA_TRY(cudaStreamSynchronize(stream));
+    return HL_STATUS_SUCCESS;
+  }
+  std::vector<int32_t> c32(n);
+  HL_CUDA_TRY(cudaMemcpyAsync(c32.data(), a.cu_seqlens, n * 4, cudaMemcpyDeviceToHost, stream));
+  HL_CUDA_TRY(cudaStreamSynchronize(stream));
+  std::copy(c32.begin(), c32.end(), cu->begin());
+  return HL_STATUS_SUCCESS;
+}
+
+hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_t> &cu, int64_t chunks,
+                       hl_stream_t stream) {
+  Params p{};
+  p.q = a.q, p.k = a.k, p.v = a.v, p.do_ = a.do_, p.dv = a.dv, p.h = a.h, p.dh = a.dh;
+  p.dq = a.dq, p.dk = a.dk, p.dw = a.dw, p.g = a.g, p.g_gamma = a.g_gamma, p.dg = a.dg;
+  p.T = a.T, p.nt = a.num_chunks, p.num_seqs = a.num_seqs;
+  p.H = int(a.H), p.HV = int(a.HV), p.K = int(a.K), p.V = int(a.V), p.G = int(a.HV / a.H);
+  p.KS = int((a.K + kTile - 1) / kTile), p.VCN = int((a.V + kVC - 1) / kVC);
+  p.scale = a.scale;
+  p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
+  p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;
+  // 16-byte paths for the 16-bit tensors; fp32 states are read 16 bytes at a time and rounded
+  p.vec = a.K % 8 == 0 && a.V % 8 == 0;
+  for (const void *ptr : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.dq, a.dk})
+    p.vec = p.vec && aligned16(ptr);
+  if (a.h_dtype == a.dtype) p.vec = p.vec && aligned16(a.h) && aligned16(a.dh);
+  if (a.dw) p.vec = p.vec && aligned16(a.dv) && aligned16(a.dw);
+  p.vec4 = a.h_dtype == HL_DTYPE_F32 && a.V % 4 == 0 && aligned16(a.h) && aligned16(a.dh);
+
+  const int64_t heads_chunks = chunks * a.H;
+  p.items = heads_chunks;
+  const size_t smem = smem_bytes(a);
+  if (smem > 227 * 1024)
+    return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: HV / H = %lld value heads per q/k head is too many",
+                (long long)(a.HV / a.H));
+  if (!cu.empty()) {  // chunk table: first chunk of each sequence, then cu_seqlens itself
+    std::vector<int64_t> table(2 * cu.size());
+    int64_t c = 0;
+    for (size_t s = 0; s < cu.size(); ++s) {
+      table[s] = c;
+      table[cu.size() + s] = cu[s];
+      if (s + 1 < cu.size()) c += (cu[s + 1] - cu[s] + kTile - 1) / kTile;
+    }
+    // From pageable memory the copy returns once `table` has been staged: it may go out of scope.
+    HL_CUDA_TRY(cudaMemcpyAsync(a.workspace, table.data(), table.size() * 8, cudaMemcpyHostToDevice, stream));
+    p.chunk_first = static_cast<const int64_t *>(a.workspace);
+    p.seq_start = p.chunk_first + cu.size();
+  }
+  if (heads_chunks == 0) return HL_STATUS_SUCCESS;
+  const bool f32_state = a.h_dtype == HL_DTYPE_F32;
+  if (a.dtype == HL_DTYPE_BF16)
+    return f32_state ? launch<__nv_bfloat16, float>(p, smem, stream)
+                     : launch<__nv_bfloat16, __nv_bfloat16>(p, smem, stream);
+  return f32_state ? launch<__half, float>(p, smem, stream)
+                   : launch<__half, __half>(p, smem, stream);
+}
+
+}  // namespace hl::gdn
