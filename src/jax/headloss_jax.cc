@@ -131,18 +131,25 @@ struct Workspace {
   if (!ToHl((buf).element_type(), &(out)))                                         \
     return ffi::Error::InvalidArgument(std::string("headloss: unsupported dtype for ") + (what))
 
-ffi::Error RmsnormFwd(hl_backend_t backend, hl_stream_t stream, ffi::RemainingArgs args,
-                      ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  const int has_res = Get<int32_t>(attrs, "has_residual", 0);
-  const int has_w = Get<int32_t>(attrs, "has_weight", 0);
-  const int want_rstd = Get<int32_t>(attrs, "want_rstd", 0);
-  hl_rmsnorm_fwd_args_t a;
+// An RMSNorm descriptor (forward or backward) with the fields both take from the attributes.
+template <class A>
+A RmsnormArgs(hl_backend_t backend, const ffi::Dictionary &attrs) {
+  A a;
   std::memset(&a, 0, sizeof a);
   a.struct_size = sizeof a;
   a.backend = backend;
   a.cast = static_cast<hl_rmsnorm_cast_t>(Get<int32_t>(attrs, "cast", 0));
   a.eps = Get<float>(attrs, "eps", 1e-6f);
   a.offset = Get<float>(attrs, "offset", 0.0f);
+  return a;
+}
+
+ffi::Error RmsnormFwd(hl_backend_t backend, hl_stream_t stream, ffi::RemainingArgs args,
+                      ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  const int has_res = Get<int32_t>(attrs, "has_residual", 0);
+  const int has_w = Get<int32_t>(attrs, "has_weight", 0);
+  const int want_rstd = Get<int32_t>(attrs, "want_rstd", 0);
+  hl_rmsnorm_fwd_args_t a = RmsnormArgs<hl_rmsnorm_fwd_args_t>(backend, attrs);
   size_t ai = 0, ri = 0;
   HL_JAX_ARG(x, args, ai++);
   RowsCols(x, &a.rows, &a.cols);
@@ -171,13 +178,7 @@ ffi::Error RmsnormFwd(hl_backend_t backend, hl_stream_t stream, ffi::RemainingAr
 
 ffi::Error RmsnormBwd(hl_backend_t backend, hl_stream_t stream, ffi::ScratchAllocator *scratch,
                       ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  hl_rmsnorm_bwd_args_t a;
-  std::memset(&a, 0, sizeof a);
-  a.struct_size = sizeof a;
-  a.backend = backend;
-  a.cast = static_cast<hl_rmsnorm_cast_t>(Get<int32_t>(attrs, "cast", 0));
-  a.eps = Get<float>(attrs, "eps", 1e-6f);
-  a.offset = Get<float>(attrs, "offset", 0.0f);
+  hl_rmsnorm_bwd_args_t a = RmsnormArgs<hl_rmsnorm_bwd_args_t>(backend, attrs);
   size_t ai = 0, ri = 0;
   HL_JAX_ARG(dy, args, ai++);
   HL_JAX_ARG(x, args, ai++);
