@@ -32,6 +32,13 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
 #endif
 }
 
+// One arrival on bar (release: this thread's earlier shared-memory reads are done).
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+
 // Waits until the phase of bar with this parity has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
 #if __CUDA_ARCH__ >= 900

@@ -303,7 +303,8 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
                   "%lld)", fn, c.cluster, c.smem, (long long)d.vocab);
     // Bulk copies (Hopper): the whole-row shape, the slice kept in shared memory, where it fits.
     CudaLaunch &b = p.cuda.bulk[ph];
-    b.kernel = major >= 9 && keep_row && p.opt.distill == kDistillNone
+    b.kernel = major >= 9 && keep_row && p.opt.distill == kDistillNone &&
+                       bytes(cluster) <= size_t(kMaxChunks) * kChunkPacks * 16
                    ? pick_bulk(d.logits_dtype, ph, grad, p.opt.cap > 0) : nullptr;
     if (b.kernel) {
       b.cluster = cluster;

@@ -8,6 +8,10 @@
 namespace hl::loss::cuda {
 
 constexpr int kThreads = 256;
+// The bulk-copy kernels stream a slice through shared memory in chunks of kChunkPacks 16-byte
+// packs (4 a thread, 16 KB); a slice has at most kMaxChunks of them.
+constexpr int kChunkPacks = 4 * kThreads;
+constexpr int kMaxChunks = 16;
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Params {

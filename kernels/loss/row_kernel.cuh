@@ -8,8 +8,11 @@
 // Terms that are off cost nothing: the gradient, the soft-cap and distillation are template
 // arguments; the other terms only change per-row coefficients.
 // BULK (sm_90, 16-byte aligned rows, no distillation): the slice is not loaded through registers
-// but copied into shared memory by one bulk copy per row, so the whole slice is in flight at once
-// (1.23x faster at 8192 x 128256 than kBatch register loads; see bench/NOTES.md).
+// but copied into shared memory by bulk copies, so the whole slice is in flight at once (1.23x
+// faster at 8192 x 128256 than kBatch register loads; see bench/NOTES.md). The slice streams in
+// chunks, each with a `full` barrier (landed) and an `empty` one (the row's last pass has read
+// it): the next row's chunk is requested as soon as it is free, so its load overlaps this row's
+// gradient pass, and pass 1 starts on the first chunk that lands.
 // The tensor-parallel split runs the same kernel in two phases: kStats stops after pass 1 and
 // writes the row's record into this rank's block; kFinish skips pass 1, merges the ranks' records
 // of the row instead, and runs finish and pass 2 (re-reading the logits).
@@ -251,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   __shared__ RowStats<float> cta_stats[2];
   __shared__ MergeScratch scratch;
   __shared__ RowResult<float> row;
-  __shared__ uint64_t full;  // BULK: the row's slice has landed
+  __shared__ uint64_t full[kMaxChunks], empty[kMaxChunks];  // BULK: see the top of this file
 #if __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -266,17 +269,39 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   const float kd = PHASE == kStats ? 0.0f : p.prep[0];
   const int64_t first = blockIdx.x / csize, step = gridDim.x / csize;
   const auto slice_of = [&](int64_t row) { return static_cast<const T *>(p.logits) + row * p.logits_stride + lo; };
+  // Chunks of the slice: kChunkPacks packs each with BULK, else one chunk of all of it.
+  const int64_t chunk = BULK ? kChunkPacks : (nvec > 0 ? nvec : 1);
+  const int nchunks = int((nvec + chunk - 1) / chunk);
+  const auto request = [&](int64_t row, int c) {  // BULK, one thread: chunk c of a row's slice
+    const int64_t i0 = c * chunk, n = min(chunk, nvec - i0);
+    hl::cuda::bulk_load(slice_smem + i0, slice_of(row) + i0 * VEC, uint32_t(n * 16), &full[c]);
+  };
   if (BULK) {
-    if (tid == 0) hl::cuda::mbar_init(&full, 1);
+    if (tid == 0) {
+      for (int c = 0; c < nchunks; ++c) {
+        hl::cuda::mbar_init(&full[c], 1);
+        hl::cuda::mbar_init(&empty[c], kThreads / 32);
+      }
+      if (first < p.rows)
+        for (int c = 0; c < nchunks; ++c) request(first, c);
+    }
     __syncthreads();
   }
   int parity = 0;
   for (int64_t r = first, it = 0; r < p.rows; r += step, parity ^= 1, ++it) {
     const T *x = slice_of(r);
-    if (BULK && nvec > 0) {
-      __syncthreads();  // the previous row's pass 2 is done with the buffer
-      if (tid == 0) hl::cuda::bulk_load(slice_smem, x, uint32_t(nvec * 16), &full);
-    }
+    const uint32_t phase = uint32_t(it) & 1;
+    // The row's last pass over chunk c is done: every warp arrives, and thread 0 requests the
+    // next row's chunk c into it once all have.
+    const auto release = [&](int c) {
+      if (!BULK) return;
+      __syncwarp();
+      if (tid % 32 == 0) hl::cuda::mbar_arrive(&empty[c]);
+      if (tid == 0 && r + step < p.rows) {
+        hl::cuda::mbar_wait(&empty[c], phase);
+        request(r + step, c);
+      }
+    };
     const T *u = DISTILL ? static_cast<const T *>(p.teacher) + r * p.teacher_stride + lo : nullptr;
     const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                          (!DISTILL || reinterpret_cast<uintptr_t>(u) % 16 == 0);
@@ -285,19 +310,23 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
                                                    p.ignore_index);
     const int64_t label = in.label - p.col0;  // in this shard's columns
     float t[VEC], z[VEC], v[VEC] = {};
-    if (BULK && nvec > 0) hl::cuda::mbar_wait(&full, uint32_t(it) & 1);
     if (PHASE != kFinish) {
     RowStats<float> st = empty_stats<float>();
     // The label's logit, read by one thread before any gradient of this row is written.
     const bool owns_label = tid == 0 && label >= lo && label < hi;
     const T label_raw = owns_label ? x[label - lo] : T(0.0f);
     if (BULK) {
+      for (int c = 0; c < nchunks; ++c) {
+        hl::cuda::mbar_wait(&full[c], phase);
+        const int64_t end = min(nvec, (c + 1) * chunk);
 #pragma unroll 4
-      for (int64_t i = tid; i < nvec; i += kThreads) {
-        const V raw = slice_smem[i];
+        for (int64_t i = c * chunk + tid; i < end; i += kThreads) {
+          const V raw = slice_smem[i];
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) z[k] = zhat<CAP>(to_float(raw.v[k]), o, t[k]);
-        accumulate<DISTILL>(st, z, v, lo + i * VEC, o.inv_ts);
+          for (int k = 0; k < VEC; ++k) z[k] = zhat<CAP>(to_float(raw.v[k]), o, t[k]);
+          accumulate<DISTILL>(st, z, v, lo + i * VEC, o.inv_ts);
+        }
+        if (!GRAD) release(c);
       }
     } else
     // kBatch loads in flight per thread before any is used: enough bytes in flight for HBM.
@@ -395,7 +424,10 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
         using G = typename std::remove_pointer<decltype(gp)>::type;
         G *grow = gp + r * p.grad_stride + lo;
         const bool galigned = aligned && reinterpret_cast<uintptr_t>(grow) % 16 == 0;
-        for (int64_t i = tid; i < nvec; i += kThreads) {
+        for (int c = 0; c < nchunks; ++c) {
+          if (BULK && PHASE == kFinish) hl::cuda::mbar_wait(&full[c], phase);
+          const int64_t end = min(nvec, (c + 1) * chunk);
+          for (int64_t i = c * chunk + tid; i < end; i += kThreads) {
           const V raw = BULK || p.keep_row ? slice_smem[i] : load_cols<T, VEC>(x + i * VEC, aligned);
 #pragma unroll
           for (int k = 0; k < VEC; ++k) z[k] = zhat<CAP>(to_float(raw.v[k]), o, t[k]);
@@ -407,6 +439,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
           float g[VEC];
           grad_cols(z, t, v, lo + i * VEC, VEC, g);
           store_grad<G, VEC>(grow + i * VEC, g, galigned, p.accumulate);
+          }
+          release(c);
         }
         if (tid == 0)
           for (int64_t j = tail_lo; j < hi; ++j) {
