@@ -116,30 +116,48 @@ __device__ __forceinline__ void accumulate(RowStats<float> &st, const float (&z)
   }
 }
 
-// Shared-memory scratch of the block-wide merge.
-struct MergeScratch {
-  float max[kThreads / 32];
-  float sums[kThreads / 32][10];
-  long long amax[kThreads / 32];
-};
-
-// The same block-wide maximum in every thread (fixed order).
-__device__ __forceinline__ float block_max(float v, MergeScratch &sh) {
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  if (threadIdx.x % 32 == 0) sh.max[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = sh.max[0];
-  for (int w = 1; w < kThreads / 32; ++w) v = fmaxf(v, sh.max[w]);
-  __syncthreads();
-  return v;
+// Lane `src` of the warp's record (down-shuffle by off); the teacher fields only with distillation.
+template <int DISTILL>
+__device__ __forceinline__ RowStats<float> shfl_down_stats(const RowStats<float> &a, int off) {
+  RowStats<float> r = a;
+  const auto d = [&](float v) { return __shfl_down_sync(0xffffffffu, v, off); };
+  r.m = d(a.m), r.s = d(a.s), r.b = d(a.b), r.sum = d(a.sum), r.zy = d(a.zy);
+  r.amax = __shfl_down_sync(0xffffffffu, (long long)a.amax, off);
+  if (DISTILL) {
+    r.mt = d(a.mt), r.st = d(a.st), r.bt = d(a.bt), r.ct = d(a.ct);
+    r.ss = d(a.ss), r.bs = d(a.bs), r.cs = d(a.cs);
+  }
+  return r;
 }
 
-// Merges every thread's record into one (thread 0 holds it), cheaply: the block's maxima first,
-// then each thread moves its sums to them (in parallel), then plain sums in a fixed order.
+// Lanes [0, n) of one warp hold records; lane 0 gets their merge, a fixed tree (deterministic).
+template <int DISTILL>
+__device__ __forceinline__ RowStats<float> warp_tree_merge(RowStats<float> st, int n, float inv_ts) {
+  for (int off = 16; off > 0; off >>= 1) {
+    if (off >= n) continue;  // uniform: every lane skips the same rounds
+    const RowStats<float> o = shfl_down_stats<DISTILL>(st, off);
+    if ((threadIdx.x % 32) + off < n) st = merge(st, o, inv_ts);
+  }
+  return st;
+}
+
+// Per-warp records of the block-wide merge, two rows deep: a warp may start the next row's merge
+// while warp 0 still reads this one's.
+struct MergeScratch {
+  RowStats<float> warp[2][kThreads / 32];
+};
+
+// Merges every thread's record into one (thread 0 holds it) with one barrier: in each warp the
+// maxima first, then each lane moves its sums to them and plain sums follow; warp 0 then merges
+// the warps' records as a tree.
 template <int DISTILL>
 __device__ __forceinline__ RowStats<float> block_merge(RowStats<float> st, MergeScratch &sh,
-                                                       float inv_ts) {
-  const float M = block_max(st.m, sh), Mt = DISTILL ? block_max(st.mt, sh) : st.mt;
+                                                       int parity, float inv_ts) {
+  float M = st.m, Mt = st.mt;
+  for (int off = 16; off > 0; off >>= 1) {
+    M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    if (DISTILL) Mt = fmaxf(Mt, __shfl_xor_sync(0xffffffffu, Mt, off));
+  }
   long long amax = st.m == M ? st.amax : LLONG_MAX;
   if (st.m < M) raise_max<DISTILL>(st, M, inv_ts);
   if (!DISTILL) st.b = st.s > 0.0f ? st.b - M * st.s : 0.0f;  // sum e z -> sum e (z - M)
@@ -155,22 +173,19 @@ __device__ __forceinline__ RowStats<float> block_merge(RowStats<float> st, Merge
     const long long o = __shfl_xor_sync(0xffffffffu, amax, off);
     amax = o < amax ? o : amax;
   }
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) {
-#pragma unroll
-    for (int i = 0; i < F; ++i) sh.sums[warp][i] = f[i];
-    sh.amax[warp] = amax;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    st.m = M, st.mt = Mt, st.amax = amax;
+    st.s = f[0], st.b = f[1], st.sum = f[2], st.zy = f[3];
+    if (DISTILL) st.st = f[4], st.bt = f[5], st.ct = f[6], st.ss = f[7], st.bs = f[8], st.cs = f[9];
+    sh.warp[parity][warp] = st;
   }
   __syncthreads();
-  if (threadIdx.x == 0)
-    for (int w = 1; w < kThreads / 32; ++w) {
-#pragma unroll
-      for (int i = 0; i < F; ++i) f[i] = i == 3 ? fmaxf(f[i], sh.sums[w][i]) : f[i] + sh.sums[w][i];
-      amax = sh.amax[w] < amax ? sh.amax[w] : amax;
-    }
-  st.m = M, st.mt = Mt, st.amax = amax;
-  st.s = f[0], st.b = f[1], st.sum = f[2], st.zy = f[3];
-  if (DISTILL) st.st = f[4], st.bt = f[5], st.ct = f[6], st.ss = f[7], st.bs = f[8], st.cs = f[9];
+  if (warp == 0) {
+    constexpr int W = kThreads / 32;
+    st = lane < W ? sh.warp[parity][lane] : empty_stats<float>();
+    st = warp_tree_merge<DISTILL>(st, W, inv_ts);
+  }
   return st;
 }
 
@@ -213,21 +228,23 @@ constexpr int kRecordBytes = DISTILL ? int(sizeof(RowStats<float>)) : int(offset
 static_assert(offsetof(RowStats<float>, mt) == 32 && sizeof(RowStats<float>) == 64,
               "the record layout is documented in headloss.h");
 
-// Row r's records from every rank's block, merged in buffer order (the same bits on every rank).
+// Row r's records from every rank's block, merged by one warp (lane 0 gets the result): lane l
+// takes ranks l, l + 32, ..., then a fixed tree; the same bits on every rank.
 template <int DISTILL>
 __device__ RowStats<float> gathered_stats(const Params &p, int64_t r) {
   constexpr int W = kRecordBytes<DISTILL> / 8;
+  const int lane = threadIdx.x % 32;
   RowStats<float> all = empty_stats<float>();
-  for (int c = 0; c < p.ranks; ++c) {
+  for (int c = lane; c < p.ranks; c += 32) {
     const uint2 *rec = reinterpret_cast<const uint2 *>(p.gathered + c * p.block_bytes + 64 +
                                                        r * kRecordBytes<DISTILL>);
     RowStats<float> s = empty_stats<float>();
     uint2 *dst = reinterpret_cast<uint2 *>(&s);
 #pragma unroll
     for (int k = 0; k < W; ++k) dst[k] = rec[k];
-    all = c == 0 ? s : merge(all, s, p.o.inv_ts);
+    all = c == lane ? s : merge(all, s, p.o.inv_ts);
   }
-  return all;
+  return warp_tree_merge<DISTILL>(all, p.ranks < 32 ? p.ranks : 32, p.o.inv_ts);
 }
 
 // Row r's record into this rank's block; block 0 also writes the block's header.
@@ -251,7 +268,9 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   using V = Pack<T, VEC>;
   extern __shared__ uint4 smem_raw[];
   V *slice_smem = reinterpret_cast<V *>(smem_raw);
-  __shared__ RowStats<float> cta_stats[2];
+#if __CUDA_ARCH__ >= 900
+  __shared__ RowStats<float> cta_stats[2];  // the CTA's record, for its cluster peers
+#endif
   __shared__ MergeScratch scratch;
   __shared__ RowResult<float> row;
   __shared__ uint64_t full[kMaxChunks], empty[kMaxChunks];  // BULK: see the top of this file
@@ -310,6 +329,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
                                                    p.ignore_index);
     const int64_t label = in.label - p.col0;  // in this shard's columns
     float t[VEC], z[VEC], v[VEC] = {};
+    RowStats<float> all;  // the row's merged record (thread 0)
     if (PHASE != kFinish) {
     RowStats<float> st = empty_stats<float>();
     // The label's logit, read by one thread before any gradient of this row is written.
@@ -364,30 +384,25 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       float tl;
       st.zy = zhat<CAP>(to_float(label_raw), o, tl);
     }
-    st = block_merge<DISTILL>(st, scratch, o.inv_ts);
-    if (tid == 0) cta_stats[parity] = st;
+    st = block_merge<DISTILL>(st, scratch, parity, o.inv_ts);
+    all = st;  // thread 0's is the CTA's record
 #if __CUDA_ARCH__ >= 900
-    if (csize > 1) cluster.sync();
-    else
+    if (csize > 1) {
+      if (tid == 0) cta_stats[parity] = st;
+      cluster.sync();
+      // Warp 0 reads the cluster's records at once and merges them as a tree: every CTA the same
+      // records in the same order (deterministic).
+      if (tid < 32) {
+        all = tid < csize ? *cluster.map_shared_rank(&cta_stats[parity], tid) : empty_stats<float>();
+        all = warp_tree_merge<DISTILL>(all, csize, o.inv_ts);
+      }
+    }
 #endif
-      __syncthreads();
     } else {
       __syncthreads();  // every thread has read the previous row's `row`
+      if (tid < 32) all = gathered_stats<DISTILL>(p, r);
     }
     if (tid == 0) {
-      RowStats<float> all;
-      if (PHASE == kFinish) {
-        all = gathered_stats<DISTILL>(p, r);
-      } else {
-        all = cta_stats[parity];
-#if __CUDA_ARCH__ >= 900
-        if (csize > 1) {  // every CTA merges the same records in the same order: rank 0 first
-          all = *cluster.map_shared_rank(&cta_stats[parity], 0);
-          for (int c = 1; c < csize; ++c)
-            all = merge(all, *cluster.map_shared_rank(&cta_stats[parity], c), o.inv_ts);
-        }
-#endif
-      }
       if (PHASE == kStats) {
         if (rank == 0) write_record<DISTILL>(p, r, all);
       } else {
