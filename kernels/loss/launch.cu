@@ -274,7 +274,7 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   const auto bytes = [&](int cl) { return size_t(slice_cols(d.vocab, cl, vec)) * elt; };
   // The smallest cluster whose slices fit the target; Hopper clusters go to 8 CTAs portably and
   // 16 with the non-portable opt-in. A row too long for that is re-read from global memory.
-  const int max_cluster = major >= 9 ? 16 : 1;
+  const int max_cluster = major >= 9 ? kMaxCluster : 1;
   int cluster = 1;
   while (cluster < max_cluster && bytes(cluster) > kKeepTarget) cluster *= 2;
   const bool keep_row = bytes(cluster) <= cap_bytes;

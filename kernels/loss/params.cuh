@@ -12,6 +12,7 @@ constexpr int kThreads = 256;
 // packs (4 a thread, 16 KB); a slice has at most kMaxChunks of them.
 constexpr int kChunkPacks = 4 * kThreads;
 constexpr int kMaxChunks = 16;
+constexpr int kMaxCluster = 16;  // CTAs a row may be split over (Hopper's non-portable maximum)
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Params {

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cooperative_groups.h>
+#include <cuda/ptx>
 
 #include <climits>
 #include <type_traits>
@@ -269,7 +270,11 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   extern __shared__ uint4 smem_raw[];
   V *slice_smem = reinterpret_cast<V *>(smem_raw);
 #if __CUDA_ARCH__ >= 900
-  __shared__ RowStats<float> cta_stats[2];  // the CTA's record, for its cluster peers
+  // The cluster's records of a row by rank, two rows deep: each CTA stores its record into every
+  // peer's mailbox (st.async), completing bytes on the peer's mail_full barrier, so a CTA waits
+  // for its peers' records alone, not at a cluster-wide barrier.
+  __shared__ alignas(16) RowStats<float> mail[2][kMaxCluster];
+  __shared__ uint64_t mail_full[2];
 #endif
   __shared__ MergeScratch scratch;
   __shared__ RowResult<float> row;
@@ -295,6 +300,15 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     const int64_t i0 = c * chunk, n = min(chunk, nvec - i0);
     hl::cuda::bulk_load(slice_smem + i0, slice_of(row) + i0 * VEC, uint32_t(n * 16), &full[c]);
   };
+#if __CUDA_ARCH__ >= 900
+  if (csize > 1) {
+    if (tid == 0) {
+      hl::cuda::mbar_init(&mail_full[0], 1);
+      hl::cuda::mbar_init(&mail_full[1], 1);
+    }
+    cluster.sync();  // every peer's barriers are initialised before the first record arrives
+  }
+#endif
   if (BULK) {
     if (tid == 0) {
       for (int c = 0; c < nchunks; ++c) {
@@ -388,12 +402,25 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     all = st;  // thread 0's is the CTA's record
 #if __CUDA_ARCH__ >= 900
     if (csize > 1) {
-      if (tid == 0) cta_stats[parity] = st;
-      cluster.sync();
-      // Warp 0 reads the cluster's records at once and merges them as a tree: every CTA the same
-      // records in the same order (deterministic).
+      if (tid == 0) {
+        namespace ptx = ::cuda::ptx;
+        constexpr int W = kRecordBytes<DISTILL> / 16;
+        ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                       &mail_full[parity], uint32_t(csize * kRecordBytes<DISTILL>));
+        const uint32_t(&w)[4 * W] = reinterpret_cast<const uint32_t(&)[4 * W]>(st);
+        for (int c = 0; c < csize; ++c) {
+          uint32_t *dst = reinterpret_cast<uint32_t *>(cluster.map_shared_rank(&mail[parity][rank], c));
+          uint64_t *bar = cluster.map_shared_rank(&mail_full[parity], c);
+#pragma unroll
+          for (int k = 0; k < W; ++k)
+            ptx::st_async(dst + 4 * k, {w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]}, bar);
+        }
+      }
+      // Warp 0 merges the cluster's records as a tree: every CTA the same records in the same
+      // order (deterministic).
       if (tid < 32) {
-        all = tid < csize ? *cluster.map_shared_rank(&cta_stats[parity], tid) : empty_stats<float>();
+        hl::cuda::mbar_wait(&mail_full[parity], uint32_t(it >> 1) & 1);
+        all = tid < csize ? mail[parity][tid] : empty_stats<float>();
         all = warp_tree_merge<DISTILL>(all, csize, o.inv_ts);
       }
     }
@@ -472,7 +499,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     }
   }
 #if __CUDA_ARCH__ >= 900
-  if (csize > 1) cluster.sync();  // peers may still read this CTA's records
+  if (csize > 1) cluster.sync();  // no CTA leaves while its records may still be on the way
 #endif
 }
 
