@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "headloss.h"
 
 namespace hl::cuda {
@@ -31,6 +33,27 @@ template <> __device__ __forceinline__ float from_float<float>(float v) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
+}
+
+// N floats rounded to T, two at a time for the 16-bit types (one conversion instruction a pair).
+template <class T, int N>
+__device__ __forceinline__ void from_floats(const float *f, T *out) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+#pragma unroll
+    for (int k = 0; k < N; k += 2) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(f[k], f[k + 1]);
+      out[k] = h.x, out[k + 1] = h.y;
+    }
+  } else if constexpr (std::is_same_v<T, __half> && N % 2 == 0) {
+#pragma unroll
+    for (int k = 0; k < N; k += 2) {
+      const __half2 h = __floats2half2_rn(f[k], f[k + 1]);
+      out[k] = h.x, out[k + 1] = h.y;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = from_float<T>(f[k]);
+  }
 }
 
 // v rounded to T and back: where a casting mode rounds an intermediate.

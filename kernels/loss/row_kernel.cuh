@@ -78,18 +78,22 @@ __device__ __forceinline__ void raise_teacher_max(RowStats<float> &st, float mn)
   st.mt = mn;
 }
 
-// Folds n consecutive columns starting at j0 into a thread's statistics.
+// Folds n consecutive columns starting at j0 into a thread's statistics. z is z_hat, or without
+// distillation the raw logit with z_hat = zs z: then m stays in z_hat units, b and sum in raw
+// ones (the caller scales them), and zs rides in the exponent's constant (no multiply a column).
 template <int DISTILL, int N>
 __device__ __forceinline__ void accumulate(RowStats<float> &st, const float (&z)[N],
-                                           const float (&v)[N], int64_t j0, float inv_ts) {
-  float zm = z[0];
+                                           const float (&v)[N], int64_t j0, float inv_ts,
+                                           float zs = 1.0f) {
+  float zr = z[0];
 #pragma unroll
-  for (int k = 1; k < N; ++k) zm = fmaxf(zm, z[k]);
+  for (int k = 1; k < N; ++k) zr = fmaxf(zr, z[k]);
+  const float zm = zr * zs;
   if (zm > st.m) {  // columns only grow, so the first k reaching the new max is the argmax
     raise_max<DISTILL>(st, zm, inv_ts);
     int first = N - 1;
 #pragma unroll
-    for (int k = N - 1; k >= 0; --k) first = z[k] == zm ? k : first;
+    for (int k = N - 1; k >= 0; --k) first = z[k] == zr ? k : first;
     st.amax = j0 + first;
   }
   if (DISTILL) {
@@ -98,10 +102,10 @@ __device__ __forceinline__ void accumulate(RowStats<float> &st, const float (&z)
     for (int k = 1; k < N; ++k) vm = fmaxf(vm, v[k]);
     if (vm > st.mt) raise_teacher_max(st, vm);
   }
-  const float ml = st.m * kLog2e;
+  const float ml = st.m * kLog2e, s2 = zs * kLog2e;
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    const float d = z[k] - st.m, e = ex2(fmaf(z[k], kLog2e, -ml));
+    const float d = z[k] - st.m, e = ex2(fmaf(z[k], s2, -ml));
     st.s += e;
     st.b = fmaf(e, DISTILL ? d : z[k], st.b);
     st.sum += z[k];
@@ -200,16 +204,19 @@ __device__ __forceinline__ Pack<T, VEC> load_cols(const T *p, bool aligned) {
   return r;
 }
 
-template <class G, int VEC>
+// FAST: aligned, no accumulation (a compile-time case: no branches in the column loop).
+template <class G, int VEC, bool FAST>
 __device__ __forceinline__ void store_grad(G *p, const float (&g)[VEC], bool aligned, bool acc) {
   constexpr int W = 16 / sizeof(G);  // elements per 16-byte store
+  if (FAST) aligned = true, acc = false;
 #pragma unroll
   for (int h = 0; h < VEC; h += W) {
     Pack<G, W> out;
+    float f[W];
     if (acc) out = load_cols<G, W>(p + h, aligned);
 #pragma unroll
-    for (int k = 0; k < W; ++k)
-      out.v[k] = from_float<G>(acc ? to_float(out.v[k]) + g[h + k] : g[h + k]);
+    for (int k = 0; k < W; ++k) f[k] = acc ? to_float(out.v[k]) + g[h + k] : g[h + k];
+    hl::cuda::from_floats<G, W>(f, out.v);
     if (aligned) hl::cuda::store_pack<G, W>(p + h, out);
     else
 #pragma unroll
@@ -266,6 +273,9 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   static_assert(PHASE != kStats || !GRAD, "the statistics step writes no gradient");
   static_assert(!BULK || DISTILL == kDistillNone, "bulk: the logits alone");
   constexpr int VEC = 16 / sizeof(T);
+  // Without a soft-cap or distillation the passes read raw logits and fold the logit scale into
+  // the exponent's constant and the row's coefficients (one multiply a column fewer a pass).
+  constexpr bool RAW = !CAP && DISTILL == kDistillNone;
   using V = Pack<T, VEC>;
   extern __shared__ uint4 smem_raw[];
   V *slice_smem = reinterpret_cast<V *>(smem_raw);
@@ -288,6 +298,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
 #endif
   const Options &o = p.o;
   const int tid = threadIdx.x;
+  const float zs = RAW ? o.scale : 1.0f;  // z_hat = zs * zval(x)
+  const auto zval = [&](float x, float &t) { return RAW ? x : zhat<CAP>(x, o, t); };
   const int64_t lo = min(p.vocab, rank * p.slice), hi = min(p.vocab, lo + p.slice);
   const int64_t nvec = (hi - lo) / VEC, tail_lo = lo + nvec * VEC;
   const float kd = PHASE == kStats ? 0.0f : p.prep[0];
@@ -357,8 +369,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
         for (int64_t i = c * chunk + tid; i < end; i += kThreads) {
           const V raw = slice_smem[i];
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) z[k] = zhat<CAP>(to_float(raw.v[k]), o, t[k]);
-          accumulate<DISTILL>(st, z, v, lo + i * VEC, o.inv_ts);
+          for (int k = 0; k < VEC; ++k) z[k] = zval(to_float(raw.v[k]), t[k]);
+          accumulate<DISTILL>(st, z, v, lo + i * VEC, o.inv_ts, zs);
         }
         if (!GRAD) release(c);
       }
@@ -380,24 +392,25 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
         if (i >= nvec) break;
         if (p.keep_row) slice_smem[i] = raw[b];
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) z[k] = zhat<CAP>(to_float(raw[b].v[k]), o, t[k]);
+        for (int k = 0; k < VEC; ++k) z[k] = zval(to_float(raw[b].v[k]), t[k]);
         if (DISTILL)
 #pragma unroll
           for (int k = 0; k < VEC; ++k) v[k] = to_float(traw[b].v[k]) * o.inv_tt;
-        accumulate<DISTILL>(st, z, v, lo + i * VEC, o.inv_ts);
+        accumulate<DISTILL>(st, z, v, lo + i * VEC, o.inv_ts, zs);
       }
     }
     if (tid == 0)  // the last slice's columns past the last full vector
       for (int64_t j = tail_lo; j < hi; ++j) {
         float z1[1], v1[1] = {0.0f}, t1;
-        z1[0] = zhat<CAP>(to_float(x[j - lo]), o, t1);
+        z1[0] = zval(to_float(x[j - lo]), t1);
         if (DISTILL) v1[0] = to_float(u[j - lo]) * o.inv_tt;
-        accumulate<DISTILL>(st, z1, v1, j, o.inv_ts);
+        accumulate<DISTILL>(st, z1, v1, j, o.inv_ts, zs);
       }
     if (owns_label) {
       float tl;
       st.zy = zhat<CAP>(to_float(label_raw), o, tl);
     }
+    if (RAW) st.b *= zs, st.sum *= zs;  // to z_hat units
     st = block_merge<DISTILL>(st, scratch, parity, o.inv_ts);
     all = st;  // thread 0's is the CTA's record
 #if __CUDA_ARCH__ >= 900
@@ -445,19 +458,20 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     }
     if (PHASE != kStats) __syncthreads();
     if (GRAD) {
-      const RowResult<float> rr = row;  // coefficients in registers for the loop
-      const float lse2 = rr.lse * kLog2e;
+      RowResult<float> rr = row;  // coefficients in registers for the loop
+      if (RAW) rr.cpz *= zs;      // on the raw logit
+      const float lse2 = rr.lse * kLog2e, s2 = zs * kLog2e;
       const auto ex = [](float a) { return fast_exp(a); };
       const auto grad_cols = [&](const float (&zz)[VEC], const float (&tt)[VEC],
                                  const float (&vv)[VEC], int64_t j0, int n, float (&g)[VEC]) {
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           if (k >= n) break;
-          const float pk = ex2(fmaf(zz[k], kLog2e, -lse2));
+          const float pk = ex2(fmaf(zz[k], s2, -lse2));
           const float gk = grad_elem<DISTILL>(rr, o, zz[k], vv[k], pk, ex);
           g[k] = CAP ? gk * fmaf(-tt[k], tt[k], 1.0f) : gk;
         }
-        if (label >= j0 && label < j0 + n)  // one vector of the row: the label's term
+        if (uint64_t(label - j0) < uint64_t(n))  // one vector of the row: the label's term
 #pragma unroll
           for (int k = 0; k < VEC; ++k)
             if (j0 + k == label) g[k] += CAP ? rr.cy * fmaf(-tt[k], tt[k], 1.0f) : rr.cy;
@@ -466,28 +480,32 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
         using G = typename std::remove_pointer<decltype(gp)>::type;
         G *grow = gp + r * p.grad_stride + lo;
         const bool galigned = aligned && reinterpret_cast<uintptr_t>(grow) % 16 == 0;
-        for (int c = 0; c < nchunks; ++c) {
-          if (BULK && PHASE == kFinish) hl::cuda::mbar_wait(&full[c], phase);
-          const int64_t end = min(nvec, (c + 1) * chunk);
-          for (int64_t i = c * chunk + tid; i < end; i += kThreads) {
-          const V raw = BULK || p.keep_row ? slice_smem[i] : load_cols<T, VEC>(x + i * VEC, aligned);
+        const auto columns = [&](auto fast) {  // fast: aligned stores that do not accumulate
+          for (int c = 0; c < nchunks; ++c) {
+            if (BULK && PHASE == kFinish) hl::cuda::mbar_wait(&full[c], phase);
+            const int64_t end = min(nvec, (c + 1) * chunk);
+            for (int64_t i = c * chunk + tid; i < end; i += kThreads) {
+              const V raw = BULK || p.keep_row ? slice_smem[i] : load_cols<T, VEC>(x + i * VEC, aligned);
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) z[k] = zhat<CAP>(to_float(raw.v[k]), o, t[k]);
-          if (DISTILL) {
-            const V tr = load_cols<T, VEC>(u + i * VEC, aligned);
+              for (int k = 0; k < VEC; ++k) z[k] = zval(to_float(raw.v[k]), t[k]);
+              if (DISTILL) {
+                const V tr = load_cols<T, VEC>(u + i * VEC, aligned);
 #pragma unroll
-            for (int k = 0; k < VEC; ++k) v[k] = to_float(tr.v[k]) * o.inv_tt;
+                for (int k = 0; k < VEC; ++k) v[k] = to_float(tr.v[k]) * o.inv_tt;
+              }
+              float g[VEC];
+              grad_cols(z, t, v, lo + i * VEC, VEC, g);
+              store_grad<G, VEC, decltype(fast)::value>(grow + i * VEC, g, galigned, p.accumulate);
+            }
+            release(c);
           }
-          float g[VEC];
-          grad_cols(z, t, v, lo + i * VEC, VEC, g);
-          store_grad<G, VEC>(grow + i * VEC, g, galigned, p.accumulate);
-          }
-          release(c);
-        }
+        };
+        if (galigned && !p.accumulate) columns(std::true_type{});
+        else columns(std::false_type{});
         if (tid == 0)
           for (int64_t j = tail_lo; j < hi; ++j) {
             float z1[VEC] = {}, t1[VEC] = {}, v1[VEC] = {}, g1[VEC];
-            z1[0] = zhat<CAP>(to_float(x[j - lo]), o, t1[0]);
+            z1[0] = zval(to_float(x[j - lo]), t1[0]);
             if (DISTILL) v1[0] = to_float(u[j - lo]) * o.inv_tt;
             grad_cols(z1, t1, v1, j, 1, g1);
             G *gj = grow + (j - lo);

@@ -12,7 +12,6 @@ from headloss.loss import SCALARS, LossPlan
 from test_loss import CASES, be, make_inputs  # noqa: F401  (be: the backend fixture)
 
 N, V = 37, 1000
-RATIO_METRICS = ("ratio_mean", "ratio_min", "ratio_max", "k3_old")
 
 
 def random_shards(rng, R, V):
@@ -87,9 +86,11 @@ def test_sharded_matches_unsharded(be, rng, R, case, dtype):
         assert np.array_equal(got[r], got[0])
         for t in range(4):
             assert np.array_equal(be.to_np(out[2 + t]), be.to_np(outs[0][2 + t]))
-    # The GRPO ratio metrics are exp(log-prob difference): their relative error is the log-prob's
-    # absolute error (a few fp32 ulps of lse on the GPU), so they get 4e-6.
-    tol = [4e-6 if SCALARS[k] in RATIO_METRICS else 1e-6 for k in range(len(SCALARS))]
+    # Sharded and unsharded runs merge a row's statistics in different orders (ranks vs warps and
+    # CTAs), so on the GPU they differ by a few fp32 ulps of each row's lse; summed over rows
+    # that reaches ~2e-6 relative (seen: 1.4e-6 on the loss). The GRPO ratio metrics are
+    # exp(log-prob difference): their relative error is the log-prob's absolute error.
+    tol = [5e-6] * len(SCALARS)
     bad = [(SCALARS[k], got[0][k], ref[k]) for k in range(len(SCALARS))
            if abs(got[0][k] - ref[k]) > tol[k] * max(abs(ref[k]), 1e-3)]
     assert not bad, f"{bad} differ from the unsharded run (shards {shards})"
