@@ -219,6 +219,23 @@ def test_sizes(be, V):
     check(be, run_lib(be, inp, terms, opts), run_ref(inp, terms, opts), "bfloat16")
 
 
+@pytest.mark.parametrize("grad", ["write", None])
+@pytest.mark.parametrize("V", [32000, 128256])
+def test_bulk_many_rows(be, V, grad):
+    """More rows than resident CTAs, so each CTA streams several rows through its chunk ring, at
+    bf16 vocabularies that take the bulk-copy kernels: a CTA a row (32000) and clusters of 4 that
+    swap records through mailboxes (128256). The gradient pass frees the chunks, or pass 1 does
+    without a gradient."""
+    if be.name == "cpu":
+        pytest.skip("the bulk-copy kernels are CUDA's (the CPU backend runs large rows in test_sizes)")
+    rng = np.random.default_rng(V)
+    N = 1600 if V < 100000 else 400
+    inp = make_inputs(rng, N, V, "bfloat16", weights=True)
+    terms = ("ce", "z", "entropy")
+    opts = {"z_weight": 1e-3, "entropy_weight": -0.125, "label_smoothing": 0.1, "logit_scale": 1.25}
+    check(be, run_lib(be, inp, terms, opts, grad=grad), run_ref(inp, terms, opts), "bfloat16")
+
+
 def test_finite_differences():
     """The reference's combined gradient against central differences of its own loss, and the
     library's gradient against the reference: together the library's gradient is the loss's."""
