@@ -436,8 +436,8 @@ HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan);
  *   2. the caller all-gathers the blocks into one buffer on every rank (NCCL, torch.distributed,
  *      jax.lax.all_gather, ...): one collective of ranks * block bytes;
  *   3. hl_loss_plan_execute_finish merges the blocks row by row, exactly (log-sum-exp rescaling),
- *      in buffer order, then writes the scalars and per-token outputs (the same bits on every
- *      rank, whatever the block order) and this rank's gradient slice.
+ *      in an order fixed by their places in the buffer, then writes the scalars and per-token
+ *      outputs (the same bits on every rank) and this rank's gradient slice.
  * hl_loss_plan_execute_nccl does the three steps on a communicator the caller owns.
  *
  * A block is hl_loss_plan_get_stats_size(plan, rows) bytes, in the plan's backend memory: a 64-byte
