@@ -18,12 +18,20 @@ __device__ __forceinline__ void mbar_init(uint64_t *bar, uint32_t count) {
 #endif
 }
 
+// Arrives on bar (initialised with count 1) and makes its current phase also wait for `bytes`
+// more to land (from bulk copies or st.async).
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
+
 // bytes (a multiple of 16, both addresses 16-byte aligned) from src into dst; completes the
 // current phase of bar (initialised with count 1) when they have landed.
 __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
 #if __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
+  mbar_expect_tx(bar, bytes);
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           smem_addr(dst)),

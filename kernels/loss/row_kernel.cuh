@@ -416,17 +416,15 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
 #if __CUDA_ARCH__ >= 900
     if (csize > 1) {
       if (tid == 0) {
-        namespace ptx = ::cuda::ptx;
         constexpr int W = kRecordBytes<DISTILL> / 16;
-        ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
-                                       &mail_full[parity], uint32_t(csize * kRecordBytes<DISTILL>));
+        hl::cuda::mbar_expect_tx(&mail_full[parity], uint32_t(csize * kRecordBytes<DISTILL>));
         const uint32_t(&w)[4 * W] = reinterpret_cast<const uint32_t(&)[4 * W]>(st);
         for (int c = 0; c < csize; ++c) {
           uint32_t *dst = reinterpret_cast<uint32_t *>(cluster.map_shared_rank(&mail[parity][rank], c));
           uint64_t *bar = cluster.map_shared_rank(&mail_full[parity], c);
 #pragma unroll
           for (int k = 0; k < W; ++k)
-            ptx::st_async(dst + 4 * k, {w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]}, bar);
+            ::cuda::ptx::st_async(dst + 4 * k, {w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]}, bar);
         }
       }
       // Warp 0 merges the cluster's records as a tree: every CTA the same records in the same
