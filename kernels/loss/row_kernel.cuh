@@ -78,23 +78,40 @@ __device__ __forceinline__ void raise_teacher_max(RowStats<float> &st, float mn)
   st.mt = mn;
 }
 
+// The first column of a pack holding its largest value.
+template <int N>
+__device__ __forceinline__ int find_argmax(const float (&z)[N]) {
+  float zr = z[0];
+#pragma unroll
+  for (int k = 1; k < N; ++k) zr = fmaxf(zr, z[k]);
+  int first = N - 1;
+#pragma unroll
+  for (int k = N - 1; k >= 0; --k) first = z[k] == zr ? k : first;
+  return first;
+}
+
 // Folds n consecutive columns starting at j0 into a thread's statistics. z is z_hat, or without
 // distillation the raw logit with z_hat = zs z: then m stays in z_hat units, b and sum in raw
 // ones (the caller scales them), and zs rides in the exponent's constant (no multiply a column).
-template <int DISTILL, int N>
+// SUMZ: sum z is kept (label smoothing needs it; an add a column otherwise saved).
+// lazy_pack (no distillation): a new maximum only records this pack's index `pack` there, and
+// the caller finds its column later (find_argmax), with a cheaper rescale: a warp takes this
+// branch whenever any lane meets a new maximum, which is most packs of a row's first pass.
+template <int DISTILL, bool SUMZ, int N>
 __device__ __forceinline__ void accumulate(RowStats<float> &st, const float (&z)[N],
                                            const float (&v)[N], int64_t j0, float inv_ts,
-                                           float zs = 1.0f) {
+                                           float zs = 1.0f, int *lazy_pack = nullptr, int pack = 0) {
   float zr = z[0];
 #pragma unroll
   for (int k = 1; k < N; ++k) zr = fmaxf(zr, z[k]);
   const float zm = zr * zs;
-  if (zm > st.m) {  // columns only grow, so the first k reaching the new max is the argmax
+  if (!DISTILL && lazy_pack && zm > st.m) {
+    const float f = ex2((st.m - zm) * kLog2e);  // 0 from an empty record (m = -inf)
+    st.s *= f, st.b *= f, st.m = zm;
+    *lazy_pack = pack;
+  } else if (zm > st.m) {  // columns only grow, so the first k reaching the new max is the argmax
     raise_max<DISTILL>(st, zm, inv_ts);
-    int first = N - 1;
-#pragma unroll
-    for (int k = N - 1; k >= 0; --k) first = z[k] == zr ? k : first;
-    st.amax = j0 + first;
+    st.amax = j0 + find_argmax(z);
   }
   if (DISTILL) {
     float vm = v[0];
@@ -108,7 +125,7 @@ __device__ __forceinline__ void accumulate(RowStats<float> &st, const float (&z)
     const float d = z[k] - st.m, e = ex2(fmaf(z[k], s2, -ml));
     st.s += e;
     st.b = fmaf(e, DISTILL ? d : z[k], st.b);
-    st.sum += z[k];
+    if (SUMZ) st.sum += z[k];
     if (DISTILL) {
       const float dt = v[k] - st.mt, et = fast_exp(dt), es = fast_exp(d * inv_ts);
       st.st += et;
@@ -141,7 +158,7 @@ __device__ __forceinline__ RowStats<float> warp_tree_merge(RowStats<float> st, i
   for (int off = 16; off > 0; off >>= 1) {
     if (off >= n) continue;  // uniform: every lane skips the same rounds
     const RowStats<float> o = shfl_down_stats<DISTILL>(st, off);
-    if ((threadIdx.x % 32) + off < n) st = merge(st, o, inv_ts);
+    if ((threadIdx.x % 32) + off < n) st = merge<DISTILL != kDistillNone>(st, o, inv_ts);
   }
   return st;
 }
@@ -224,6 +241,41 @@ __device__ __forceinline__ void store_grad(G *p, const float (&g)[VEC], bool ali
   }
 }
 
+// How pass 2 forms a gradient element of a row (before the soft-cap's chain factor and the
+// label's term), picked per row so that each column loop is branch-free:
+//   kGeneric  p (cp + cpz z) + cc, distillation terms: grad_elem
+//   kSigned   sign(cp) 2^(z s2 - c2) + cc with log2 |cp| folded into c2 (no entropy loss, cap
+//             or distillation): an FMA a column fewer
+//   kPure     2^(z s2 - c2) where also cp >= 0 and cc == 0 (CE, z-loss, GRPO without smoothing):
+//             nothing after the exponential
+enum GradForm : int { kGeneric, kSigned, kPure };
+template <int F> using Form = std::integral_constant<int, F>;
+
+// A row's constants of pass 2, in base 2: z_hat log2 e = z s2; lse log2 e; c2 (GradForm); sign(cp).
+struct GradConsts {
+  float s2, lse2, c2, sg;
+};
+
+// The gradient of the first n columns of a pack (z, the cap's tanh t, teacher v) in form F.
+template <int F, int DISTILL, bool CAP, int VEC>
+__device__ __forceinline__ void grad_pack(const RowResult<float> &rr, const Options &o,
+                                          const GradConsts &c, const float (&z)[VEC],
+                                          const float (&t)[VEC], const float (&v)[VEC], int n,
+                                          float (&g)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    if (k >= n) break;
+    if (F == kGeneric) {
+      const float pk = ex2(fmaf(z[k], c.s2, -c.lse2));
+      const float gk = grad_elem<DISTILL>(rr, o, z[k], v[k], pk, [](float a) { return fast_exp(a); });
+      g[k] = CAP ? gk * fmaf(-t[k], t[k], 1.0f) : gk;
+    } else {
+      const float e = ex2(fmaf(z[k], c.s2, -c.c2));
+      g[k] = F == kPure ? e : fmaf(e, c.sg, rr.cc);
+    }
+  }
+}
+
 constexpr int kBatch = 4;
 // 3 CTAs per SM (80 registers, a few spilled outside the column loops) beat 2 (128 registers, no
 // spills) by 15-25% on H100: more rows in flight hide each row's merge and finish.
@@ -250,7 +302,7 @@ __device__ RowStats<float> gathered_stats(const Params &p, int64_t r) {
     uint2 *dst = reinterpret_cast<uint2 *>(&s);
 #pragma unroll
     for (int k = 0; k < W; ++k) dst[k] = rec[k];
-    all = c == lane ? s : merge(all, s, p.o.inv_ts);
+    all = c == lane ? s : merge<DISTILL != kDistillNone>(all, s, p.o.inv_ts);
   }
   return warp_tree_merge<DISTILL>(all, p.ranks < 32 ? p.ranks : 32, p.o.inv_ts);
 }
@@ -300,6 +352,18 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   const int tid = threadIdx.x;
   const float zs = RAW ? o.scale : 1.0f;  // z_hat = zs * zval(x)
   const auto zval = [&](float x, float &t) { return RAW ? x : zhat<CAP>(x, o, t); };
+  // A pack's columns as z values (see zval).
+  const auto unpack = [&](const Pack<T, VEC> &raw, float (&zz)[VEC], float (&tt)[VEC]) {
+    hl::cuda::to_floats(raw, zz);
+    if (!RAW)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) zz[k] = zhat<CAP>(zz[k], o, tt[k]);
+  };
+  const auto unpack_teacher = [&](const Pack<T, VEC> &raw, float (&vv)[VEC]) {  // v = teacher / tau_t
+    hl::cuda::to_floats(raw, vv);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) vv[k] *= o.inv_tt;
+  };
   const int64_t lo = min(p.vocab, rank * p.slice), hi = min(p.vocab, lo + p.slice);
   const int64_t nvec = (hi - lo) / VEC, tail_lo = lo + nvec * VEC;
   const float kd = PHASE == kStats ? 0.0f : p.prep[0];
@@ -308,6 +372,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   // Chunks of the slice: kChunkPacks packs each with BULK, else one chunk of all of it.
   const int64_t chunk = BULK ? kChunkPacks : (nvec > 0 ? nvec : 1);
   const int nchunks = int((nvec + chunk - 1) / chunk);
+  // Pack indices in a slice: 32-bit with BULK (at most kMaxChunks chunks), cheaper loop control.
+  using Idx = std::conditional_t<BULK, int, int64_t>;
   const auto request = [&](int64_t row, int c) {  // BULK, one thread: chunk c of a row's slice
     const int64_t i0 = c * chunk, n = min(chunk, nvec - i0);
     hl::cuda::bulk_load(slice_smem + i0, slice_of(row) + i0 * VEC, uint32_t(n * 16), &full[c]);
@@ -357,55 +423,64 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     float t[VEC], z[VEC], v[VEC] = {};
     RowStats<float> all;  // the row's merged record (thread 0)
     if (PHASE != kFinish) {
-    RowStats<float> st = empty_stats<float>();
     // The label's logit, read by one thread before any gradient of this row is written.
     const bool owns_label = tid == 0 && label >= lo && label < hi;
     const T label_raw = owns_label ? x[label - lo] : T(0.0f);
-    if (BULK) {
-      for (int c = 0; c < nchunks; ++c) {
-        hl::cuda::mbar_wait(&full[c], phase);
-        const int64_t end = min(nvec, (c + 1) * chunk);
+    const auto pass1 = [&](auto sumz) {
+      RowStats<float> st = empty_stats<float>();
+      if (BULK) {
+        // The pack where this thread's maximum first appeared (-1: none pending); its column is
+        // found while the pack is still in shared memory.
+        int apack = -1;
+        const auto resolve_argmax = [&] {
+          if (apack < 0) return;
+          unpack(slice_smem[apack], z, t);
+          st.amax = lo + int64_t(apack) * VEC + find_argmax(z);
+          apack = -1;
+        };
+        for (int c = 0; c < nchunks; ++c) {
+          hl::cuda::mbar_wait(&full[c], phase);
+          const Idx end = Idx(min(nvec, (c + 1) * chunk));
 #pragma unroll 4
-        for (int64_t i = c * chunk + tid; i < end; i += kThreads) {
-          const V raw = slice_smem[i];
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) z[k] = zval(to_float(raw.v[k]), t[k]);
-          accumulate<DISTILL>(st, z, v, lo + i * VEC, o.inv_ts, zs);
+          for (Idx i = Idx(c * chunk) + tid; i < end; i += kThreads) {
+            unpack(slice_smem[i], z, t);
+            accumulate<DISTILL, decltype(sumz)::value>(st, z, v, lo + i * VEC, o.inv_ts, zs, &apack, int(i));
+          }
+          if (!GRAD) resolve_argmax(), release(c);
         }
-        if (!GRAD) release(c);
-      }
-    } else
-    // kBatch loads in flight per thread before any is used: enough bytes in flight for HBM.
-    // Thread tid owns vectors tid + k * kThreads in both passes, so the kept slice needs no sync.
-    for (int64_t i0 = tid; i0 < nvec; i0 += kBatch * kThreads) {
-      V raw[kBatch], traw[kBatch];
+        resolve_argmax();
+      } else
+      // kBatch loads in flight per thread before any is used: enough bytes in flight for HBM.
+      // Thread tid owns vectors tid + k * kThreads in both passes, so the kept slice needs no sync.
+      for (int64_t i0 = tid; i0 < nvec; i0 += kBatch * kThreads) {
+        V raw[kBatch], traw[kBatch];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int64_t i = i0 + b * kThreads;
-        if (i >= nvec) break;
-        raw[b] = load_cols<T, VEC>(x + i * VEC, aligned);
-        if (DISTILL) traw[b] = load_cols<T, VEC>(u + i * VEC, aligned);
-      }
+        for (int b = 0; b < kBatch; ++b) {
+          const int64_t i = i0 + b * kThreads;
+          if (i >= nvec) break;
+          raw[b] = load_cols<T, VEC>(x + i * VEC, aligned);
+          if (DISTILL) traw[b] = load_cols<T, VEC>(u + i * VEC, aligned);
+        }
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int64_t i = i0 + b * kThreads;
-        if (i >= nvec) break;
-        if (p.keep_row) slice_smem[i] = raw[b];
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) z[k] = zval(to_float(raw[b].v[k]), t[k]);
-        if (DISTILL)
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) v[k] = to_float(traw[b].v[k]) * o.inv_tt;
-        accumulate<DISTILL>(st, z, v, lo + i * VEC, o.inv_ts, zs);
+        for (int b = 0; b < kBatch; ++b) {
+          const int64_t i = i0 + b * kThreads;
+          if (i >= nvec) break;
+          if (p.keep_row) slice_smem[i] = raw[b];
+          unpack(raw[b], z, t);
+          if (DISTILL) unpack_teacher(traw[b], v);
+          accumulate<DISTILL, decltype(sumz)::value>(st, z, v, lo + i * VEC, o.inv_ts, zs);
+        }
       }
-    }
-    if (tid == 0)  // the last slice's columns past the last full vector
-      for (int64_t j = tail_lo; j < hi; ++j) {
-        float z1[1], v1[1] = {0.0f}, t1;
-        z1[0] = zval(to_float(x[j - lo]), t1);
-        if (DISTILL) v1[0] = to_float(u[j - lo]) * o.inv_tt;
-        accumulate<DISTILL>(st, z1, v1, j, o.inv_ts, zs);
-      }
+      if (tid == 0)  // the last slice's columns past the last full vector
+        for (int64_t j = tail_lo; j < hi; ++j) {
+          float z1[1], v1[1] = {0.0f}, t1;
+          z1[0] = zval(to_float(x[j - lo]), t1);
+          if (DISTILL) v1[0] = to_float(u[j - lo]) * o.inv_tt;
+          accumulate<DISTILL, decltype(sumz)::value>(st, z1, v1, j, o.inv_ts, zs);
+        }
+      return st;
+    };
+    RowStats<float> st = o.smoothing != 0.0f ? pass1(std::true_type{}) : pass1(std::false_type{});
     if (owns_label) {
       float tl;
       st.zy = zhat<CAP>(to_float(label_raw), o, tl);
@@ -459,53 +534,56 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       RowResult<float> rr = row;  // coefficients in registers for the loop
       if (RAW) rr.cpz *= zs;      // on the raw logit
       const float lse2 = rr.lse * kLog2e, s2 = zs * kLog2e;
-      const auto ex = [](float a) { return fast_exp(a); };
-      const auto grad_cols = [&](const float (&zz)[VEC], const float (&tt)[VEC],
-                                 const float (&vv)[VEC], int64_t j0, int n, float (&g)[VEC]) {
+      // The row's form of a gradient element (GradForm); with kSigned and kPure, |cp| rides in
+      // the exponent's constant c2 (log2 of 0 is -inf: e = 0).
+      const bool lean = RAW && rr.cpz == 0.0f;
+      const float c2 = lean ? lse2 - log2f(fabsf(rr.cp)) : lse2;
+      const float sg = rr.cp > 0.0f ? 1.0f : rr.cp < 0.0f ? -1.0f : 0.0f;
+      const int form = !lean ? kGeneric : sg >= 0.0f && rr.cc == 0.0f ? kPure : kSigned;
+      const GradConsts gc{s2, lse2, c2, sg};
+      // The label's term, at column col of a pack.
+      const auto add_label = [&](float (&g)[VEC], const float (&tt)[VEC], int col) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          if (k >= n) break;
-          const float pk = ex2(fmaf(zz[k], s2, -lse2));
-          const float gk = grad_elem<DISTILL>(rr, o, zz[k], vv[k], pk, ex);
-          g[k] = CAP ? gk * fmaf(-tt[k], tt[k], 1.0f) : gk;
-        }
-        if (uint64_t(label - j0) < uint64_t(n))  // one vector of the row: the label's term
-#pragma unroll
-          for (int k = 0; k < VEC; ++k)
-            if (j0 + k == label) g[k] += CAP ? rr.cy * fmaf(-tt[k], tt[k], 1.0f) : rr.cy;
+        for (int k = 0; k < VEC; ++k)
+          if (k == col) g[k] += CAP ? rr.cy * fmaf(-tt[k], tt[k], 1.0f) : rr.cy;
       };
+      // The pack holding the label (-1: none in this slice's packs) and its column there.
+      const int64_t lrel = label - lo;
+      const Idx lpack = lrel >= 0 && lrel < nvec * VEC ? Idx(lrel / VEC) : Idx(-1);
+      const int lk = int(lrel % VEC);
       const auto write = [&](auto *gp) {
         using G = typename std::remove_pointer<decltype(gp)>::type;
         G *grow = gp + r * p.grad_stride + lo;
         const bool galigned = aligned && reinterpret_cast<uintptr_t>(grow) % 16 == 0;
-        const auto columns = [&](auto fast) {  // fast: aligned stores that do not accumulate
+        // fast: aligned stores that do not accumulate; form_c: the row's GradForm.
+        const auto columns = [&](auto fast, auto form_c) {
           for (int c = 0; c < nchunks; ++c) {
             if (BULK && PHASE == kFinish) hl::cuda::mbar_wait(&full[c], phase);
-            const int64_t end = min(nvec, (c + 1) * chunk);
-            for (int64_t i = c * chunk + tid; i < end; i += kThreads) {
+            const Idx end = Idx(min(nvec, (c + 1) * chunk));
+            for (Idx i = Idx(c * chunk) + tid; i < end; i += kThreads) {
               const V raw = BULK || p.keep_row ? slice_smem[i] : load_cols<T, VEC>(x + i * VEC, aligned);
-#pragma unroll
-              for (int k = 0; k < VEC; ++k) z[k] = zval(to_float(raw.v[k]), t[k]);
-              if (DISTILL) {
-                const V tr = load_cols<T, VEC>(u + i * VEC, aligned);
-#pragma unroll
-                for (int k = 0; k < VEC; ++k) v[k] = to_float(tr.v[k]) * o.inv_tt;
-              }
+              unpack(raw, z, t);
+              if (DISTILL) unpack_teacher(load_cols<T, VEC>(u + i * VEC, aligned), v);
               float g[VEC];
-              grad_cols(z, t, v, lo + i * VEC, VEC, g);
+              grad_pack<decltype(form_c)::value, DISTILL, CAP>(rr, o, gc, z, t, v, VEC, g);
+              if (i == lpack) add_label(g, t, lk);
               store_grad<G, VEC, decltype(fast)::value>(grow + i * VEC, g, galigned, p.accumulate);
             }
             release(c);
           }
         };
-        if (galigned && !p.accumulate) columns(std::true_type{});
-        else columns(std::false_type{});
+        // (without RAW, form is kGeneric: the other two instantiate nothing new)
+        if (!galigned || p.accumulate) columns(std::false_type{}, Form<kGeneric>{});
+        else if (form == kPure) columns(std::true_type{}, Form<RAW ? kPure : kGeneric>{});
+        else if (form == kSigned) columns(std::true_type{}, Form<RAW ? kSigned : kGeneric>{});
+        else columns(std::true_type{}, Form<kGeneric>{});
         if (tid == 0)
           for (int64_t j = tail_lo; j < hi; ++j) {
             float z1[VEC] = {}, t1[VEC] = {}, v1[VEC] = {}, g1[VEC];
             z1[0] = zval(to_float(x[j - lo]), t1[0]);
             if (DISTILL) v1[0] = to_float(u[j - lo]) * o.inv_tt;
-            grad_cols(z1, t1, v1, j, 1, g1);
+            grad_pack<kGeneric, DISTILL, CAP>(rr, o, gc, z1, t1, v1, 1, g1);
+            if (j == label) add_label(g1, t1, 0);
             G *gj = grow + (j - lo);
             *gj = from_float<G>(p.accumulate ? to_float(*gj) + g1[0] : g1[0]);
           }

@@ -68,8 +68,9 @@ HL_HD F rescale(F old_max, F new_max, F k = F(1)) {
 template <class F>
 HL_HD F shift(F old_max, F new_max) { return old_max == neg_inf<F>() ? F(0) : old_max - new_max; }
 
-// Exact merge of two records (the order of a and b only affects rounding).
-template <class F>
+// Exact merge of two records (the order of a and b only affects rounding). TEACHER: also the
+// distillation fields (without it they are left as a's: a plan without distillation has none).
+template <bool TEACHER = true, class F>
 HL_HD RowStats<F> merge(const RowStats<F> &a, const RowStats<F> &b, F inv_ts) {
   RowStats<F> r;
   r.m = m_max(a.m, b.m);
@@ -80,6 +81,10 @@ HL_HD RowStats<F> merge(const RowStats<F> &a, const RowStats<F> &b, F inv_ts) {
   r.sum = a.sum + b.sum;
   r.zy = m_max(a.zy, b.zy);
   r.amax = a.m > b.m ? a.amax : b.m > a.m ? b.amax : (a.amax < b.amax ? a.amax : b.amax);
+  if (!TEACHER) {
+    r.mt = a.mt, r.st = a.st, r.bt = a.bt, r.ct = a.ct, r.ss = a.ss, r.bs = a.bs, r.cs = a.cs;
+    return r;
+  }
   r.mt = m_max(a.mt, b.mt);
   const F ta = rescale(a.mt, r.mt), tb = rescale(b.mt, r.mt);
   const F dta = shift(a.mt, r.mt), dtb = shift(b.mt, r.mt);

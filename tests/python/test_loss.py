@@ -219,21 +219,50 @@ def test_sizes(be, V):
     check(be, run_lib(be, inp, terms, opts), run_ref(inp, terms, opts), "bfloat16")
 
 
+# The bulk kernels' pass 2 picks a gradient form per row (row_kernel.cuh, GradForm): each case
+# below takes a different one.
+BULK_CASES = {
+    "ce_z": (("ce", "z"), {"z_weight": 1e-3, "logit_scale": 1.25}, {"weights": True}),  # kPure
+    "ce_smooth": (("ce",), {"label_smoothing": 0.1}, {}),  # kSigned with cc != 0
+    # kPure or kSigned by the sign of each row's coefficient (advantages of both signs)
+    "grpo_kl": (("grpo", "kl_ref"), {"kl_ref_beta": 0.0625}, {"grpo": True, "ref": True}),
+    "entropy": (("ce", "z", "entropy"), {"z_weight": 1e-3, "entropy_weight": -0.125,
+                                         "label_smoothing": 0.1, "logit_scale": 1.25},
+                {"weights": True}),  # kGeneric
+}
+
+
+def _bulk_inputs(rng, V, dtype, case):
+    terms, opts, flags = BULK_CASES[case]
+    N = 1600 if V < 100000 else 400
+    return terms, opts, make_inputs(rng, N, V, dtype, **flags)
+
+
 @pytest.mark.parametrize("grad", ["write", None])
 @pytest.mark.parametrize("V", [32000, 128256])
-def test_bulk_many_rows(be, V, grad):
+@pytest.mark.parametrize("case", list(BULK_CASES))
+def test_bulk_many_rows(be, case, V, grad):
     """More rows than resident CTAs, so each CTA streams several rows through its chunk ring, at
     bf16 vocabularies that take the bulk-copy kernels: a CTA a row (32000) and clusters of 4 that
     swap records through mailboxes (128256). The gradient pass frees the chunks, or pass 1 does
     without a gradient."""
     if be.name == "cpu":
         pytest.skip("the bulk-copy kernels are CUDA's (the CPU backend runs large rows in test_sizes)")
-    rng = np.random.default_rng(V)
-    N = 1600 if V < 100000 else 400
-    inp = make_inputs(rng, N, V, "bfloat16", weights=True)
-    terms = ("ce", "z", "entropy")
-    opts = {"z_weight": 1e-3, "entropy_weight": -0.125, "label_smoothing": 0.1, "logit_scale": 1.25}
+    terms, opts, inp = _bulk_inputs(np.random.default_rng(V), V, "bfloat16", case)
     check(be, run_lib(be, inp, terms, opts, grad=grad), run_ref(inp, terms, opts), "bfloat16")
+
+
+@pytest.mark.parametrize("dtype,grad_dtype", [("float16", None), ("float32", None),
+                                              ("bfloat16", "float32")])
+def test_bulk_dtypes(be, dtype, grad_dtype):
+    """The bulk kernels for the other logits dtypes and an fp32 gradient of bf16 logits. fp16
+    gradients are loss-scaled, as fp16 training does: unscaled, p_j / D (~2e-8 here) underflows."""
+    if be.name == "cpu":
+        pytest.skip("the bulk-copy kernels are CUDA's")
+    terms, opts, inp = _bulk_inputs(np.random.default_rng(3), 32000, dtype, "ce_z")
+    gs = 2.0 ** 16 if (grad_dtype or dtype) == "float16" else 1.0
+    check(be, run_lib(be, inp, terms, opts, grad_dtype=grad_dtype, grad_scale=gs),
+          run_ref(inp, terms, opts, grad_scale=gs), dtype, grad_dtype=grad_dtype)
 
 
 def test_finite_differences():
