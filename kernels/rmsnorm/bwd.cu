@@ -283,10 +283,10 @@ struct Bwd {
              rows_aligned(a.dresidual_out, a.dresidual_out_stride, sizeof(Tx), 16) &&
              rows_aligned(a.dx, a.dx_stride, sizeof(Tx), 16) &&
              rows_aligned(a.dresidual, a.dresidual_stride, sizeof(Tx), 16);
-    pl.shape = pl.vec ? shape_for(a.cols / VEC) : -1;
+    pl.shape = pl.vec ? shape_for<true>(a.cols / VEC) : -1;
     if (pl.shape >= 0) {
-      with_shape(pl.shape, [&](auto I) {
-        constexpr Shape sh = kShapes[decltype(I)::value];
+      with_shape<true>(pl.shape, [&](auto I) {
+        constexpr Shape sh = Shapes<true>::at[decltype(I)::value];
         const int64_t per_block = int64_t(sh.block / sh.tpr) * sh.rows_at_once;
         const int64_t want = (a.rows + per_block - 1) / per_block;
         const int64_t cap = int64_t(sm_count()) * regs_kernel<sh.tpr, sh.vpt, sh.rows_at_once, sh.block>().occupancy;
@@ -332,8 +332,8 @@ struct Bwd {
     p.stats = reinterpret_cast<float2 *>(ws);
     p.partial = a.weight ? reinterpret_cast<float *>(ws + pl.stats_bytes) : nullptr;
     if (a.rows > 0 && pl.shape >= 0) {
-      HL_TRY(with_shape(pl.shape, [&](auto I) {
-        constexpr Shape sh = kShapes[decltype(I)::value];
+      HL_TRY(with_shape<true>(pl.shape, [&](auto I) {
+        constexpr Shape sh = Shapes<true>::at[decltype(I)::value];
         const Launch &l = regs_kernel<sh.tpr, sh.vpt, sh.rows_at_once, sh.block>();
         l.kernel<<<unsigned(pl.parts), sh.block, l.smem, stream>>>(p);
         HL_CUDA_TRY_LAUNCH();

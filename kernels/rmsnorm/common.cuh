@@ -73,37 +73,47 @@ struct RowSum {
 // VPT packs of VEC elements each; a group processes R rows at a time so that enough loads are in
 // flight for short rows. Indexed by the number of packs per row (a power of two, up to 2048).
 // Blocks of up to 256 threads (255 registers each) keep the weight in registers across the rows
-// they visit; 512-thread blocks (128 registers) read it per row from L1 instead.
+// they visit; larger blocks read it per row from L1 instead. One table per direction (the
+// backward holds x and dy and sums dw); the choices are measured on H100 (bench/NOTES.md).
 struct Shape {
   int tpr, vpt, rows_at_once, block;
 };
-constexpr Shape kShapes[] = {
-    {8, 1, 4, 256},    // <= 8 packs   (64 bf16)
-    {16, 1, 4, 256},   // <= 16        (128)
-    {32, 1, 4, 256},   // <= 32        (256)
-    {32, 2, 2, 256},   // <= 64        (512)
-    {32, 4, 1, 256},   // <= 128       (1024)
-    {64, 4, 1, 64},    // <= 256       (2048): a block per row from here on
-    {128, 4, 1, 128},  // <= 512       (4096)
-    {256, 4, 1, 256},  // <= 1024      (8192)
-    {512, 4, 1, 512},  // <= 2048      (16384)
-    // Longer rows would need 1024 threads (64 registers each) or 8 packs a thread: both spill.
+template <bool BWD>
+struct Shapes {
+  static constexpr Shape at[] = {
+      // Short rows: 2 rows a group in the forward, 1 in the backward, beat 4 (H100: fwd 90 -> 91%,
+      // bwd 70 -> 83% of copy at 128 columns).
+      {8, 1, BWD ? 1 : 2, 256},   // <= 8 packs   (64 bf16)
+      {16, 1, BWD ? 1 : 2, 256},  // <= 16        (128)
+      {32, 1, BWD ? 1 : 2, 256},  // <= 32        (256)
+      {32, 2, 2, 256},   // <= 64        (512)
+      {32, 4, 1, 256},   // <= 128       (1024)
+      {64, 4, 1, 64},    // <= 256       (2048): a block per row from here on
+      {128, 4, 1, 128},  // <= 512       (4096)
+      {256, 4, 1, 256},  // <= 1024      (8192)
+      // <= 2048 (16384): the backward in 1024 threads of 2 packs (64 registers, no spill: 78 ->
+      // 82% of copy); the forward loses with it (97 -> 76%).
+      {BWD ? 1024 : 512, BWD ? 2 : 4, 1, BWD ? 1024 : 512},
+      // Longer rows would need 1024 threads of 4 packs or 8 packs a thread: both spill.
+  };
 };
-constexpr int kNumShapes = int(sizeof(kShapes) / sizeof(kShapes[0]));
+template <bool BWD>
+constexpr int kNumShapes = int(sizeof(Shapes<BWD>::at) / sizeof(Shape));
 
 // Index of the smallest shape that holds `packs` packs per row, or -1 when none does.
-inline int shape_for(int64_t packs) {
-  for (int i = 0; i < kNumShapes; ++i)
-    if (packs <= int64_t(kShapes[i].tpr) * kShapes[i].vpt) return i;
+template <bool BWD>
+int shape_for(int64_t packs) {
+  for (int i = 0; i < kNumShapes<BWD>; ++i)
+    if (packs <= int64_t(Shapes<BWD>::at[i].tpr) * Shapes<BWD>::at[i].vpt) return i;
   return -1;
 }
 
 // Calls f(std::integral_constant<int, I>{}) for I == idx, turning a shape index into a constant.
-template <int I = 0, class F>
+template <bool BWD, int I = 0, class F>
 hl_status_t with_shape(int idx, F &&f) {
-  if constexpr (I < kNumShapes) {
+  if constexpr (I < kNumShapes<BWD>) {
     if (idx == I) return f(std::integral_constant<int, I>{});
-    return with_shape<I + 1>(idx, static_cast<F &&>(f));
+    return with_shape<BWD, I + 1>(idx, static_cast<F &&>(f));
   } else {
     return HL_STATUS_INTERNAL_ERROR;
   }

@@ -178,10 +178,10 @@ hl_status_t fwd_typed(FwdParams p, hl_stream_t stream) {
       p.cols % VEC == 0 && rows_aligned(p.x, p.xs, sizeof(Tx), 16) &&
       rows_aligned(p.res, p.rs, sizeof(Tx), 16) && rows_aligned(p.res_out, p.ros, sizeof(Tx), 16) &&
       rows_aligned(p.y, p.ys, sizeof(Ty), VEC * sizeof(Ty));
-  const int shape = aligned ? shape_for(p.cols / VEC) : -1;
+  const int shape = aligned ? shape_for<false>(p.cols / VEC) : -1;
   if (shape >= 0)
-    return with_shape(shape, [&](auto I) {
-      constexpr Shape sh = kShapes[decltype(I)::value];
+    return with_shape<false>(shape, [&](auto I) {
+      constexpr Shape sh = Shapes<false>::at[decltype(I)::value];
       auto k = rmsnorm_fwd_regs<RES, Tx, Ty, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block>;
       return launch(k, sh.block, int64_t(sh.block / sh.tpr) * sh.rows_at_once, p, stream);
     });
