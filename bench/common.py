@@ -44,8 +44,10 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
 
 
 def header() -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("HL_COMMIT", "unknown")
+    # HL_COMMIT first: the device machine gets the working tree without its .git (a stale one
+    # may be there), so the caller names the commit it sent.
+    commit = os.environ.get("HL_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     return (f"device: {torch.cuda.get_device_name()}, date: {datetime.date.today()}, "
             f"commit: {commit}, torch {torch.__version__}")
 

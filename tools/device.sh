@@ -3,7 +3,8 @@
 # run GPU tests under compute-sanitizer (memcheck, racecheck), run the benchmarks, and leave
 # logs and tables in $OUT. Steps: tools/device.sh [build] [test] [sanitize] [bench-NAME ...]
 # (default: all; bench-NAME runs bench/bench_NAME.py; `bench` runs every benchmark).
-# HL_TESTS="tests/python/test_x.py ..." limits the test step to those files.
+# HL_TESTS="tests/python/test_x.py ..." limits the test step to those files. HL_COMMIT=<hash>
+# names the commit in the benchmark tables (the device's copy of the tree has no current .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/headloss-out}
