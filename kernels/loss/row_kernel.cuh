@@ -446,7 +446,10 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
             unpack(slice_smem[i], z, t);
             accumulate<DISTILL, decltype(sumz)::value>(st, z, v, lo + i * VEC, o.inv_ts, zs, &apack, int(i));
           }
-          if (!GRAD) resolve_argmax(), release(c);
+          if (!GRAD) {  // the chunk is refilled once released: its argmax column first
+            resolve_argmax();
+            release(c);
+          }
         }
         resolve_argmax();
       } else
