@@ -24,6 +24,7 @@ struct CudaLaunch {
 struct CudaChoice {
   CudaLaunch phase[3];  // by Phase
   CudaLaunch bulk[3];   // the same through bulk copies (sm_90, aligned rows); kernel null if none
+  int small_cluster = 1;  // CTAs of the prep and reduce kernels (one cluster)
 };
 
 }  // namespace hl::loss

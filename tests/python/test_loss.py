@@ -265,6 +265,18 @@ def test_bulk_dtypes(be, dtype, grad_dtype):
           run_ref(inp, terms, opts, grad_scale=gs), dtype, grad_dtype=grad_dtype)
 
 
+def test_many_rows_scalars(be):
+    """Enough rows (40000) that CUDA's prep and reduce kernels split them over a cluster of CTAs
+    (launch.cu, kSmallClusterRows): the divisor, every scalar (sums and the ratio / advantage
+    min / max) and the first bad label must come out as with one CTA."""
+    rng = np.random.default_rng(40000)
+    terms, opts, inp = build(rng, 40000, 24, "float32", "all")
+    check(be, run_lib(be, inp, terms, opts), run_ref(inp, terms, opts), "float32")
+    inp["labels"][[21001, 39999]] = 24  # bad rows in two CTAs' ranges: the first is reported
+    with pytest.raises(headloss.HeadlossError, match=r"labels\[21001\] is 24"):
+        run_lib(be, inp, terms, opts)
+
+
 def test_finite_differences():
     """The reference's combined gradient against central differences of its own loss, and the
     library's gradient against the reference: together the library's gradient is the loss's."""
