@@ -294,7 +294,7 @@ static int small_cluster(const hl_loss_plan_st &p, int64_t rows) {
   return rows >= kSmallClusterRows ? p.cuda.small_cluster : 1;
 }
 
-// One cluster of kernel's CTAs (the prep and reduce kernels).
+// Launches the prep or reduce kernel as one cluster of `cluster` CTAs.
 template <class... Exp, class... Act>
 static hl_status_t launch_small(void (*kernel)(Exp...), int cluster, cudaStream_t stream, Act... args) {
   cudaLaunchConfig_t cfg = {};
