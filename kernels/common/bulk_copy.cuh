@@ -62,4 +62,71 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
 #endif
 }
 
+// A 3-D box of a tensor (TMA, a CUtensorMap in kernel parameter or global memory) into shared
+// memory at coordinates (c0 innermost); completes on bar like bulk_load. Out-of-range elements
+// land as zeros and still count in the box's bytes.
+__device__ __forceinline__ void tma_load_3d(void *dst, const void *map, int c0, int c1, int c2, uint64_t *bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];" ::"r"(smem_addr(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+      : "memory");
+#endif
+}
+
+// Waits like mbar_wait, with acquire at cluster scope (the phase was completed from a peer CTA).
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t *bar, uint32_t parity) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// The shared::cluster address of `p` (this CTA's shared memory) in cluster rank `rank`.
+__device__ __forceinline__ uint32_t peer_addr(const void *p, uint32_t rank) {
+  uint32_t r = 0;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(rank));
+#endif
+  return r;
+}
+
+// One arrival, with release at cluster scope, on the barrier at `bar` in cluster rank `rank`.
+__device__ __forceinline__ void mbar_arrive_peer(uint64_t *bar, uint32_t rank) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(peer_addr(bar, rank))
+               : "memory");
+#endif
+}
+
+// Stores x at `dst` in cluster rank `rank` and completes 4 bytes on that CTA's barrier `bar`.
+__device__ __forceinline__ void st_async_peer(float *dst, float x, uint64_t *bar, uint32_t rank) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                   peer_addr(dst, rank)),
+               "r"(__float_as_uint(x)), "r"(peer_addr(bar, rank))
+               : "memory");
+#endif
+}
+
+// Every thread of every CTA of the cluster (release, then acquire).
+__device__ __forceinline__ void cluster_barrier() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// Barrier `id` (1..15) among `threads` threads (whole warps) of the CTA.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 }  // namespace hl::cuda

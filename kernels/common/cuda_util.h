@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "common.h"
 
 // Returns HL_STATUS_CUDA_ERROR with the call and the runtime's message when expr fails.
@@ -33,5 +35,10 @@ int blocks_per_sm(Kernel kernel, int threads, size_t smem = 0) {
   }
   return n > 0 ? n : 1;
 }
+
+// Launch configuration of `ctas` CTAs in clusters of `cluster` (1: no cluster attribute); attr
+// is the storage the configuration points to.
+cudaLaunchConfig_t cluster_launch(int64_t ctas, int threads, size_t smem, int cluster, cudaStream_t stream,
+                                  cudaLaunchAttribute &attr);
 
 }  // namespace hl::cuda

@@ -22,6 +22,8 @@
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
 #include "gdn/gdn.h"
+#include "gdn/chunk.cuh"
+#include "gdn/dqkwg_sm90.h"
 #include "gdn/mma.cuh"
 
 namespace hl::cuda::gdn {
@@ -38,9 +40,7 @@ struct Params {
   void *dq, *dk, *dw;
   const float *g, *g_gamma;
   float *dg;
-  const int64_t *chunk_first;  // varlen: [S + 1] first global chunk of each sequence
-  const int64_t *seq_start;    // varlen: [S + 1] cu_seqlens
-  int64_t T, nt, num_seqs;     // nt: chunks per batch row (non-varlen)
+  ChunkTable chunks;
   int H, HV, K, V, G, KS, VCN;  // KS: 64-wide K slices; VCN: 32-wide V chunks
   int nsplit;                   // CTAs per (chunk, q/k head): KS (cluster) or 1
   float scale;
@@ -89,32 +89,6 @@ __device__ __forceinline__ void load_tile(T *dst, const S *src, int64_t ld, int 
     const int id = tid + i * kThreads, r = id / COLS, c = id % COLS;
     dst[r * LDS + c] = from_float<T>(r < nr && c < nc ? to_float(src[r * ld + c]) : 0.f);
   }
-}
-
-__device__ __forceinline__ float gexp(float x, bool log2) { return log2 ? exp2f(x) : expf(x); }
-
-// Stores an accumulator block (times mul) to a row-major [rows, ld] output: rows < nr, cols < nc.
-template <class T>
-__device__ __forceinline__ void store_block(T *out, int64_t ld, int nr, int nc, const float (&acc)[4][4], float mul,
-                                            int m0, int n0, int lane, bool pairs) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = m0 + lane / 4 + 8 * half, c = n0 + 8 * j + 2 * (lane % 4);
-      if (r >= nr) continue;
-      const float x0 = acc[j][2 * half] * mul, x1 = acc[j][2 * half + 1] * mul;
-      T *p = out + r * ld + c;
-      if (pairs && c + 1 < nc) {
-        Pack<T, 2> pk;
-        pk.v[0] = from_float<T>(x0);
-        pk.v[1] = from_float<T>(x1);
-        store_pack<T, 2>(p, pk);
-      } else {
-        if (c < nc) p[0] = from_float<T>(x0);
-        if (c + 1 < nc) p[1] = from_float<T>(x1);
-      }
-    }
 }
 
 // The four products of one stage for one warp's 16 x 32 block, over the stage's 32 V columns.
@@ -174,22 +148,9 @@ __global__ void __launch_bounds__(kThreads, 2) dqkwg_kernel(Params P) {
   const int hq = int(ch % P.H);
   const int ks_lo = P.nsplit > 1 ? rank : 0, ks_n = P.nsplit > 1 ? 1 : P.KS;
 
-  // Locate the chunk: first token (flattened over B*T) and valid rows.
-  int64_t tok0, n;
-  if (P.chunk_first) {
-    int64_t lo = 0, hi = P.num_seqs;  // last s with chunk_first[s] <= cid (a non-empty sequence)
-    while (hi - lo > 1) {
-      const int64_t mid = (lo + hi) / 2;
-      if (P.chunk_first[mid] <= cid) lo = mid; else hi = mid;
-    }
-    tok0 = P.seq_start[lo] + (cid - P.chunk_first[lo]) * kTile;
-    n = P.seq_start[lo + 1] - tok0;
-  } else {
-    const int64_t b = cid / P.nt, i = cid % P.nt;
-    tok0 = b * P.T + i * kTile;
-    n = P.T - i * kTile;
-  }
-  const int nr = n < kTile ? int(n) : kTile;
+  int64_t tok0;
+  int nr;
+  locate_chunk(P.chunks, cid, &tok0, &nr);
 
   for (int i = tid; i < P.G * (kTile + 1); i += kThreads) dg_s[i] = 0.f;  // dg_s and dgl_s
 
@@ -468,12 +429,13 @@ hl_status_t cuda_read_cu_seqlens(const hl_gdn_bwd_dqkwg_args_t &a, hl_stream_t s
   return HL_STATUS_SUCCESS;
 }
 
-hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_t> &cu, int64_t chunks,
-                       hl_stream_t stream) {
+// The portable kernel (sm_80 and sm_90, every dtype and option).
+hl_status_t cuda_dqkwg_portable(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &table, int64_t chunks,
+                                hl_stream_t stream) {
   Params p{};
   p.q = a.q, p.k = a.k, p.v = a.v, p.do_ = a.do_, p.dv = a.dv, p.h = a.h, p.dh = a.dh;
   p.dq = a.dq, p.dk = a.dk, p.dw = a.dw, p.g = a.g, p.g_gamma = a.g_gamma, p.dg = a.dg;
-  p.T = a.T, p.nt = a.num_chunks, p.num_seqs = a.num_seqs;
+  p.chunks = table;
   p.H = int(a.H), p.HV = int(a.HV), p.K = int(a.K), p.V = int(a.V), p.G = int(a.HV / a.H);
   p.KS = int((a.K + kTile - 1) / kTile), p.VCN = int((a.V + kVC - 1) / kVC);
   p.nsplit = 1;
@@ -493,26 +455,33 @@ hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64
   if (smem > 227 * 1024)
     return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: HV / H = %lld value heads per q/k head is too many",
                 (long long)(a.HV / a.H));
-  if (!cu.empty()) {  // chunk table: first chunk of each sequence, then cu_seqlens itself
-    std::vector<int64_t> table(2 * cu.size());
-    int64_t c = 0;
-    for (size_t s = 0; s < cu.size(); ++s) {
-      table[s] = c;
-      table[cu.size() + s] = cu[s];
-      if (s + 1 < cu.size()) c += (cu[s + 1] - cu[s] + kTile - 1) / kTile;
-    }
-    // From pageable memory the copy returns once `table` has been staged: it may go out of scope.
-    HL_CUDA_TRY(cudaMemcpyAsync(a.workspace, table.data(), table.size() * 8, cudaMemcpyHostToDevice, stream));
-    p.chunk_first = static_cast<const int64_t *>(a.workspace);
-    p.seq_start = p.chunk_first + cu.size();
-  }
-  if (heads_chunks == 0) return HL_STATUS_SUCCESS;
   const bool f32_state = a.h_dtype == HL_DTYPE_F32;
   if (a.dtype == HL_DTYPE_BF16)
     return f32_state ? launch<__nv_bfloat16, float>(p, heads_chunks, smem, stream)
                      : launch<__nv_bfloat16, __nv_bfloat16>(p, heads_chunks, smem, stream);
   return f32_state ? launch<__half, float>(p, heads_chunks, smem, stream)
                    : launch<__half, __half>(p, heads_chunks, smem, stream);
+}
+
+hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_t> &cu, int64_t chunks,
+                       hl_stream_t stream) {
+  ChunkTable table{nullptr, nullptr, a.num_seqs, a.T, a.num_chunks};
+  if (!cu.empty()) {  // chunk table: first chunk of each sequence, then cu_seqlens itself
+    std::vector<int64_t> t(2 * cu.size());
+    int64_t c = 0;
+    for (size_t s = 0; s < cu.size(); ++s) {
+      t[s] = c;
+      t[cu.size() + s] = cu[s];
+      if (s + 1 < cu.size()) c += (cu[s + 1] - cu[s] + kTile - 1) / kTile;
+    }
+    // From pageable memory the copy returns once `t` has been staged: it may go out of scope.
+    HL_CUDA_TRY(cudaMemcpyAsync(a.workspace, t.data(), t.size() * 8, cudaMemcpyHostToDevice, stream));
+    table.chunk_first = static_cast<const int64_t *>(a.workspace);
+    table.seq_start = table.chunk_first + cu.size();
+  }
+  if (chunks * a.H == 0) return HL_STATUS_SUCCESS;
+  if (sm90_takes(a, chunks)) return cuda_dqkwg_sm90(a, table, chunks, stream);
+  return cuda_dqkwg_portable(a, table, chunks, stream);
 }
 
 }  // namespace hl::gdn

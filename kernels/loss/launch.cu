@@ -214,28 +214,11 @@ int64_t slice_cols(int64_t vocab, int cluster, int vec) {
 
 }  // namespace
 
-// A launch of `ctas` CTAs in clusters of `cluster` (none asked for when 1); attr holds the
-// cluster attribute the configuration points to.
-static cudaLaunchConfig_t cluster_launch(int64_t ctas, int threads, size_t smem, int cluster,
-                                         cudaStream_t stream, cudaLaunchAttribute &attr) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(ctas));
-  cfg.blockDim = dim3(unsigned(threads));
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = unsigned(cluster);
-  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = cluster > 1 ? 1 : 0;
-  return cfg;
-}
-
 // Resident clusters (or CTAs without clusters) of this kernel shape; 0 if it cannot run.
 static int max_clusters(const CudaLaunch &c) {
   if (c.cluster == 1) return hl::cuda::blocks_per_sm(c.kernel, kThreads, c.smem) * hl::cuda::sm_count();
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_launch(c.cluster, kThreads, c.smem, c.cluster, nullptr, attr);
+  const cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(c.cluster, kThreads, c.smem, c.cluster, nullptr, attr);
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, c.kernel, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -276,7 +259,7 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
 static hl_status_t launch_rows(const CudaLaunch &c, const Params &k, cudaStream_t stream) {
   const int64_t clusters = std::min<int64_t>(k.rows, c.grid / c.cluster);
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_launch(clusters * c.cluster, kThreads, c.smem, c.cluster, stream, attr);
+  const cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(clusters * c.cluster, kThreads, c.smem, c.cluster, stream, attr);
   Params arg = k;
   void *args[] = {&arg};
   HL_CUDA_TRY(cudaLaunchKernelExC(&cfg, c.kernel, args));
@@ -298,7 +281,7 @@ static int small_cluster(const hl_loss_plan_st &p, int64_t rows) {
 template <class... Exp, class... Act>
 static hl_status_t launch_small(void (*kernel)(Exp...), int cluster, cudaStream_t stream, Act... args) {
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_launch(cluster, kReduceThreads, 0, cluster, stream, attr);
+  const cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(cluster, kReduceThreads, 0, cluster, stream, attr);
   HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, args...));
   return HL_STATUS_SUCCESS;
 }

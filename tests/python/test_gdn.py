@@ -249,7 +249,25 @@ GPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (1, 100, 1, 1, 60, 100, "log", True, None),                   # padded K, V
     (1, 130, 1, 1, 100, 60, "const", False, None),
     (1, 400, 2, 4, 128, 128, "log2", True, [0, 17, 17, 200, 333, 400]),  # varlen, GVA
+    # HV = H, K and V multiples of 8: the Hopper kernel's cases (K > 128: a cluster of two CTAs)
+    (1, 300, 3, 3, 192, 72, "log2", True, None),                  # half-empty second K half, V partial
+    (1, 333, 2, 2, 136, 64, "log", False, None),                  # second K half 8 wide
+    (1, 250, 2, 2, 128, 256, "const2", True, None),
+    (2, 100, 1, 1, 64, 128, "none", True, None),
+    (1, 500, 2, 2, 256, 128, "log", True, [0, 30, 30, 250, 499, 500]),  # varlen, a 1-token sequence
 ]
+
+# The Hopper kernel takes what it supports on a 9.0 device; "portable" forces the other kernel.
+KERNELS = ["auto", "portable"]
+
+
+@pytest.fixture(params=KERNELS)
+def gdn_kernel(request, monkeypatch):
+    if request.param == "portable":
+        monkeypatch.setenv("HEADLOSS_GDN_KERNEL", "portable")
+    else:
+        monkeypatch.delenv("HEADLOSS_GDN_KERNEL", raising=False)
+    return request.param
 
 
 def _torch():
@@ -261,7 +279,7 @@ def _torch():
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[6]}-B{c[0]}T{c[1]}H{c[2]}HV{c[3]}K{c[4]}V{c[5]}"
                          + ("-varlen" if c[8] else ""))
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-def test_cuda_matches_reference(case, dtype):
+def test_cuda_matches_reference(case, dtype, gdn_kernel):
     torch = _torch()
     B, T, H, HV, K, V, gate, dw, cu = case
     x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu)
@@ -290,7 +308,23 @@ def test_cuda_fp32_state_and_fused_cumsum():
     check_all(got, reference(x, "log", None, 0.1, cumsum=True), 0.003)
 
 
-def test_cuda_many_chunks_varlen():
+@pytest.mark.parametrize("K", [128, 256])
+def test_cuda_fused_cumsum_and_deterministic(K, gdn_kernel):
+    """16-bit states, the reverse cumsum fused in; two runs give the same bits."""
+    torch = _torch()
+    x = make(np.random.default_rng(), 2, 300, 2, 2, K, 128, gate="log2", dw=True)
+    d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
+    args = [d(x[n]) for n in ("q", "k", "v", "do", "h", "dh")]
+    run = lambda: hg.gdn_bwd_dqkwg(*args, scale=0.1, g=d(x["g"], torch.float32), gate_log2=True, dv=d(x["dv"]),
+                                   reverse_cumsum=True)
+    got, again = run(), run()
+    torch.cuda.synchronize()
+    check_all(got, reference(x, "log2", None, 0.1, cumsum=True), 0.003)
+    for a, b in zip(got, again):
+        assert torch.equal(a, b)
+
+
+def test_cuda_many_chunks_varlen(gdn_kernel):
     """More than 65535 chunks in all (grid limits), short sequences, no gate: spot-checked."""
     torch = _torch()
     S = 70000

@@ -1,0 +1,23 @@
+"""One gdn_bwd_dqkwg shape (bf16, log2 gate, dw on), ours or fla's, run a few times: a target for ncu.
+Usage: python3 bench/experiments/one_gdn.py B T H K [ours|fla] [iters]"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_gdn import fla_fn, inputs  # noqa: E402
+from headloss import gdn_bwd_dqkwg  # noqa: E402
+
+B, T, H, K = (int(a) for a in sys.argv[1:5])
+who = sys.argv[5] if len(sys.argv) > 5 else "ours"
+x = inputs(B, T, H, K)
+scale = K ** -0.5
+if who == "fla":
+    run = fla_fn(x, scale)
+else:
+    run = lambda: gdn_bwd_dqkwg(x["q"], x["k"], x["v"], x["do"], x["h"], x["dh"], scale=scale, g=x["g"],  # noqa: E731
+                                gate_log2=True, dv=x["dv"])
+for _ in range(int(sys.argv[6]) if len(sys.argv) > 6 else 3):
+    run()
+torch.cuda.synchronize()

@@ -1,0 +1,496 @@
+// gdn_bwd_dqkwg on Hopper (sm_90a): TMA loads, warpgroup MMAs, a persistent grid.
+//
+// Work: each CTA (for K > 128, each cluster of two CTAs, one per 128-wide half of K) walks
+// (chunk, head) items. Warp 12 is the producer: it streams an item's V in 64-wide stages (do, v,
+// dv tiles of 64 x 64 and the CTA's KH x 64 rows of h and dh) through a ring of three slots with
+// TMA, and the item's q, k tiles and gate into a buffer of their own, loaded after the item's
+// first stages so that the ring keeps filling while the previous item's epilogue still reads it.
+// Three consumer warpgroups share every stage (64-row wgmma, operands in shared memory):
+//   WG0: ds[:, 0:32] = do v^T and dq = do h^T;   WG1: ds[:, 32:64] and dk = v dh^T;
+//   WG2: dw = dv h^T, and sum(h * dh) from shared memory while its wgmma runs.
+// Epilogue: ds gated and rounded to the input dtype (shared memory), dq += ds k and dk += ds^T q
+// by mma.sync on the wgmma accumulators (same register layout), dg from the final dq and dk. In
+// a cluster, rank 1 sends its dg partial to rank 0 (st.async into a mailbox two items deep), which
+// adds it in a fixed order: deterministic, no atomics, no workspace.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+
+#include "common/bulk_copy.cuh"
+#include "common/cuda_util.h"
+#include "common/dtype.cuh"
+#include "gdn/dqkwg_sm90.h"
+#include "gdn/gdn.h"
+#include "gdn/mma.cuh"
+#include "gdn/wgmma.cuh"
+
+namespace hl::cuda::gdn {
+namespace {
+
+constexpr int kConsumers = 384;               // three warpgroups
+constexpr int kThreads90 = kConsumers + 128;  // and the producer's (one warp of it works)
+constexpr int kRowTile = kTile * 64 * 2;      // bytes of a 64 x 64 16-bit tile
+enum NamedBarrier { kBarDs = 1, kBarEpi = 2, kBarWg2 = 3 };
+
+struct Sm90Params {  // CUtensorMap members keep it 64-byte aligned
+  CUtensorMap m_do, m_v, m_dv, m_h, m_dh, m_q, m_k;
+  void *dq, *dk, *dw;
+  float *dg;
+  const float *g, *g_gamma;
+  ChunkTable chunks;
+  int64_t items;  // chunks * H
+  int H, K, VCN, nsplit;
+  float scale;
+  bool gated, log2, dg_on, dw_on, reverse_cumsum;
+};
+
+// Shared memory of one CTA for KH (64 or 128) columns of K. Offsets in bytes from a 1024-byte
+// aligned base (TMA's 128-byte swizzle repeats every 1024 bytes). Two q, k buffers (and gates),
+// by item parity, so that the next item's load never waits for this item's epilogue.
+template <int KH>
+struct Layout {
+  static constexpr int kSlots = KH == 64 ? 4 : 2;             // ring of V stages
+  static constexpr int kHTile = KH * 128;                     // KH rows of 64 columns
+  static constexpr int kSlot = 3 * kRowTile + 2 * kHTile;     // do, v, dv, h, dh
+  static constexpr int kQK = 2 * kTile * KH * 2;              // q then k, KH / 64 boxes each
+  static constexpr int kQ = kSlots * kSlot, kDs = kQ + 2 * kQK;
+  static constexpr int kGam = kDs + kRowTile;                 // [2][64] gates
+  static constexpr int kRed = kGam + 2 * 64 * 4;              // [2][2][64] row sums of dq q, dk k
+  static constexpr int kPart = kRed + 2 * 2 * 64 * 4;         // [2][8] per-warp sum(h dh), sum(dk k)
+  static constexpr int kMail = kPart + 2 * 8 * 4;             // [2][64] rank 1's dg partials (rank 0)
+  static constexpr int kBars = kMail + 2 * 64 * 4;            // full, empty [kSlots]; qk_full,
+  static constexpr int kBytes = kBars + (2 * kSlots + 8) * 8; //   qk_empty, mail_full, mail_free [2]
+  static constexpr size_t kSmem = size_t(kBytes) + 1024;      // room to align the base
+};
+
+// What every role of a CTA knows: its shared memory and its part of the work.
+template <int KH>
+struct Cta {
+  using L = Layout<KH>;
+  unsigned char *sm;
+  uint64_t *full, *empty, *qk_full, *qk_empty, *mail_full, *mail_free;
+  float *gam, *red, *part, *mail;
+  uint32_t rank;          // which 128-wide half of K (0 without a cluster)
+  int k0, nk;             // this CTA's columns of K: [k0, k0 + nk)
+  int64_t first, stride;  // items first, first + stride, ...
+
+  __device__ Cta(const Sm90Params &P, unsigned char *base) : sm(base) {
+    uint64_t *bars = reinterpret_cast<uint64_t *>(sm + L::kBars);
+    full = bars, empty = full + L::kSlots, qk_full = empty + L::kSlots, qk_empty = qk_full + 2;
+    mail_full = qk_empty + 2, mail_free = mail_full + 2;
+    gam = reinterpret_cast<float *>(sm + L::kGam), red = reinterpret_cast<float *>(sm + L::kRed);
+    part = reinterpret_cast<float *>(sm + L::kPart), mail = reinterpret_cast<float *>(sm + L::kMail);
+    rank = P.nsplit > 1 ? blockIdx.x % 2 : 0;
+    k0 = int(rank) * 128, nk = min(KH, P.K - k0);
+    first = blockIdx.x / P.nsplit, stride = gridDim.x / P.nsplit;
+  }
+  template <class T> __device__ T *at(int off) const { return reinterpret_cast<T *>(sm + off); }
+  template <class T> __device__ T *q(int b) const { return at<T>(L::kQ + b * L::kQK); }  // buffer b
+  template <class T> __device__ T *k(int b) const { return at<T>(L::kQ + b * L::kQK + L::kQK / 2); }
+};
+
+// Where item (chunk, head) lies.
+struct ItemPos {
+  int64_t tok0;  // first token (flattened over B * T)
+  int n, hv;     // valid rows; head
+  int64_t cid;   // chunk
+
+  __device__ ItemPos(const Sm90Params &P, int64_t item) : hv(int(item % P.H)), cid(item / P.H) {
+    locate_chunk(P.chunks, cid, &tok0, &n);
+  }
+};
+
+// Warp 12: TMA loads. Per item: q, k and the gate into buffer i % 2 (once item i - 2's epilogue is
+// over), then the item's V stages through the ring.
+template <class T, int KH>
+__device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c) {
+  using L = Layout<KH>;
+  const int lane = threadIdx.x % 32;
+  uint32_t st = 0;  // stages issued so far (ring position)
+  int64_t i = 0;
+  for (int64_t item = c.first; item < P.items; item += c.stride, ++i) {
+    const ItemPos it(P, item);
+    const int tok0 = int(it.tok0), hrow = int(it.cid * P.H + it.hv), qb = int(i & 1);
+    if (i >= 2) mbar_wait(&c.qk_empty[qb], uint32_t((i >> 1) - 1) & 1);
+    for (int r = lane; r < kTile; r += 32) {
+      float gv = 0.f;
+      if (P.gated && r < it.n) gv = P.g ? P.g[(it.tok0 + r) * P.H + it.hv] : P.g_gamma[it.hv] * float(r + 1);
+      c.gam[qb * 64 + r] = gv;
+    }
+    if (lane == 0) {
+      mbar_expect_tx(&c.qk_full[qb], L::kQK);
+      for (int b = 0; b < KH / 64; ++b) {
+        tma_load_3d(c.template q<T>(qb) + b * kRowTile / 2, &P.m_q, c.k0 + 64 * b, it.hv, tok0, &c.qk_full[qb]);
+        tma_load_3d(c.template k<T>(qb) + b * kRowTile / 2, &P.m_k, c.k0 + 64 * b, it.hv, tok0, &c.qk_full[qb]);
+      }
+    } else {
+      mbar_arrive(&c.qk_full[qb]);
+    }
+    for (int s = 0; s < P.VCN; ++s) {
+      const uint32_t slot = st % L::kSlots;
+      if (st >= L::kSlots) mbar_wait(&c.empty[slot], (st / L::kSlots - 1) & 1);
+      if (lane == 0) {
+        unsigned char *b = c.sm + slot * L::kSlot;
+        uint64_t *bar = &c.full[slot];
+        mbar_expect_tx(bar, (P.dw_on ? 3 : 2) * kRowTile + 2 * L::kHTile);
+        tma_load_3d(b, &P.m_do, 64 * s, it.hv, tok0, bar);
+        tma_load_3d(b + kRowTile, &P.m_v, 64 * s, it.hv, tok0, bar);
+        if (P.dw_on) tma_load_3d(b + 2 * kRowTile, &P.m_dv, 64 * s, it.hv, tok0, bar);
+        tma_load_3d(b + 3 * kRowTile, &P.m_h, 64 * s, c.k0, hrow, bar);
+        tma_load_3d(b + 3 * kRowTile + L::kHTile, &P.m_dh, 64 * s, c.k0, hrow, bar);
+      }
+      __syncwarp();
+      ++st;
+    }
+  }
+}
+
+// Warp 8 after an item's epilogue: dg (rows lane and lane + 32) from the row sums, the cluster's
+// partials added in rank order, the optional reverse cumsum; then the item's q, k buffer is released.
+template <int KH>
+__device__ __forceinline__ void finish_dg(const Sm90Params &P, const Cta<KH> &c, const ItemPos &it, int64_t i) {
+  const int lane = threadIdx.x % 32, par = int(i & 1);
+  const float *red = c.red + par * 128, *part = c.part + par * 8;
+  if (P.dg_on) {
+    const float dgl = (part[0] + part[1] + part[2] + part[3]) * gexp(c.gam[par * 64 + it.n - 1], P.log2) + part[4] + part[5] +
+                      part[6] + part[7];
+    float x[2];
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int t = lane + 32 * h2;
+      x[h2] = t < it.n ? red[t] - red[64 + t] + (t == it.n - 1 ? dgl : 0.f) : 0.f;
+    }
+    if (P.nsplit > 1) {  // rank 1's partial into rank 0's mailbox `par`, two items deep
+      const uint32_t use = uint32_t(i >> 1);
+      float *box = c.mail + par * 64;
+      if (c.rank == 1) {
+        if (use > 0) mbar_wait_cluster(&c.mail_free[par], (use - 1) & 1);
+        st_async_peer(&box[lane], x[0], &c.mail_full[par], 0);
+        st_async_peer(&box[lane + 32], x[1], &c.mail_full[par], 0);
+      } else {
+        if (lane == 0) mbar_expect_tx(&c.mail_full[par], 64 * 4);
+        mbar_wait(&c.mail_full[par], use & 1);
+        x[0] += box[lane];
+        x[1] += box[lane + 32];
+        __syncwarp();
+        if (lane == 0) mbar_arrive_peer(&c.mail_free[par], 1);
+      }
+    }
+    if (c.rank == 0) {
+      if (P.reverse_cumsum) {  // suffix sums over the 64 rows, in a fixed order
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+          const float a = __shfl_down_sync(0xffffffffu, x[0], o), b = __shfl_down_sync(0xffffffffu, x[1], o);
+          if (lane + o < 32) x[0] += a, x[1] += b;
+        }
+        x[0] += __shfl_sync(0xffffffffu, x[1], 0);  // rows 32..63
+      }
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int t = lane + 32 * h2;
+        if (t < it.n) P.dg[(it.tok0 + t) * P.H + it.hv] = x[h2];
+      }
+    }
+  }
+  __syncwarp();
+  if (lane == 0) mbar_arrive(&c.qk_empty[par]);
+}
+
+// rs[h] += sum over this thread's columns of acc (rows m0 + lane/4 + 8h) times the same elements
+// of a swizzled 64 x KH tile, two columns at a time.
+template <class T, int KH>
+__device__ __forceinline__ void row_dots(float (&rs)[2], const float (&acc)[KH / 8][4], const T *tile, int m0,
+                                         int lane) {
+#pragma unroll
+  for (int j = 0; j < KH / 8; ++j)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const Pack<T, 2> x = load_pack<T, 2>(tile + Swizzled::off(m0 + lane / 4 + 8 * h2, 8 * j + 2 * (lane % 4)));
+      rs[h2] += acc[j][2 * h2] * to_float(x.v[0]) + acc[j][2 * h2 + 1] * to_float(x.v[1]);
+    }
+}
+
+// A consumer warpgroup. ROLE 0: ds[:, 0:32] and dq; 1: ds[:, 32:64] and dk; 2: dw and sum(h dh).
+template <class T, int KH, int ROLE>
+__device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
+  using L = Layout<KH>;
+  constexpr bool kDs = ROLE < 2;
+  const int tid = threadIdx.x, warp = tid / 32, m0 = 16 * (warp % 4);
+  T *ds_s = c.template at<T>(L::kDs);
+  const bool mma = ROLE < 2 || P.dw_on;
+  uint32_t st = 0;
+  int64_t i = 0;
+  for (int64_t item = c.first; item < P.items; item += c.stride, ++i) {
+    const ItemPos it(P, item);
+    const int n = it.n;
+    float acc[KH / 8][4], ds[kDs ? 4 : 1][4];
+    zero(acc), zero(ds);
+    float hdh = 0.f;
+    for (int s = 0; s < P.VCN; ++s, ++st) {
+      const uint32_t slot = st % L::kSlots;
+      mbar_wait(&c.full[slot], (st / L::kSlots) & 1);
+      const T *b = c.template at<T>(slot * L::kSlot);
+      const T *do_t = b, *v_t = b + kRowTile / 2, *dv_t = b + kRowTile, *h_t = b + 3 * kRowTile / 2;
+      const T *dh_t = h_t + L::kHTile / 2;
+      auto sum_hdh = [&] {  // sum(h * dh) while the wgmma runs: the same swizzle in both tiles
+        if constexpr (ROLE != 2) return;
+        if (!P.dg_on) return;
+        for (int e = tid - 2 * 128; e < KH * 8; e += 128) {
+          const Pack<T, 8> x = load_pack<T, 8>(h_t + 8 * e), y = load_pack<T, 8>(dh_t + 8 * e);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) hdh += to_float(x.v[k]) * to_float(y.v[k]);
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before TMA refills the slot
+      };
+      if (mma) {
+        const uint64_t da = wgmma_desc(ROLE == 0 ? do_t : ROLE == 1 ? v_t : dv_t);
+        const uint64_t db = wgmma_desc(ROLE == 1 ? dh_t : h_t);
+        const uint64_t dsa = wgmma_desc(do_t), dsb = wgmma_desc(v_t + 32 * 64 * ROLE);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          if constexpr (kDs) Wgmma<T, 32>::run(ds, dsa + 2 * kk, dsb + 2 * kk);
+          Wgmma<T, KH>::run(acc, da + 2 * kk, db + 2 * kk);
+        }
+        wgmma_commit();
+        sum_hdh();
+        wgmma_wait_all();
+        wgmma_pin(acc);
+        wgmma_pin(ds);
+      } else {
+        sum_hdh();
+      }
+      __syncwarp();
+      if (tid % 32 == 0) mbar_arrive(&c.empty[slot]);
+    }
+
+    // Epilogue. The lane is re-read here so that the compiler cannot hoist the many addresses
+    // derived from it out of the item loop (they would be spilled, and spills miss L1).
+    const int lane = lane_id(), par = int(i & 1);
+    float *red = c.red + par * 128, *part = c.part + par * 8;
+    if constexpr (kDs) {
+      mbar_wait(&c.qk_full[par], uint32_t(i >> 1) & 1);
+      const float *gam = c.gam + par * 64;
+      const T *q_s = c.template q<T>(par), *k_s = c.template k<T>(par);
+      const float gl = gam[n - 1];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int r = m0 + lane / 4 + 8 * h2, col = 32 * ROLE + 8 * j + 2 * (lane % 4);
+          float x[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e)  // a select, never a multiply by a mask: E(g_t - g_s) overflows
+            x[e] = col + e <= r && r < n ? ds[j][2 * h2 + e] * gexp(gam[r] - gam[col + e], P.log2) * P.scale : 0.f;
+          Pack<T, 2> pk;
+          pk.v[0] = from_float<T>(x[0]);
+          pk.v[1] = from_float<T>(x[1]);
+          store_pack<T, 2>(ds_s + Swizzled::off(r, col), pk);
+        }
+      float rowf[2];  // WG0: E(g_r) scale; WG1: E(g_l - g_r), 0 past n
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int r = m0 + lane / 4 + 8 * h2;
+        rowf[h2] = ROLE == 0 ? gexp(gam[r], P.log2) * P.scale : r < n ? gexp(gl - gam[r], P.log2) : 0.f;
+      }
+      named_barrier(kBarDs, 256);
+#pragma unroll
+      for (int j = 0; j < KH / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] *= rowf[e / 2];
+      float dglk[2] = {0.f, 0.f};  // WG1: sum(dk_inter * k), part of the last row's dg
+      if (ROLE == 1 && P.dg_on) row_dots<T, KH>(dglk, acc, k_s, m0, lane);
+      if (ROLE == 0) warp_mma<T, false, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, k_s, m0, 0, lane);
+      else warp_mma<T, true, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, q_s, m0, 0, lane);
+      if (P.dg_on) {  // row sums of dq q (WG0) or dk k (WG1)
+        float rs[2] = {0.f, 0.f};
+        row_dots<T, KH>(rs, acc, ROLE == 0 ? q_s : k_s, m0, lane);
+#pragma unroll
+        for (int o = 1; o < 4; o *= 2) {
+          rs[0] += __shfl_xor_sync(0xffffffffu, rs[0], o);
+          rs[1] += __shfl_xor_sync(0xffffffffu, rs[1], o);
+        }
+        if (lane % 4 == 0) {
+          red[ROLE * 64 + m0 + lane / 4] = rs[0];
+          red[ROLE * 64 + m0 + lane / 4 + 8] = rs[1];
+        }
+        if (ROLE == 1) {
+          float d = dglk[0] + dglk[1];
+#pragma unroll
+          for (int o = 1; o < 32; o *= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
+          if (lane == 0) part[4 + warp % 4] = d;
+        }
+      }
+      T *out = static_cast<T *>(ROLE == 0 ? P.dq : P.dk) + (it.tok0 * P.H + it.hv) * P.K + c.k0;
+      store_block(out, int64_t(P.H) * P.K, n, c.nk, acc, 1.f, m0, 0, lane, true);
+      named_barrier(kBarEpi, kConsumers);
+    } else {
+      if (P.dw_on)
+        store_block(static_cast<T *>(P.dw) + (it.tok0 * P.H + it.hv) * P.K + c.k0, int64_t(P.H) * P.K, n, c.nk, acc,
+                    -1.f, m0, 0, lane, true);
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) hdh += __shfl_xor_sync(0xffffffffu, hdh, o);
+      if (lane == 0) part[warp % 4] = hdh;
+      named_barrier(kBarEpi, kConsumers);
+      if (warp == 8) finish_dg(P, c, it, i);
+      named_barrier(kBarWg2, 128);  // warps 9-11 wait for warp 8 (their wgmma is one warpgroup's)
+    }
+  }
+}
+
+template <class T, int KH>
+__global__ void __launch_bounds__(kThreads90, 1) dqkwg_sm90_kernel(const __grid_constant__ Sm90Params P) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  const Cta<KH> c(P, smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024));
+  const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);  // provably warp-uniform roles
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Layout<KH>::kSlots; ++s) mbar_init(&c.full[s], 1), mbar_init(&c.empty[s], kConsumers / 32);
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(&c.qk_full[s], 32), mbar_init(&c.qk_empty[s], 1);
+      mbar_init(&c.mail_full[s], 1), mbar_init(&c.mail_free[s], 1);
+    }
+  }
+  __syncthreads();
+  if (P.nsplit > 1) cluster_barrier();  // the peer's barriers are ready before any message
+  // 128 registers a thread at launch; the producer's warpgroup gives most of its share to the
+  // consumers, whose accumulators need it (the register file is split in four: 40 + 3 x 152 words
+  // per sub-partition a thread).
+  if (warp >= kConsumers / 32) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (warp == kConsumers / 32) produce<T, KH>(P, c);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 152;");
+    if (warp < 4) consume<T, KH, 0>(P, c);
+    else if (warp < 8) consume<T, KH, 1>(P, c);
+    else consume<T, KH, 2>(P, c);
+  }
+  if (P.nsplit > 1) cluster_barrier();  // no CTA leaves while its peer may still signal it
+#endif
+}
+
+}  // namespace
+}  // namespace hl::cuda::gdn
+
+namespace hl::gdn {
+using namespace hl::cuda::gdn;
+
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void *p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// Compute capability 9.0, the only one sm_90a code runs on (cached per device).
+bool device_is_sm90() {
+  static std::atomic<int> cache[64];  // 0: unknown, 1: no, 2: yes
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return (void)cudaGetLastError(), false;
+  if (dev >= 0 && dev < 64 && cache[dev].load() != 0) return cache[dev].load() == 2;
+  int major = 0, minor = 0;
+  const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+                   major == 9 && minor == 0;
+  if (dev >= 0 && dev < 64) cache[dev].store(yes ? 2 : 1);
+  return yes;
+}
+
+bool forced_portable() {  // read on every call, so that tests can switch kernels
+  const char *e = std::getenv("HEADLOSS_GDN_KERNEL");
+  return e && std::strcmp(e, "portable") == 0;
+}
+
+// A 3-D tensor (d0 contiguous; s1, s2 strides in bytes) read in b0 x b1 x b2 boxes, 128-byte swizzle.
+hl_status_t make_map(CUtensorMap *m, hl_dtype_t dt, const void *base, uint64_t d0, uint64_t d1, uint64_t d2,
+                     uint64_t s1, uint64_t s2, uint32_t b0, uint32_t b1, uint32_t b2) {
+  const cuuint64_t dims[3] = {d0, d1, d2}, strides[2] = {s1, s2};
+  const cuuint32_t box[3] = {b0, b1, b2}, step[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      m, dt == HL_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+      const_cast<void *>(base), dims, strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return fail(HL_STATUS_CUDA_ERROR, "gdn_bwd_dqkwg: cuTensorMapEncodeTiled failed (%d)", int(r));
+  return HL_STATUS_SUCCESS;
+}
+
+template <class T, int KH>
+hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
+  auto kernel = dqkwg_sm90_kernel<T, KH>;
+  constexpr size_t smem = Layout<KH>::kSmem;
+  HL_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  cudaLaunchAttribute attr;
+  int units = 0;  // resident CTAs, or clusters of two
+  if (p.nsplit == 1) {
+    units = hl::cuda::blocks_per_sm(kernel, kThreads90, smem) * hl::cuda::sm_count();
+  } else {
+    const cudaLaunchConfig_t probe = hl::cuda::cluster_launch(2, kThreads90, smem, 2, nullptr, attr);
+    HL_CUDA_TRY(cudaOccupancyMaxActiveClusters(&units, kernel, &probe));
+  }
+  if (units < 1) return fail(HL_STATUS_CUDA_ERROR, "gdn_bwd_dqkwg: the sm_90a kernel cannot be resident");
+  const int64_t grid = std::min<int64_t>(units, p.items) * p.nsplit;
+  const cudaLaunchConfig_t cfg =
+      hl::cuda::cluster_launch(grid, kThreads90, smem, p.nsplit, static_cast<cudaStream_t>(stream), attr);
+  HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, p));
+  HL_CUDA_TRY_LAUNCH();
+  return HL_STATUS_SUCCESS;
+}
+
+bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks) {
+#if HL_GDN_SM90A
+  if (forced_portable() || a.h_dtype != a.dtype || a.HV != a.H || a.K % 8 || a.V % 8) return false;
+  if (a.B * a.T >= INT32_MAX || chunks * a.H >= INT32_MAX) return false;  // TMA coordinates are int32
+  for (const void *p : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.h, a.dh, a.dq, a.dk})
+    if (!aligned16(p)) return false;
+  if (a.dw && !(aligned16(a.dv) && aligned16(a.dw))) return false;
+  return device_is_sm90() && tensor_map_encoder() != nullptr;
+#else
+  (void)a, (void)chunks;
+  return false;
+#endif
+}
+
+hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &table, int64_t chunks,
+                            hl_stream_t stream) {
+  Sm90Params p{};
+  const uint64_t H = uint64_t(a.H), K = uint64_t(a.K), V = uint64_t(a.V), tokens = uint64_t(a.B * a.T);
+  const uint32_t KH = a.K <= 64 ? 64 : 128;
+  HL_TRY(make_map(&p.m_do, a.dtype, a.do_, V, H, tokens, V * 2, H * V * 2, 64, 1, 64));
+  HL_TRY(make_map(&p.m_v, a.dtype, a.v, V, H, tokens, V * 2, H * V * 2, 64, 1, 64));
+  if (a.dw) HL_TRY(make_map(&p.m_dv, a.dtype, a.dv, V, H, tokens, V * 2, H * V * 2, 64, 1, 64));
+  HL_TRY(make_map(&p.m_q, a.dtype, a.q, K, H, tokens, K * 2, H * K * 2, 64, 1, 64));
+  HL_TRY(make_map(&p.m_k, a.dtype, a.k, K, H, tokens, K * 2, H * K * 2, 64, 1, 64));
+  const uint64_t states = uint64_t(chunks) * H;
+  HL_TRY(make_map(&p.m_h, a.dtype, a.h, V, K, states, V * 2, K * V * 2, 64, KH, 1));
+  HL_TRY(make_map(&p.m_dh, a.dtype, a.dh, V, K, states, V * 2, K * V * 2, 64, KH, 1));
+  p.dq = a.dq, p.dk = a.dk, p.dw = a.dw, p.dg = a.dg, p.g = a.g, p.g_gamma = a.g_gamma;
+  p.chunks = table;
+  p.items = chunks * a.H;
+  p.H = int(a.H), p.K = int(a.K), p.VCN = int((a.V + 63) / 64), p.nsplit = a.K > 128 ? 2 : 1;
+  p.scale = a.scale;
+  p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
+  p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;
+  if (a.dtype == HL_DTYPE_BF16)
+    return KH == 64 ? launch_sm90<__nv_bfloat16, 64>(p, stream) : launch_sm90<__nv_bfloat16, 128>(p, stream);
+  return KH == 64 ? launch_sm90<__half, 64>(p, stream) : launch_sm90<__half, 128>(p, stream);
+}
+
+}  // namespace hl::gdn

@@ -1,0 +1,18 @@
+// The Hopper (sm_90a) gdn_bwd_dqkwg kernel: TMA and warpgroup MMAs. It takes the common case
+// (16-bit inputs and states, HV = H, K and V multiples of 8, 16-byte aligned tensors) on a
+// compute capability 9.0 device when the library holds sm_90a code; everything else runs the
+// portable kernel (dqkwg.cu). HEADLOSS_GDN_KERNEL=portable forces the portable kernel (tests, A/B).
+#pragma once
+
+#include <cstdint>
+
+#include "gdn/chunk.cuh"
+#include "headloss.h"
+
+namespace hl::gdn {
+
+bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks);
+hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const hl::cuda::gdn::ChunkTable &table,
+                            int64_t chunks, hl_stream_t stream);
+
+}  // namespace hl::gdn
