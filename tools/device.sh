@@ -52,7 +52,7 @@ if want sanitize; then
         rms) args=("${rms[@]}") ;;
         loss) args=(tests/python/test_loss.py -k "cuda and (all or entropy or distill_fwd) and (bfloat16 or float32)") ;;
         tp) args=(tests/python/test_loss_tp.py -k "cuda and (all or ce_smooth) and bfloat16") ;;
-        gdn) args=(tests/python/test_gdn.py -k "cuda_fp32_state") ;;
+        gdn) args=(tests/python/test_gdn.py -k "cuda_fp32_state or cuda_fused_cumsum") ;;  # both kernels
       esac
       [ -e "${args[0]%%::*}" ] || continue
       timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 --target-processes all \

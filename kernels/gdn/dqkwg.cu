@@ -1,4 +1,5 @@
-// gdn_bwd_dqkwg on the GPU.
+// gdn_bwd_dqkwg on the GPU: the portable kernel (sm_80 and later, every dtype and option), and the
+// dispatch between it and the Hopper kernel (dqkwg_sm90.cu).
 //
 // Work: one CTA (8 warps) per (chunk, q/k head, 64-wide K slice). On sm_90 the K slices of one
 // (chunk, q/k head) form a thread-block cluster: each CTA streams its own rows of h and dh exactly
@@ -387,16 +388,9 @@ hl_status_t launch(Params p, int64_t heads_chunks, size_t smem, hl_stream_t stre
   const int64_t blocks = heads_chunks * p.nsplit;
   if (blocks > INT32_MAX)
     return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: %lld CTAs exceed one launch", (long long)blocks);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(p.nsplit), attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.nsplit > 1 ? 1 : 0;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg =
+      hl::cuda::cluster_launch(blocks, kThreads, smem, p.nsplit, static_cast<cudaStream_t>(stream), attr);
   HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, p));
   HL_CUDA_TRY_LAUNCH();
   return HL_STATUS_SUCCESS;

@@ -1,6 +1,7 @@
 // Warp-level tensor-core pieces for the GDN kernels: cp.async, ldmatrix and mma.sync m16n8k16
-// (fp32 accumulation), which run on sm_80 and sm_90 alike. Tiles live in shared memory as
-// [64][kLd] 16-bit elements; the 8-element row padding keeps ldmatrix free of bank conflicts.
+// (fp32 accumulation), which run on sm_80 and sm_90 alike. Tiles live in shared memory either as
+// [64][kLd] 16-bit elements (Padded: the 8-element row padding keeps ldmatrix free of bank
+// conflicts) or as TMA wrote them (Swizzled: the swizzle does the same).
 #pragma once
 
 #include <cuda_bf16.h>
