@@ -1,10 +1,10 @@
 // gdn_bwd_dqkwg on Hopper (sm_90a): TMA loads, warpgroup MMAs, a persistent grid.
 //
 // Work: each CTA (for K > 128, each cluster of two CTAs, one per 128-wide half of K) walks
-// (chunk, head) items. Warp 12 is the producer: it streams an item's V in 64-wide stages (do, v,
-// dv tiles of 64 x 64 and the CTA's KH x 64 rows of h and dh) through a ring of three slots with
-// TMA, and the item's q, k tiles and gate into a buffer of their own, loaded after the item's
-// first stages so that the ring keeps filling while the previous item's epilogue still reads it.
+// (chunk, head) items. Warp 12 is the producer: with TMA it loads the item's q, k tiles and gate
+// into one of two buffers (item parity, so the next item's never waits for this item's epilogue),
+// then streams the item's V in 64-wide stages (do, v, dv tiles of 64 x 64 and the CTA's KH x 64
+// rows of h and dh) through a ring of slots (2 at KH = 128, 4 at KH = 64).
 // Three consumer warpgroups share every stage (64-row wgmma, operands in shared memory):
 //   WG0: ds[:, 0:32] = do v^T and dq = do h^T;   WG1: ds[:, 32:64] and dk = v dh^T;
 //   WG2: dw = dv h^T, and sum(h * dh) from shared memory while its wgmma runs.
