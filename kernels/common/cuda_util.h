@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "common.h"
@@ -20,6 +21,22 @@
 #define HL_CUDA_TRY_LAUNCH() HL_CUDA_TRY(cudaGetLastError())
 
 namespace hl::cuda {
+
+constexpr int kMaxDevices = 64;
+
+// fn(device) (an answer >= 0) for the current device, computed once per device and kept in
+// `cache` (zero-initialised, one per question); calls may come from any thread.
+template <class Fn>
+int per_device(std::atomic<int> (&cache)[kMaxDevices], Fn fn) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) (void)cudaGetLastError(), dev = 0;
+  if (dev < 0 || dev >= kMaxDevices) return fn(dev);
+  int v = cache[dev].load(std::memory_order_relaxed);
+  if (!v) cache[dev].store(v = fn(dev) + 1, std::memory_order_relaxed);
+  return v - 1;
+}
+
+inline bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Multiprocessor count of the current device (cached per device).
 int sm_count();

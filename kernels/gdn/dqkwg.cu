@@ -354,19 +354,18 @@ size_t smem_bytes(const hl_gdn_bwd_dqkwg_args_t &a) {
 }
 
 // Whether the kernel that will run was built for sm_90 or later (clusters available).
-// Cached per device (0: unknown, 1: no, 2: yes).
 template <class T, class HT>
 bool has_clusters() {
-  static std::atomic<int> cache[64];
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (dev >= 0 && dev < 64 && cache[dev].load() != 0) return cache[dev].load() == 2;
-  cudaFuncAttributes fa{};
-  const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                   cudaFuncGetAttributes(&fa, dqkwg_kernel<T, HT>) == cudaSuccess && major >= 9 &&
-                   fa.binaryVersion >= 90;
-  if (dev >= 0 && dev < 64) cache[dev].store(yes ? 2 : 1);
-  return yes;
+  static std::atomic<int> cache[hl::cuda::kMaxDevices];
+  return hl::cuda::per_device(cache, [](int dev) {
+    int major = 0;
+    cudaFuncAttributes fa{};
+    const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                     cudaFuncGetAttributes(&fa, dqkwg_kernel<T, HT>) == cudaSuccess && major >= 9 &&
+                     fa.binaryVersion >= 90;
+    if (!yes) (void)cudaGetLastError();
+    return int(yes);
+  }) != 0;
 }
 
 template <class T, class HT>
@@ -396,13 +395,12 @@ hl_status_t launch(Params p, int64_t heads_chunks, size_t smem, hl_stream_t stre
   return HL_STATUS_SUCCESS;
 }
 
-bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 }  // namespace hl::cuda::gdn
 
 namespace hl::gdn {
 using namespace hl::cuda::gdn;
+using hl::cuda::aligned16;
 
 size_t cuda_workspace_bytes(const hl_gdn_bwd_dqkwg_args_t &a) {
   return a.cu_seqlens ? size_t(2 * (a.num_seqs + 1)) * sizeof(int64_t) : 0;

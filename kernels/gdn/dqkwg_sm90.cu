@@ -378,6 +378,7 @@ __global__ void __launch_bounds__(kThreads90, 1) dqkwg_sm90_kernel(const __grid_
 
 namespace hl::gdn {
 using namespace hl::cuda::gdn;
+using hl::cuda::aligned16;
 
 namespace {
 
@@ -395,18 +396,17 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// Compute capability 9.0, the only one sm_90a code runs on (cached per device).
+// Compute capability 9.0, the only one sm_90a code runs on.
 bool device_is_sm90() {
-  static std::atomic<int> cache[64];  // 0: unknown, 1: no, 2: yes
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return (void)cudaGetLastError(), false;
-  if (dev >= 0 && dev < 64 && cache[dev].load() != 0) return cache[dev].load() == 2;
-  int major = 0, minor = 0;
-  const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
-                   major == 9 && minor == 0;
-  if (dev >= 0 && dev < 64) cache[dev].store(yes ? 2 : 1);
-  return yes;
+  static std::atomic<int> cache[hl::cuda::kMaxDevices];
+  return hl::cuda::per_device(cache, [](int dev) {
+    int major = 0, minor = 0;
+    const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+                     major == 9 && minor == 0;
+    if (!yes) (void)cudaGetLastError();
+    return int(yes);
+  }) != 0;
 }
 
 bool forced_portable() {  // read on every call, so that tests can switch kernels
@@ -432,16 +432,22 @@ template <class T, int KH>
 hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
   auto kernel = dqkwg_sm90_kernel<T, KH>;
   constexpr size_t smem = Layout<KH>::kSmem;
-  HL_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  cudaLaunchAttribute attr;
-  int units = 0;  // resident CTAs, or clusters of two
-  if (p.nsplit == 1) {
-    units = hl::cuda::blocks_per_sm(kernel, kThreads90, smem) * hl::cuda::sm_count();
-  } else {
-    const cudaLaunchConfig_t probe = hl::cuda::cluster_launch(2, kThreads90, smem, 2, nullptr, attr);
-    HL_CUDA_TRY(cudaOccupancyMaxActiveClusters(&units, kernel, &probe));
-  }
+  // Once per device and shape: the shared-memory limit, and how many CTAs (or clusters of two)
+  // are resident; 0 if the kernel cannot run.
+  static std::atomic<int> cache[2][hl::cuda::kMaxDevices];
+  const int units = hl::cuda::per_device(cache[p.nsplit - 1], [&](int) {
+    int n = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) == cudaSuccess) {
+      cudaLaunchAttribute probe_attr;
+      const cudaLaunchConfig_t probe = hl::cuda::cluster_launch(p.nsplit, kThreads90, smem, p.nsplit, nullptr, probe_attr);
+      if (p.nsplit == 1) n = hl::cuda::blocks_per_sm(kernel, kThreads90, smem) * hl::cuda::sm_count();
+      else if (cudaOccupancyMaxActiveClusters(&n, kernel, &probe) != cudaSuccess) n = 0;
+    }
+    if (n < 1) (void)cudaGetLastError(), n = 0;
+    return n;
+  });
   if (units < 1) return fail(HL_STATUS_CUDA_ERROR, "gdn_bwd_dqkwg: the sm_90a kernel cannot be resident");
+  cudaLaunchAttribute attr;
   const int64_t grid = std::min<int64_t>(units, p.items) * p.nsplit;
   const cudaLaunchConfig_t cfg =
       hl::cuda::cluster_launch(grid, kThreads90, smem, p.nsplit, static_cast<cudaStream_t>(stream), attr);
@@ -449,8 +455,6 @@ hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
   HL_CUDA_TRY_LAUNCH();
   return HL_STATUS_SUCCESS;
 }
-
-bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
