@@ -4,7 +4,8 @@
 // (chunk, head) items. Warp 12 is the producer: with TMA it loads the item's q, k tiles and gate
 // into one of two buffers (item parity, so the next item's never waits for this item's epilogue),
 // then streams the item's V in 64-wide stages (do, v, dv tiles of 64 x 64 and the CTA's KH x 64
-// rows of h and dh) through a ring of slots (2 at KH = 128, 3 at KH = 64).
+// rows of h and dh) through a ring of slots (2 at KH = 128, 3 at KH = 64); an item's first stage
+// carries where it lies, so no consumer searches cu_seqlens.
 // Three consumer warpgroups share every stage (64-row wgmma, operands in shared memory):
 //   WG0: ds[:, 0:32] = do v^T and dq = do h^T;   WG1: ds[:, 32:64] and dk = v dh^T;
 //   WG2: dw = dv h^T, and sum(h * dh) from shared memory while its wgmma runs.
@@ -51,6 +52,18 @@ struct Sm90Params {  // CUtensorMap members keep it 64-byte aligned
   bool gated, log2, dg_on, dw_on, reverse_cumsum;
 };
 
+// Where item (chunk, head) lies.
+struct ItemPos {
+  int64_t tok0;  // first token (flattened over B * T)
+  int n, hv;     // valid rows; head
+  int64_t cid;   // chunk
+
+  ItemPos() = default;
+  __device__ ItemPos(const Sm90Params &P, int64_t item) : hv(int(item % P.H)), cid(item / P.H) {
+    locate_chunk(P.chunks, cid, &tok0, &n);
+  }
+};
+
 // Shared memory of one CTA for KH (64 or 128) columns of K. Offsets in bytes from a 1024-byte
 // aligned base (TMA's 128-byte swizzle repeats every 1024 bytes). Two q, k buffers (and gates),
 // by item parity, so that the next item's load never waits for this item's epilogue.
@@ -65,7 +78,8 @@ struct Layout {
   static constexpr int kRed = kGam + 2 * 64 * 4;              // [2][2][64] row sums of dq q, dk k
   static constexpr int kPart = kRed + 2 * 2 * 64 * 4;         // [2][8] per-warp sum(h dh), sum(dk k)
   static constexpr int kMail = kPart + 2 * 8 * 4;             // [2][64] rank 1's dg partials (rank 0)
-  static constexpr int kStage = kMail + 2 * 64 * 4;           // [12] a consumer warp's 16 x 64 outputs
+  static constexpr int kPos = kMail + 2 * 64 * 4;             // [kSlots] where a slot's item lies
+  static constexpr int kStage = kPos + kSlots * 32;           // [12] a consumer warp's 16 x 64 outputs
   static constexpr int kBars = kStage + 12 * kStageBytes;     // full, empty [kSlots]; qk_full,
   static constexpr int kBytes = kBars + (2 * kSlots + 8) * 8; //   qk_empty, mail_full, mail_free [2]
   static constexpr size_t kSmem = size_t(kBytes) + 1024;      // room to align the base
@@ -78,6 +92,7 @@ struct Cta {
   unsigned char *sm;
   uint64_t *full, *empty, *qk_full, *qk_empty, *mail_full, *mail_free;
   float *gam, *red, *part, *mail;
+  ItemPos *pos;
   uint32_t rank;          // which 128-wide half of K (0 without a cluster)
   int k0, nk;             // this CTA's columns of K: [k0, k0 + nk)
   int64_t first, stride;  // items first, first + stride, ...
@@ -88,6 +103,7 @@ struct Cta {
     mail_full = qk_empty + 2, mail_free = mail_full + 2;
     gam = reinterpret_cast<float *>(sm + L::kGam), red = reinterpret_cast<float *>(sm + L::kRed);
     part = reinterpret_cast<float *>(sm + L::kPart), mail = reinterpret_cast<float *>(sm + L::kMail);
+    pos = reinterpret_cast<ItemPos *>(sm + L::kPos);
     rank = P.nsplit > 1 ? blockIdx.x % 2 : 0;
     k0 = int(rank) * 128, nk = min(KH, P.K - k0);
     first = blockIdx.x / P.nsplit, stride = gridDim.x / P.nsplit;
@@ -95,17 +111,6 @@ struct Cta {
   template <class T> __device__ T *at(int off) const { return reinterpret_cast<T *>(sm + off); }
   template <class T> __device__ T *q(int b) const { return at<T>(L::kQ + b * L::kQK); }  // buffer b
   template <class T> __device__ T *k(int b) const { return at<T>(L::kQ + b * L::kQK + L::kQK / 2); }
-};
-
-// Where item (chunk, head) lies.
-struct ItemPos {
-  int64_t tok0;  // first token (flattened over B * T)
-  int n, hv;     // valid rows; head
-  int64_t cid;   // chunk
-
-  __device__ ItemPos(const Sm90Params &P, int64_t item) : hv(int(item % P.H)), cid(item / P.H) {
-    locate_chunk(P.chunks, cid, &tok0, &n);
-  }
 };
 
 // Warp 12: TMA loads. Per item: q, k and the gate into buffer i % 2 (once item i - 2's epilogue is
@@ -140,6 +145,7 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c) {
       if (lane == 0) {
         unsigned char *b = c.sm + slot * L::kSlot;
         uint64_t *bar = &c.full[slot];
+        if (s == 0) c.pos[slot] = it;  // the consumers need not locate the item (varlen: a search)
         mbar_expect_tx(bar, (P.dw_on ? 3 : 2) * kRowTile + 2 * L::kHTile);
         tma_load_3d(b, &P.m_do, 64 * s, it.hv, tok0, bar);
         tma_load_3d(b + kRowTile, &P.m_v, 64 * s, it.hv, tok0, bar);
@@ -218,12 +224,6 @@ __device__ __forceinline__ void row_dots(float (&rs)[2], const float (&acc)[KH /
     }
 }
 
-__device__ __forceinline__ void stmatrix_x4(void *p, const uint32_t (&r)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr(p)), "r"(r[0]),
-               "r"(r[1]), "r"(r[2]), "r"(r[3])
-               : "memory");
-}
-
 template <class T>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
   Pack<T, 2> pk;
@@ -249,7 +249,10 @@ __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int nc, c
                              pack2<T>(acc[j + 1][0] * mul, acc[j + 1][1] * mul),
                              pack2<T>(acc[j + 1][2] * mul, acc[j + 1][3] * mul)};
       const int mat = lane / 8, row = (mat & 1) * 8 + lane % 8, chunk = j % 8 + (mat >> 1);
-      stmatrix_x4(stage + row * 64 + 8 * (chunk ^ (row & 7)), r);
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                       smem_addr(stage + row * 64 + 8 * (chunk ^ (row & 7)))),
+                   "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                   : "memory");
     }
     __syncwarp();
 #pragma unroll
@@ -273,14 +276,14 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
   uint32_t st = 0;
   int64_t i = 0;
   for (int64_t item = c.first; item < P.items; item += c.stride, ++i) {
-    const ItemPos it(P, item);
-    const int n = it.n;
+    ItemPos it;
     float acc[KH / 8][4], ds[kDs ? 4 : 1][4];
     zero(acc), zero(ds);
     float hdh = 0.f;
     for (int s = 0; s < P.VCN; ++s, ++st) {
       const uint32_t slot = st % L::kSlots;
       mbar_wait(&c.full[slot], (st / L::kSlots) & 1);
+      if (s == 0) it = c.pos[slot];
       const T *b = c.template at<T>(slot * L::kSlot);
       const T *do_t = b, *v_t = b + kRowTile / 2, *dv_t = b + kRowTile, *h_t = b + 3 * kRowTile / 2;
       const T *dh_t = h_t + L::kHTile / 2;
@@ -318,7 +321,7 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
 
     // Epilogue. The lane is re-read here so that the compiler cannot hoist the many addresses
     // derived from it out of the item loop (they would be spilled, and spills miss L1).
-    const int lane = lane_id(), par = int(i & 1);
+    const int lane = lane_id(), par = int(i & 1), n = it.n;
     T *stage = c.template at<T>(L::kStage + warp * kStageBytes);
     float *red = c.red + par * 128, *part = c.part + par * 8;
     if constexpr (kDs) {
