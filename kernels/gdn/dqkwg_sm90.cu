@@ -11,7 +11,7 @@
 //   WG2: dw = dv h^T, and sum(h * dh) from shared memory while its wgmma runs.
 // Epilogue: ds gated and rounded to the input dtype (shared memory), dq += ds k and dk += ds^T q
 // by mma.sync on the wgmma accumulators (same register layout), dg from the final dq and dk; dq,
-// dk, dw leave through each warp's staging tile as whole 128-byte lines (1.15-1.3x over 4-byte
+// dk, dw leave through each warp's staging tile as whole 128-byte lines (1.13-1.3x over 4-byte
 // stores straight from the accumulators, whose scattered half sectors held the kernel at 75%). In
 // a cluster, rank 1 sends its dg partial to rank 0 (st.async into a mailbox two items deep), which
 // adds it in a fixed order: deterministic, no atomics, no workspace.
