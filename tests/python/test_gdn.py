@@ -255,6 +255,9 @@ GPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (1, 250, 2, 2, 128, 256, "const2", True, None),
     (2, 100, 1, 1, 64, 128, "none", True, None),
     (1, 500, 2, 2, 256, 128, "log", True, [0, 30, 30, 250, 499, 500]),  # varlen, a 1-token sequence
+    # ~400 items: each CTA of the persistent Hopper kernel takes several, so its rings wrap
+    (1, 12783, 2, 2, 128, 128, "log2", True, None),
+    (1, 12783, 2, 2, 64, 128, "log", True, None),                 # KH = 64: 3 slots, 2 stages an item
 ]
 
 # The Hopper kernel takes what it supports on a 9.0 device; "portable" forces the other kernel.
