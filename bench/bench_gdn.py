@@ -1,6 +1,7 @@
 """gdn_bwd_dqkwg (headloss CUDA) against flash-linear-attention's Triton chunk_bwd_dqkwg, side by side.
 
-bf16 inputs, h/dh in bf16 (fla's default), log2-unit gate (fla 0.6), w/dv on (dw produced).
+bf16 inputs, h/dh in bf16 (fla's default), log2-unit gate (fla 0.6), w/dv on (dw produced). Shapes: SPEC §2,
+a varlen batch, and a GVA one (value heads twice the q/k heads; not yet measured: session 7 added it).
 fla refuses to run on Hopper with Triton 3.4-3.7.0 (a miscompile); for timing only, this script
 bypasses that guard by patching the module flag, and reports how far fla's output is from ours.
 HBM floor: q, k, v, do, h, dh, dv read once, dq, dk, dw, dg written once (w is not read by either
@@ -20,18 +21,19 @@ from common import copy_bandwidth_gbs, median_ms
 
 SHAPES = [(16, 1024, 8, 256), (16, 4096, 8, 256), (8, 4096, 16, 128), (4, 8192, 32, 128)]
 VARLEN = (32768, 16, 128)  # total tokens, heads, K = V; random sequence lengths
+GVA = (4, 8192, 16, 32, 128)  # B, T, q/k heads, value heads, K = V (Qwen3-Next's linear attention)
 
 
-def inputs(B, T, H, K, cu=None):
-    V, dev, bf = K, "cuda", torch.bfloat16
+def inputs(B, T, H, K, cu=None, HV=None, dev="cuda"):
+    HV, V, bf = HV or H, K, torch.bfloat16
     nt = (T + 63) // 64 if cu is None else int(((cu[1:] - cu[:-1] + 63) // 64).sum())
     q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf)
-    v, do, dv = (torch.randn(B, T, H, V, device=dev, dtype=bf) for _ in range(3))
-    h = torch.randn(B, nt, H, K, V, device=dev, dtype=bf)
-    dh = torch.randn(B, nt, H, K, V, device=dev, dtype=bf) * 0.1
-    w = torch.randn(B, T, H, K, device=dev, dtype=bf)
-    ls = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=dev) + 2) / 0.6931471805599453
+    v, do, dv = (torch.randn(B, T, HV, V, device=dev, dtype=bf) for _ in range(3))
+    h = torch.randn(B, nt, HV, K, V, device=dev, dtype=bf)
+    dh = torch.randn(B, nt, HV, K, V, device=dev, dtype=bf) * 0.1
+    w = torch.randn(B, T, HV, K, device=dev, dtype=bf)
+    ls = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device=dev) + 2) / 0.6931471805599453
     g = torch.empty_like(ls)  # chunk-local cumsum: restarts every 64 tokens of every sequence
     bounds = [(0, T)] if cu is None else list(zip(cu[:-1].tolist(), cu[1:].tolist()))
     for lo, hi in bounds:
@@ -105,6 +107,9 @@ def main():
     cuts = torch.sort(torch.randperm(T - 1, generator=gen)[:63] + 1).values
     cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([T])]).to("cuda", torch.long)
     lines.append(bench_one(f"varlen 64 seqs, {T}, {H}, {K}", inputs(1, T, H, K, cu), bw, cu))
+    torch.cuda.empty_cache()
+    B, T, H, HV, K = GVA
+    lines.append(bench_one(f"GVA {B}, {T}, {H} q/k heads, {HV} value heads, {K}", inputs(B, T, H, K, HV=HV), bw))
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
