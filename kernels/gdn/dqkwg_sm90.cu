@@ -47,19 +47,19 @@ struct Sm90Params {  // CUtensorMap members keep it 64-byte aligned
   const float *g, *g_gamma;
   ChunkTable chunks;
   int64_t items;  // chunks * H
-  int H, K, VCN, nsplit;
+  int H, HV, G, K, VCN, nsplit;  // G = HV / H value heads a q/k head (GVA: KH = 64 only)
   float scale;
   bool gated, log2, dg_on, dw_on, reverse_cumsum;
 };
 
-// Where item (chunk, head) lies.
+// Where item (chunk, q/k head) lies; its value heads are hq G .. hq G + G - 1.
 struct ItemPos {
   int64_t tok0;  // first token (flattened over B * T)
-  int n, hv;     // valid rows; head
+  int n, hq;     // valid rows; q/k head
   int64_t cid;   // chunk
 
   ItemPos() = default;
-  __device__ ItemPos(const Sm90Params &P, int64_t item) : hv(int(item % P.H)), cid(item / P.H) {
+  __device__ ItemPos(const Sm90Params &P, int64_t item) : hq(int(item % P.H)), cid(item / P.H) {
     locate_chunk(P.chunks, cid, &tok0, &n);
   }
 };
@@ -69,16 +69,18 @@ struct ItemPos {
 // by item parity, so that the next item's load never waits for this item's epilogue.
 template <int KH>
 struct Layout {
+  static constexpr int kG = KH == 64 ? 4 : 1;                 // most value heads a q/k head (GVA)
   static constexpr int kSlots = KH == 64 ? 3 : 2;             // ring of V stages
   static constexpr int kHTile = KH * 128;                     // KH rows of 64 columns
   static constexpr int kSlot = 3 * kRowTile + 2 * kHTile;     // do, v, dv, h, dh
   static constexpr int kQK = 2 * kTile * KH * 2;              // q then k, KH / 64 boxes each
   static constexpr int kQ = kSlots * kSlot, kDs = kQ + 2 * kQK;
-  static constexpr int kGam = kDs + kRowTile;                 // [2][64] gates
-  static constexpr int kRed = kGam + 2 * 64 * 4;              // [2][2][64] row sums of dq q, dk k
-  static constexpr int kPart = kRed + 2 * 2 * 64 * 4;         // [2][8] per-warp sum(h dh), sum(dk k)
-  static constexpr int kMail = kPart + 2 * 8 * 4;             // [2][64] rank 1's dg partials (rank 0)
-  static constexpr int kPos = kMail + 2 * 64 * 4;             // [kSlots] where a slot's item lies
+  static constexpr int kDsBufs = kG > 1 ? 2 : 1;             // by value-head parity with GVA
+  static constexpr int kGam = kDs + kDsBufs * kRowTile;       // [2][kG][64] gates
+  static constexpr int kRed = kGam + 2 * kG * 64 * 4;         // [2][kG][2][64] row sums of dq q, dk k
+  static constexpr int kPart = kRed + 2 * kG * 2 * 64 * 4;    // [2][kG][8] per-warp sum(h dh), sum(dk k)
+  static constexpr int kMail = kPart + 2 * kG * 8 * 4;        // [2][kG][64] rank 1's dg partials
+  static constexpr int kPos = kMail + 2 * kG * 64 * 4;        // [kSlots] where a slot's item lies
   static constexpr int kStage = kPos + kSlots * 32;           // [12] a consumer warp's 16 x 64 outputs
   static constexpr int kBars = kStage + 12 * kStageBytes;     // full, empty [kSlots]; qk_full,
   static constexpr int kBytes = kBars + (2 * kSlots + 8) * 8; //   qk_empty, mail_full, mail_free [2]
@@ -93,7 +95,7 @@ struct Cta {
   uint64_t *full, *empty, *qk_full, *qk_empty, *mail_full, *mail_free;
   float *gam, *red, *part, *mail;
   ItemPos *pos;
-  uint32_t rank;          // which 128-wide half of K (0 without a cluster)
+  uint32_t rank;          // which KH-wide part of K (0 without a cluster)
   int k0, nk;             // this CTA's columns of K: [k0, k0 + nk)
   int64_t first, stride;  // items first, first + stride, ...
 
@@ -105,7 +107,7 @@ struct Cta {
     part = reinterpret_cast<float *>(sm + L::kPart), mail = reinterpret_cast<float *>(sm + L::kMail);
     pos = reinterpret_cast<ItemPos *>(sm + L::kPos);
     rank = P.nsplit > 1 ? blockIdx.x % 2 : 0;
-    k0 = int(rank) * 128, nk = min(KH, P.K - k0);
+    k0 = int(rank) * KH, nk = min(KH, P.K - k0);
     first = blockIdx.x / P.nsplit, stride = gridDim.x / P.nsplit;
   }
   template <class T> __device__ T *at(int off) const { return reinterpret_cast<T *>(sm + off); }
@@ -113,8 +115,8 @@ struct Cta {
   template <class T> __device__ T *k(int b) const { return at<T>(L::kQ + b * L::kQK + L::kQK / 2); }
 };
 
-// Warp 12: TMA loads. Per item: q, k and the gate into buffer i % 2 (once item i - 2's epilogue is
-// over), then the item's V stages through the ring.
+// Warp 12: TMA loads. Per item: q, k and the gates of its value heads into buffer i % 2 (once item
+// i - 2's epilogue is over), then each value head's V stages through the ring.
 template <class T, int KH>
 __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c) {
   using L = Layout<KH>;
@@ -123,86 +125,110 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c) {
   int64_t i = 0;
   for (int64_t item = c.first; item < P.items; item += c.stride, ++i) {
     const ItemPos it(P, item);
-    const int tok0 = int(it.tok0), hrow = int(it.cid * P.H + it.hv), qb = int(i & 1);
+    const int tok0 = int(it.tok0), qb = int(i & 1);
     if (i >= 2) mbar_wait(&c.qk_empty[qb], uint32_t((i >> 1) - 1) & 1);
-    for (int r = lane; r < kTile; r += 32) {
-      float gv = 0.f;
-      if (P.gated && r < it.n) gv = P.g ? P.g[(it.tok0 + r) * P.H + it.hv] : P.g_gamma[it.hv] * float(r + 1);
-      c.gam[qb * 64 + r] = gv;
-    }
+    for (int g = 0; g < P.G; ++g)
+      for (int r = lane; r < kTile; r += 32) {
+        const int hv = it.hq * P.G + g;
+        float gv = 0.f;
+        if (P.gated && r < it.n) gv = P.g ? P.g[(it.tok0 + r) * P.HV + hv] : P.g_gamma[hv] * float(r + 1);
+        c.gam[(qb * L::kG + g) * 64 + r] = gv;
+      }
     if (lane == 0) {
       mbar_expect_tx(&c.qk_full[qb], L::kQK);
       for (int b = 0; b < KH / 64; ++b) {
-        tma_load_3d(c.template q<T>(qb) + b * kRowTile / 2, &P.m_q, c.k0 + 64 * b, it.hv, tok0, &c.qk_full[qb]);
-        tma_load_3d(c.template k<T>(qb) + b * kRowTile / 2, &P.m_k, c.k0 + 64 * b, it.hv, tok0, &c.qk_full[qb]);
+        tma_load_3d(c.template q<T>(qb) + b * kRowTile / 2, &P.m_q, c.k0 + 64 * b, it.hq, tok0, &c.qk_full[qb]);
+        tma_load_3d(c.template k<T>(qb) + b * kRowTile / 2, &P.m_k, c.k0 + 64 * b, it.hq, tok0, &c.qk_full[qb]);
       }
     } else {
       mbar_arrive(&c.qk_full[qb]);
     }
-    for (int s = 0; s < P.VCN; ++s) {
-      const uint32_t slot = st % L::kSlots;
-      if (st >= L::kSlots) mbar_wait(&c.empty[slot], (st / L::kSlots - 1) & 1);
-      if (lane == 0) {
-        unsigned char *b = c.sm + slot * L::kSlot;
-        uint64_t *bar = &c.full[slot];
-        if (s == 0) c.pos[slot] = it;  // the consumers need not locate the item (varlen: a search)
-        mbar_expect_tx(bar, (P.dw_on ? 3 : 2) * kRowTile + 2 * L::kHTile);
-        tma_load_3d(b, &P.m_do, 64 * s, it.hv, tok0, bar);
-        tma_load_3d(b + kRowTile, &P.m_v, 64 * s, it.hv, tok0, bar);
-        if (P.dw_on) tma_load_3d(b + 2 * kRowTile, &P.m_dv, 64 * s, it.hv, tok0, bar);
-        tma_load_3d(b + 3 * kRowTile, &P.m_h, 64 * s, c.k0, hrow, bar);
-        tma_load_3d(b + 3 * kRowTile + L::kHTile, &P.m_dh, 64 * s, c.k0, hrow, bar);
+    for (int g = 0; g < P.G; ++g) {
+      const int hv = it.hq * P.G + g, hrow = int(it.cid * P.HV + hv);
+      for (int s = 0; s < P.VCN; ++s) {
+        const uint32_t slot = st % L::kSlots;
+        if (st >= L::kSlots) mbar_wait(&c.empty[slot], (st / L::kSlots - 1) & 1);
+        if (lane == 0) {
+          unsigned char *b = c.sm + slot * L::kSlot;
+          uint64_t *bar = &c.full[slot];
+          if (g == 0 && s == 0) c.pos[slot] = it;  // the consumers need not locate the item (varlen: a search)
+          mbar_expect_tx(bar, (P.dw_on ? 3 : 2) * kRowTile + 2 * L::kHTile);
+          tma_load_3d(b, &P.m_do, 64 * s, hv, tok0, bar);
+          tma_load_3d(b + kRowTile, &P.m_v, 64 * s, hv, tok0, bar);
+          if (P.dw_on) tma_load_3d(b + 2 * kRowTile, &P.m_dv, 64 * s, hv, tok0, bar);
+          tma_load_3d(b + 3 * kRowTile, &P.m_h, 64 * s, c.k0, hrow, bar);
+          tma_load_3d(b + 3 * kRowTile + L::kHTile, &P.m_dh, 64 * s, c.k0, hrow, bar);
+        }
+        __syncwarp();
+        ++st;
       }
-      __syncwarp();
-      ++st;
     }
   }
 }
 
-// Warp 8 after an item's epilogue: dg (rows lane and lane + 32) from the row sums, the cluster's
-// partials added in rank order, the optional reverse cumsum; then the item's q, k buffer is released.
+// Warp 8 after an item's epilogue, for each of its value heads: dg (rows lane and lane + 32) from
+// the row sums, the cluster's partials added in rank order, the optional reverse cumsum; then the
+// item's q, k buffer is released.
 template <int KH>
 __device__ __forceinline__ void finish_dg(const Sm90Params &P, const Cta<KH> &c, const ItemPos &it, int64_t i) {
+  constexpr int kG = Layout<KH>::kG;
   const int lane = threadIdx.x % 32, par = int(i & 1);
-  const float *red = c.red + par * 128, *part = c.part + par * 8;
   if (P.dg_on) {
-    const float dgl = (part[0] + part[1] + part[2] + part[3]) * gexp(c.gam[par * 64 + it.n - 1], P.log2) + part[4] + part[5] +
-                      part[6] + part[7];
-    float x[2];
+    float x[kG][2];
 #pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const int t = lane + 32 * h2;
-      x[h2] = t < it.n ? red[t] - red[64 + t] + (t == it.n - 1 ? dgl : 0.f) : 0.f;
+    for (int g = 0; g < kG; ++g) {
+      if (g >= P.G) break;
+      const float *red = c.red + (par * kG + g) * 128, *part = c.part + (par * kG + g) * 8;
+      const float dgl = (part[0] + part[1] + part[2] + part[3]) * gexp(c.gam[(par * kG + g) * 64 + it.n - 1], P.log2) +
+                        part[4] + part[5] + part[6] + part[7];
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int t = lane + 32 * h2;
+        x[g][h2] = t < it.n ? red[t] - red[64 + t] + (t == it.n - 1 ? dgl : 0.f) : 0.f;
+      }
     }
-    if (P.nsplit > 1) {  // rank 1's partial into rank 0's mailbox `par`, two items deep
+    if (P.nsplit > 1) {  // rank 1's partials into rank 0's mailbox `par`, two items deep
       const uint32_t use = uint32_t(i >> 1);
-      float *box = c.mail + par * 64;
+      float *box = c.mail + par * kG * 64;
       if (c.rank == 1) {
         if (use > 0) mbar_wait_cluster(&c.mail_free[par], (use - 1) & 1);
-        st_async_peer(&box[lane], x[0], &c.mail_full[par], 0);
-        st_async_peer(&box[lane + 32], x[1], &c.mail_full[par], 0);
+#pragma unroll
+        for (int g = 0; g < kG; ++g) {
+          if (g >= P.G) break;
+          st_async_peer(&box[g * 64 + lane], x[g][0], &c.mail_full[par], 0);
+          st_async_peer(&box[g * 64 + lane + 32], x[g][1], &c.mail_full[par], 0);
+        }
       } else {
-        if (lane == 0) mbar_expect_tx(&c.mail_full[par], 64 * 4);
+        if (lane == 0) mbar_expect_tx(&c.mail_full[par], P.G * 64 * 4);
         mbar_wait(&c.mail_full[par], use & 1);
-        x[0] += box[lane];
-        x[1] += box[lane + 32];
+#pragma unroll
+        for (int g = 0; g < kG; ++g) {
+          if (g >= P.G) break;
+          x[g][0] += box[g * 64 + lane];
+          x[g][1] += box[g * 64 + lane + 32];
+        }
         __syncwarp();
         if (lane == 0) mbar_arrive_peer(&c.mail_free[par], 1);
       }
     }
     if (c.rank == 0) {
-      if (P.reverse_cumsum) {  // suffix sums over the 64 rows, in a fixed order
 #pragma unroll
-        for (int o = 1; o < 32; o *= 2) {
-          const float a = __shfl_down_sync(0xffffffffu, x[0], o), b = __shfl_down_sync(0xffffffffu, x[1], o);
-          if (lane + o < 32) x[0] += a, x[1] += b;
+      for (int g = 0; g < kG; ++g) {
+        if (g >= P.G) break;
+        if (P.reverse_cumsum) {  // suffix sums over the 64 rows, in a fixed order
+#pragma unroll
+          for (int o = 1; o < 32; o *= 2) {
+            const float a = __shfl_down_sync(0xffffffffu, x[g][0], o), b = __shfl_down_sync(0xffffffffu, x[g][1], o);
+            if (lane + o < 32) x[g][0] += a, x[g][1] += b;
+          }
+          x[g][0] += __shfl_sync(0xffffffffu, x[g][1], 0);  // rows 32..63
         }
-        x[0] += __shfl_sync(0xffffffffu, x[1], 0);  // rows 32..63
-      }
+        const int hv = it.hq * P.G + g;
 #pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int t = lane + 32 * h2;
-        if (t < it.n) P.dg[(it.tok0 + t) * P.H + it.hv] = x[h2];
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int t = lane + 32 * h2;
+          if (t < it.n) P.dg[(it.tok0 + t) * P.HV + hv] = x[g][h2];
+        }
       }
     }
   }
@@ -266,128 +292,143 @@ __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int nc, c
 }
 
 // A consumer warpgroup. ROLE 0: ds[:, 0:32] and dq; 1: ds[:, 32:64] and dk; 2: dw and sum(h dh).
+// Per item, one pass per value head (GVA: G of them, dq and dk summed over them in registers).
 template <class T, int KH, int ROLE>
 __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
   using L = Layout<KH>;
-  constexpr bool kDs = ROLE < 2;
-  const int tid = threadIdx.x, warp = tid / 32, m0 = 16 * (warp % 4);
-  T *ds_s = c.template at<T>(L::kDs);
+  constexpr bool kDs = ROLE < 2, kSum = kDs && L::kG > 1;
+  const int tid = threadIdx.x, warp = tid / 32, m0 = 16 * (warp % 4), G = L::kG > 1 ? P.G : 1;
   const bool mma = ROLE < 2 || P.dw_on;
-  uint32_t st = 0;
+  uint32_t st = 0, sub = 0;  // stages, and (item, value head) passes, so far
   int64_t i = 0;
   for (int64_t item = c.first; item < P.items; item += c.stride, ++i) {
     ItemPos it;
-    float acc[KH / 8][4], ds[kDs ? 4 : 1][4];
-    zero(acc), zero(ds);
-    float hdh = 0.f;
-    for (int s = 0; s < P.VCN; ++s, ++st) {
-      const uint32_t slot = st % L::kSlots;
-      mbar_wait(&c.full[slot], (st / L::kSlots) & 1);
-      if (s == 0) it = c.pos[slot];
-      const T *b = c.template at<T>(slot * L::kSlot);
-      const T *do_t = b, *v_t = b + kRowTile / 2, *dv_t = b + kRowTile, *h_t = b + 3 * kRowTile / 2;
-      const T *dh_t = h_t + L::kHTile / 2;
-      auto sum_hdh = [&] {  // sum(h * dh) while the wgmma runs: the same swizzle in both tiles
-        if constexpr (ROLE != 2) return;
-        if (!P.dg_on) return;
-        for (int e = tid - 2 * 128; e < KH * 8; e += 128) {
-          const Pack<T, 8> x = load_pack<T, 8>(h_t + 8 * e), y = load_pack<T, 8>(dh_t + 8 * e);
+    float sum[kSum ? KH / 8 : 1][4];
+    for (int g = 0; g < G; ++g, ++sub) {
+      float acc[KH / 8][4], ds[kDs ? 4 : 1][4];
+      zero(acc), zero(ds);
+      float hdh = 0.f;
+      for (int s = 0; s < P.VCN; ++s, ++st) {
+        const uint32_t slot = st % L::kSlots;
+        mbar_wait(&c.full[slot], (st / L::kSlots) & 1);
+        if (g == 0 && s == 0) it = c.pos[slot];
+        const T *b = c.template at<T>(slot * L::kSlot);
+        const T *do_t = b, *v_t = b + kRowTile / 2, *dv_t = b + kRowTile, *h_t = b + 3 * kRowTile / 2;
+        const T *dh_t = h_t + L::kHTile / 2;
+        auto sum_hdh = [&] {  // sum(h * dh) while the wgmma runs: the same swizzle in both tiles
+          if constexpr (ROLE != 2) return;
+          if (!P.dg_on) return;
+          for (int e = tid - 2 * 128; e < KH * 8; e += 128) {
+            const Pack<T, 8> x = load_pack<T, 8>(h_t + 8 * e), y = load_pack<T, 8>(dh_t + 8 * e);
 #pragma unroll
-          for (int k = 0; k < 8; ++k) hdh += to_float(x.v[k]) * to_float(y.v[k]);
-        }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before TMA refills the slot
-      };
-      if (mma) {
-        const uint64_t da = wgmma_desc(ROLE == 0 ? do_t : ROLE == 1 ? v_t : dv_t);
-        const uint64_t db = wgmma_desc(ROLE == 1 ? dh_t : h_t);
-        const uint64_t dsa = wgmma_desc(do_t), dsb = wgmma_desc(v_t + 32 * 64 * ROLE);
-        wgmma_fence();
+            for (int k = 0; k < 8; ++k) hdh += to_float(x.v[k]) * to_float(y.v[k]);
+          }
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before TMA refills the slot
+        };
+        if (mma) {
+          const uint64_t da = wgmma_desc(ROLE == 0 ? do_t : ROLE == 1 ? v_t : dv_t);
+          const uint64_t db = wgmma_desc(ROLE == 1 ? dh_t : h_t);
+          const uint64_t dsa = wgmma_desc(do_t), dsb = wgmma_desc(v_t + 32 * 64 * ROLE);
+          wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          if constexpr (kDs) Wgmma<T, 32>::run(ds, dsa + 2 * kk, dsb + 2 * kk);
-          Wgmma<T, KH>::run(acc, da + 2 * kk, db + 2 * kk);
+          for (int kk = 0; kk < 4; ++kk) {
+            if constexpr (kDs) Wgmma<T, 32>::run(ds, dsa + 2 * kk, dsb + 2 * kk);
+            Wgmma<T, KH>::run(acc, da + 2 * kk, db + 2 * kk);
+          }
+          wgmma_commit();
+          sum_hdh();
+          wgmma_wait_all();
+          wgmma_pin(acc);
+          wgmma_pin(ds);
+        } else {
+          sum_hdh();
         }
-        wgmma_commit();
-        sum_hdh();
-        wgmma_wait_all();
-        wgmma_pin(acc);
-        wgmma_pin(ds);
-      } else {
-        sum_hdh();
+        __syncwarp();
+        if (tid % 32 == 0) mbar_arrive(&c.empty[slot]);
       }
-      __syncwarp();
-      if (tid % 32 == 0) mbar_arrive(&c.empty[slot]);
-    }
 
-    // Epilogue. The lane is re-read here so that the compiler cannot hoist the many addresses
-    // derived from it out of the item loop (they would be spilled, and spills miss L1).
-    const int lane = lane_id(), par = int(i & 1), n = it.n;
-    T *stage = c.template at<T>(L::kStage + warp * kStageBytes);
-    float *red = c.red + par * 128, *part = c.part + par * 8;
-    if constexpr (kDs) {
-      mbar_wait(&c.qk_full[par], uint32_t(i >> 1) & 1);
-      const float *gam = c.gam + par * 64;
-      const T *q_s = c.template q<T>(par), *k_s = c.template k<T>(par);
-      const float gl = gam[n - 1];
+      // Epilogue. The lane is re-read here so that the compiler cannot hoist the many addresses
+      // derived from it out of the item loop (they would be spilled, and spills miss L1).
+      const int lane = lane_id(), par = int(i & 1), n = it.n, hv = it.hq * G + g;
+      T *stage = c.template at<T>(L::kStage + warp * kStageBytes);
+      float *red = c.red + (par * L::kG + g) * 128, *part = c.part + (par * L::kG + g) * 8;
+      if constexpr (kDs) {
+        mbar_wait(&c.qk_full[par], uint32_t(i >> 1) & 1);
+        const float *gam = c.gam + (par * L::kG + g) * 64;
+        T *ds_s = c.template at<T>(L::kDs + int(sub % L::kDsBufs) * kRowTile);
+        const T *q_s = c.template q<T>(par), *k_s = c.template k<T>(par);
+        const float gl = gam[n - 1];
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int r = m0 + lane / 4 + 8 * h2, col = 32 * ROLE + 8 * j + 2 * (lane % 4);
+            float x[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e)  // a select, never a multiply by a mask: E(g_t - g_s) overflows
+              x[e] = col + e <= r && r < n ? ds[j][2 * h2 + e] * gexp(gam[r] - gam[col + e], P.log2) * P.scale : 0.f;
+            Pack<T, 2> pk;
+            pk.v[0] = from_float<T>(x[0]);
+            pk.v[1] = from_float<T>(x[1]);
+            store_pack<T, 2>(ds_s + Swizzled::off(r, col), pk);
+          }
+        float rowf[2];  // WG0: E(g_r) scale; WG1: E(g_l - g_r), 0 past n
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
-          const int r = m0 + lane / 4 + 8 * h2, col = 32 * ROLE + 8 * j + 2 * (lane % 4);
-          float x[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e)  // a select, never a multiply by a mask: E(g_t - g_s) overflows
-            x[e] = col + e <= r && r < n ? ds[j][2 * h2 + e] * gexp(gam[r] - gam[col + e], P.log2) * P.scale : 0.f;
-          Pack<T, 2> pk;
-          pk.v[0] = from_float<T>(x[0]);
-          pk.v[1] = from_float<T>(x[1]);
-          store_pack<T, 2>(ds_s + Swizzled::off(r, col), pk);
+          const int r = m0 + lane / 4 + 8 * h2;
+          rowf[h2] = ROLE == 0 ? gexp(gam[r], P.log2) * P.scale : r < n ? gexp(gl - gam[r], P.log2) : 0.f;
         }
-      float rowf[2];  // WG0: E(g_r) scale; WG1: E(g_l - g_r), 0 past n
+        named_barrier(kBarDs, 256);
 #pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int r = m0 + lane / 4 + 8 * h2;
-        rowf[h2] = ROLE == 0 ? gexp(gam[r], P.log2) * P.scale : r < n ? gexp(gl - gam[r], P.log2) : 0.f;
+        for (int j = 0; j < KH / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] *= rowf[e / 2];
+        float dglk[2] = {0.f, 0.f};  // WG1: sum(dk_inter * k), part of the last row's dg
+        if (ROLE == 1 && P.dg_on) row_dots<T, KH>(dglk, acc, k_s, m0, lane);
+        if (ROLE == 0)
+          warp_mma<T, false, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, k_s, m0, 0, lane);
+        else
+          warp_mma<T, true, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, q_s, m0, 0, lane);
+        if (P.dg_on) {  // row sums of dq q (WG0) or dk k (WG1)
+          float rs[2] = {0.f, 0.f};
+          row_dots<T, KH>(rs, acc, ROLE == 0 ? q_s : k_s, m0, lane);
+#pragma unroll
+          for (int o = 1; o < 4; o *= 2) {
+            rs[0] += __shfl_xor_sync(0xffffffffu, rs[0], o);
+            rs[1] += __shfl_xor_sync(0xffffffffu, rs[1], o);
+          }
+          if (lane % 4 == 0) {
+            red[ROLE * 64 + m0 + lane / 4] = rs[0];
+            red[ROLE * 64 + m0 + lane / 4 + 8] = rs[1];
+          }
+          if (ROLE == 1) {
+            float d = dglk[0] + dglk[1];
+#pragma unroll
+            for (int o = 1; o < 32; o *= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
+            if (lane == 0) part[4 + warp % 4] = d;
+          }
+        }
+        T *out = static_cast<T *>(ROLE == 0 ? P.dq : P.dk) + (it.tok0 * P.H + it.hq) * P.K + c.k0;
+        if constexpr (kSum) {  // the sum over the value heads, stored after the last
+          if (G > 1) {
+#pragma unroll
+            for (int j = 0; j < KH / 8; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[j][e] = sum[j][e] = g > 0 ? sum[j][e] + acc[j][e] : acc[j][e];
+          }
+        }
+        if (g == G - 1) store_rows<T, KH>(out, int64_t(P.H) * P.K, n, c.nk, acc, 1.f, m0, stage, lane);
+      } else {
+        if (P.dw_on)
+          store_rows<T, KH>(static_cast<T *>(P.dw) + (it.tok0 * P.HV + hv) * P.K + c.k0, int64_t(P.HV) * P.K, n, c.nk,
+                            acc, -1.f, m0, stage, lane);
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) hdh += __shfl_xor_sync(0xffffffffu, hdh, o);
+        if (lane == 0) part[warp % 4] = hdh;
       }
-      named_barrier(kBarDs, 256);
-#pragma unroll
-      for (int j = 0; j < KH / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] *= rowf[e / 2];
-      float dglk[2] = {0.f, 0.f};  // WG1: sum(dk_inter * k), part of the last row's dg
-      if (ROLE == 1 && P.dg_on) row_dots<T, KH>(dglk, acc, k_s, m0, lane);
-      if (ROLE == 0) warp_mma<T, false, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, k_s, m0, 0, lane);
-      else warp_mma<T, true, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, q_s, m0, 0, lane);
-      if (P.dg_on) {  // row sums of dq q (WG0) or dk k (WG1)
-        float rs[2] = {0.f, 0.f};
-        row_dots<T, KH>(rs, acc, ROLE == 0 ? q_s : k_s, m0, lane);
-#pragma unroll
-        for (int o = 1; o < 4; o *= 2) {
-          rs[0] += __shfl_xor_sync(0xffffffffu, rs[0], o);
-          rs[1] += __shfl_xor_sync(0xffffffffu, rs[1], o);
-        }
-        if (lane % 4 == 0) {
-          red[ROLE * 64 + m0 + lane / 4] = rs[0];
-          red[ROLE * 64 + m0 + lane / 4 + 8] = rs[1];
-        }
-        if (ROLE == 1) {
-          float d = dglk[0] + dglk[1];
-#pragma unroll
-          for (int o = 1; o < 32; o *= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
-          if (lane == 0) part[4 + warp % 4] = d;
-        }
-      }
-      T *out = static_cast<T *>(ROLE == 0 ? P.dq : P.dk) + (it.tok0 * P.H + it.hv) * P.K + c.k0;
-      store_rows<T, KH>(out, int64_t(P.H) * P.K, n, c.nk, acc, 1.f, m0, stage, lane);
-      named_barrier(kBarEpi, kConsumers);
-    } else {
-      if (P.dw_on)
-        store_rows<T, KH>(static_cast<T *>(P.dw) + (it.tok0 * P.H + it.hv) * P.K + c.k0, int64_t(P.H) * P.K, n, c.nk,
-                          acc, -1.f, m0, stage, lane);
-#pragma unroll
-      for (int o = 1; o < 32; o *= 2) hdh += __shfl_xor_sync(0xffffffffu, hdh, o);
-      if (lane == 0) part[warp % 4] = hdh;
-      named_barrier(kBarEpi, kConsumers);
+    }  // value heads
+    named_barrier(kBarEpi, kConsumers);
+    if constexpr (!kDs) {
       if (warp == 8) finish_dg(P, c, it, i);
       named_barrier(kBarWg2, 128);  // warps 9-11 wait for warp 8 (their wgmma is one warpgroup's)
     }
@@ -512,7 +553,9 @@ hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
 
 bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks) {
 #if HL_GDN_SM90A
-  if (forced_portable() || a.h_dtype != a.dtype || a.HV != a.H || a.K % 8 || a.V % 8) return false;
+  if (forced_portable() || a.h_dtype != a.dtype || a.K % 8 || a.V % 8) return false;
+  const int64_t G = a.HV / a.H;  // GVA runs 64-wide K parts (dq, dk sums in registers): K <= 128
+  if (G > Layout<64>::kG || (G > 1 && a.K > 128)) return false;
   if (a.B * a.T >= INT32_MAX || chunks * a.H >= INT32_MAX) return false;  // TMA coordinates are int32
   for (const void *p : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.h, a.dh, a.dq, a.dk})
     if (!aligned16(p)) return false;
@@ -527,20 +570,22 @@ bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks) {
 hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &table, int64_t chunks,
                             hl_stream_t stream) {
   Sm90Params p{};
-  const uint64_t H = uint64_t(a.H), K = uint64_t(a.K), V = uint64_t(a.V), tokens = uint64_t(a.B * a.T);
-  const uint32_t KH = a.K <= 64 ? 64 : 128;
-  HL_TRY(make_map(&p.m_do, a.dtype, a.do_, V, H, tokens, V * 2, H * V * 2, 64, 1, 64));
-  HL_TRY(make_map(&p.m_v, a.dtype, a.v, V, H, tokens, V * 2, H * V * 2, 64, 1, 64));
-  if (a.dw) HL_TRY(make_map(&p.m_dv, a.dtype, a.dv, V, H, tokens, V * 2, H * V * 2, 64, 1, 64));
+  const uint64_t H = uint64_t(a.H), HV = uint64_t(a.HV), K = uint64_t(a.K), V = uint64_t(a.V);
+  const uint64_t tokens = uint64_t(a.B * a.T);
+  const uint32_t KH = a.K <= 64 || a.HV > a.H ? 64 : 128;
+  HL_TRY(make_map(&p.m_do, a.dtype, a.do_, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
+  HL_TRY(make_map(&p.m_v, a.dtype, a.v, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
+  if (a.dw) HL_TRY(make_map(&p.m_dv, a.dtype, a.dv, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
   HL_TRY(make_map(&p.m_q, a.dtype, a.q, K, H, tokens, K * 2, H * K * 2, 64, 1, 64));
   HL_TRY(make_map(&p.m_k, a.dtype, a.k, K, H, tokens, K * 2, H * K * 2, 64, 1, 64));
-  const uint64_t states = uint64_t(chunks) * H;
+  const uint64_t states = uint64_t(chunks) * HV;
   HL_TRY(make_map(&p.m_h, a.dtype, a.h, V, K, states, V * 2, K * V * 2, 64, KH, 1));
   HL_TRY(make_map(&p.m_dh, a.dtype, a.dh, V, K, states, V * 2, K * V * 2, 64, KH, 1));
   p.dq = a.dq, p.dk = a.dk, p.dw = a.dw, p.dg = a.dg, p.g = a.g, p.g_gamma = a.g_gamma;
   p.chunks = table;
   p.items = chunks * a.H;
-  p.H = int(a.H), p.K = int(a.K), p.VCN = int((a.V + 63) / 64), p.nsplit = a.K > 128 ? 2 : 1;
+  p.H = int(a.H), p.HV = int(a.HV), p.G = int(a.HV / a.H), p.K = int(a.K), p.VCN = int((a.V + 63) / 64);
+  p.nsplit = int((a.K + KH - 1) / KH);
   p.scale = a.scale;
   p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
   p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;

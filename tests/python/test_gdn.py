@@ -258,6 +258,7 @@ GPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     # ~400 items: each CTA of the persistent Hopper kernel takes several, so its rings wrap
     (1, 12783, 2, 2, 128, 128, "log2", True, None),
     (1, 12783, 2, 2, 64, 128, "log", True, None),                 # KH = 64: 3 slots, 2 stages an item
+    (1, 6400, 2, 4, 128, 128, "log2", True, None),                # GVA: 200 items, 2 value heads each
 ]
 
 # The Hopper kernel takes what it supports on a 9.0 device; "portable" forces the other kernel.
