@@ -1,5 +1,5 @@
 """One gdn_bwd_dqkwg shape (bf16, log2 gate, dw on), ours or fla's, run a few times: a target for ncu.
-Usage: python3 bench/experiments/one_gdn.py B T H K [ours|fla] [iters]"""
+Usage: python3 bench/experiments/one_gdn.py B T H K [ours|fla] [iters] [HV (value heads, GVA)]"""
 import sys
 from pathlib import Path
 
@@ -11,7 +11,7 @@ from headloss import gdn_bwd_dqkwg  # noqa: E402
 
 B, T, H, K = (int(a) for a in sys.argv[1:5])
 who = sys.argv[5] if len(sys.argv) > 5 else "ours"
-x = inputs(B, T, H, K)
+x = inputs(B, T, H, K, HV=int(sys.argv[7]) if len(sys.argv) > 7 else None)
 scale = K ** -0.5
 if who == "fla":
     run = fla_fn(x, scale)

@@ -24,6 +24,10 @@ bool dispatch_float(hl_dtype_t dt, F &&f) {
   }
 }
 
+// The dtype code of T (one of the three float types).
+template <class T>
+constexpr hl_dtype_t kDtypeOf = std::is_same_v<T, float> ? HL_DTYPE_F32 : std::is_same_v<T, __half> ? HL_DTYPE_F16 : HL_DTYPE_BF16;
+
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
