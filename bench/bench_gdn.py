@@ -1,9 +1,10 @@
 """gdn_bwd_dqkwg (headloss CUDA) against flash-linear-attention's Triton chunk_bwd_dqkwg, side by side.
 
 bf16 inputs, h/dh in bf16 (fla's default), log2-unit gate (fla 0.6), w/dv on (dw produced). Shapes: SPEC §2,
-a varlen batch, and a GVA one (value heads twice the q/k heads; not yet measured: session 7 added it).
+a varlen batch, and a GVA one (value heads twice the q/k heads, as Qwen3-Next).
 fla refuses to run on Hopper with Triton 3.4-3.7.0 (a miscompile); for timing only, this script
-bypasses that guard by patching the module flag, and reports how far fla's output is from ours.
+bypasses that guard by patching the module flag, and reports how far fla's output is from ours (fla's
+dg is off at the last token of a partial chunk, hence on varlen: bench/NOTES.md, "GDN v6").
 HBM floor: q, k, v, do, h, dh, dv read once, dq, dk, dw, dg written once (w is not read by either
 kernel), over the device-to-device copy bandwidth measured in the same run.
 Usage: python bench/bench_gdn.py [--out table.md]
