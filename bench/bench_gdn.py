@@ -62,6 +62,19 @@ def fla_fn(x, scale, cu=None):
                                       g=x["g"], dv=x["dv"], scale=scale, cu_seqlens=cu, chunk_indices=ci)
 
 
+def ours_fn(x, cu=None):
+    K = x["q"].shape[-1]
+    return lambda: gdn_bwd_dqkwg(x["q"], x["k"], x["v"], x["do"], x["h"], x["dh"], scale=K ** -0.5, g=x["g"],
+                                 gate_log2=True, dv=x["dv"], cu_seqlens=cu)
+
+
+def varlen_cu(T):
+    """cu_seqlens of the varlen batch: 64 sequences of random lengths, T tokens in all (fixed seed)."""
+    gen = torch.Generator().manual_seed(1)
+    cuts = torch.sort(torch.randperm(T - 1, generator=gen)[:63] + 1).values
+    return torch.cat([torch.tensor([0]), cuts, torch.tensor([T])]).to("cuda", torch.long)
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
@@ -70,8 +83,7 @@ def rel(a, b):
 def bench_one(label, x, bw, cu=None):
     K = x["q"].shape[-1]
     scale = K ** -0.5
-    ours = lambda: gdn_bwd_dqkwg(x["q"], x["k"], x["v"], x["do"], x["h"], x["dh"], scale=scale, g=x["g"],
-                                 gate_log2=True, dv=x["dv"], cu_seqlens=cu)
+    ours = ours_fn(x, cu)
     t_ours = median_ms(ours, iters=30, warmup=5)
     floor_ms = floor_bytes(x) / bw / 1e6
     f = fla_fn(x, scale, cu)
@@ -104,9 +116,7 @@ def main():
         lines.append(bench_one(f"{B}, {T}, {H}, {K}", inputs(B, T, H, K), bw))
         torch.cuda.empty_cache()
     T, H, K = VARLEN
-    gen = torch.Generator().manual_seed(1)
-    cuts = torch.sort(torch.randperm(T - 1, generator=gen)[:63] + 1).values
-    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([T])]).to("cuda", torch.long)
+    cu = varlen_cu(T)
     lines.append(bench_one(f"varlen 64 seqs, {T}, {H}, {K}", inputs(1, T, H, K, cu), bw, cu))
     torch.cuda.empty_cache()
     B, T, H, HV, K = GVA

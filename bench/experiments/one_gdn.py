@@ -6,18 +6,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gdn import fla_fn, inputs  # noqa: E402
-from headloss import gdn_bwd_dqkwg  # noqa: E402
+from bench_gdn import fla_fn, inputs, ours_fn  # noqa: E402
 
 B, T, H, K = (int(a) for a in sys.argv[1:5])
 who = sys.argv[5] if len(sys.argv) > 5 else "ours"
 x = inputs(B, T, H, K, HV=int(sys.argv[7]) if len(sys.argv) > 7 else None)
-scale = K ** -0.5
-if who == "fla":
-    run = fla_fn(x, scale)
-else:
-    run = lambda: gdn_bwd_dqkwg(x["q"], x["k"], x["v"], x["do"], x["h"], x["dh"], scale=scale, g=x["g"],  # noqa: E731
-                                gate_log2=True, dv=x["dv"])
+run = fla_fn(x, K ** -0.5) if who == "fla" else ours_fn(x)
 for _ in range(int(sys.argv[6]) if len(sys.argv) > 6 else 3):
     run()
 torch.cuda.synchronize()
