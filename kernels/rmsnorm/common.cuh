@@ -98,9 +98,10 @@ struct RowSum {
 // Register-cached kernel shapes: a row of cols = VEC * TPR * VPT elements is held by TPR threads,
 // VPT packs of VEC elements each; a group processes R rows at a time so that enough loads are in
 // flight for short rows. Indexed by the number of packs per row (a power of two, up to 2048).
-// Blocks of up to 256 threads (255 registers each) keep the weight in registers across the rows
-// they visit; larger blocks read it per row from L1 instead. One table per direction (the
-// backward holds x and dy and sums dw); the choices are measured on H100 (bench/NOTES.md).
+// In the backward (a persistent grid), blocks of up to 256 threads keep the weight in registers
+// across the rows they visit; larger blocks, and the forward, read it per row from L1. One table
+// per direction (the backward holds x and dy and sums dw); the choices are measured on H100
+// (bench/NOTES.md).
 struct Shape {
   int tpr, vpt, rows_at_once, block;
 };
