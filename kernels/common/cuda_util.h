@@ -53,6 +53,16 @@ int blocks_per_sm(Kernel kernel, int threads, size_t smem = 0) {
   return n > 0 ? n : 1;
 }
 
+// blocks_per_sm after raising the kernel's dynamic shared-memory limit to `smem` where that passes
+// the default 48 KB (a failure to raise it shows at the launch).
+template <class Kernel>
+int blocks_per_sm_optin(Kernel kernel, int threads, size_t smem) {
+  if (smem > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
+    (void)cudaGetLastError();
+  return blocks_per_sm(kernel, threads, smem);
+}
+
 // Launch configuration of `ctas` CTAs in clusters of `cluster` (1: no cluster attribute); attr
 // is the storage the configuration points to.
 cudaLaunchConfig_t cluster_launch(int64_t ctas, int threads, size_t smem, int cluster, cudaStream_t stream,

@@ -1,4 +1,4 @@
-// Warp-level tensor-core pieces for the GDN kernels: cp.async, ldmatrix and mma.sync m16n8k16
+// Warp-level tensor-core pieces for the GDN kernels: ldmatrix and mma.sync m16n8k16
 // (fp32 accumulation), which run on sm_80 and sm_90 alike. Tiles live in shared memory either as
 // [64][kLd] 16-bit elements (Padded: the 8-element row padding keeps ldmatrix free of bank
 // conflicts) or as TMA wrote them (Swizzled: the swizzle does the same).
@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "common/bulk_copy.cuh"
+#include "common/cp_async.cuh"
 #include "common/dtype.cuh"
 
 namespace hl::cuda::gdn {
@@ -25,15 +26,6 @@ __device__ __forceinline__ int lane_id() {
   asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
   return l;
 }
-
-// 16 bytes global -> shared; bytes past src_bytes (0 or 16) are zero-filled.
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -74,14 +74,19 @@ __device__ __forceinline__ void add_dw(const BwdParams &p, const Pack<Tx, VEC> &
 // dw: blocks of up to 256 threads accumulate it in registers (sub-warp groups then sum their
 // columns in shared memory, in group order); 512-thread blocks, short of registers, keep the dw
 // row in dynamic shared memory, where every column has one owner thread (no barrier needed).
-template <class Tx, class Tdy, int VEC, int TPR, int VPT, int R, int BLOCK>
+// STAGED: the next row group's x and dy (and rstd) load while this one computes (Staging, after
+// the dw row in dynamic shared memory).
+template <class Tx, class Tdy, int VEC, int TPR, int VPT, int R, int BLOCK, bool STAGED>
 __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
   using Sum = RowSum<TPR, BLOCK>;
   constexpr int G = BLOCK / TPR, W = TPR * VPT * VEC;  // W: columns a group covers
   constexpr bool kCacheW = kCacheWeight<BLOCK>, kDwRow = !kCacheW;
   __shared__ typename Sum::Storage smem;
   __shared__ float dw_groups[G > 1 ? G * W : 1];
-  extern __shared__ float dw_row[];  // kDwRow: [VEC][W / VEC], element e of pack k at e * W / VEC + k
+  extern __shared__ uint4 dyn[];
+  // kDwRow: [VEC][W / VEC], element e of pack k at e * W / VEC + k
+  float *const dw_row = reinterpret_cast<float *>(dyn);
+  const Staging<2 * R * VPT, BLOCK> stage{dyn + (kDwRow ? W / 4 : 0)};  // x, dy of pack (r, v) at 2 (r VPT + v) + 0, 1
   const int lane = threadIdx.x % TPR, group = threadIdx.x / TPR;
 
   float wf[kCacheW ? VPT : 1][VEC], dw[kDwRow ? 1 : VPT][VEC] = {};
@@ -96,19 +101,62 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
     for (int v = 0; v < VPT; ++v)
       weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, int64_t(v * TPR + lane) * VEC, p.cols, wf[v]);
 
-  const int64_t step = int64_t(gridDim.x) * G * R;
-  for (int64_t base = int64_t(blockIdx.x) * G * R; base < p.rows; base += step) {
+  // Calls f(r, v, row, col, in the rows) for the packs of the row group at base.
+  auto each_pack = [&](int64_t base, auto &&f) {
     const int64_t row0 = base + int64_t(group) * R;
-    Pack<Tx, VEC> s[R][VPT];
-    Pack<Tdy, VEC> dy[R][VPT];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * TPR + lane) * VEC;
-        if (row0 + r < p.rows && col < p.cols) {
-          s[r][v] = load_pack<Tx, VEC>(static_cast<const Tx *>(p.x) + (row0 + r) * p.xs + col);
-          dy[r][v] = load_pack<Tdy, VEC>(static_cast<const Tdy *>(p.dy) + (row0 + r) * p.dys + col);
+        f(r, v, row0 + r, col, row0 + r < p.rows && col < p.cols);
+      }
+  };
+  float rstd_next[R];
+  auto stage_rows = [&](int st, int64_t base) {
+    each_pack(base, [&](int r, int v, int64_t row, int64_t col, bool ok) {
+      if constexpr (STAGED) {
+        const Tx *x = static_cast<const Tx *>(p.x);
+        const Tdy *dy = static_cast<const Tdy *>(p.dy);
+        stage.template copy<Tx, VEC>(st, 2 * (r * VPT + v), ok ? x + row * p.xs + col : x, ok);
+        stage.template copy<Tdy, VEC>(st, 2 * (r * VPT + v) + 1, ok ? dy + row * p.dys + col : dy, ok);
+      }
+    });
+    cp_async_commit();
+    if (p.rstd)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = base + int64_t(group) * R + r;
+        rstd_next[r] = row < p.rows ? p.rstd[row] : 0.0f;
+      }
+  };
+
+  const int64_t step = int64_t(gridDim.x) * G * R;
+  int st = 0;
+  if constexpr (STAGED)
+    if (int64_t(blockIdx.x) * G * R < p.rows) stage_rows(0, int64_t(blockIdx.x) * G * R);
+  for (int64_t base = int64_t(blockIdx.x) * G * R; base < p.rows; base += step, st ^= 1) {
+    const int64_t row0 = base + int64_t(group) * R;
+    Pack<Tx, VEC> s[R][VPT];
+    Pack<Tdy, VEC> dy[R][VPT];
+    float rstd[R], mean[R];
+    if constexpr (STAGED) {
+      cp_async_wait<0>();
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        rstd[r] = rstd_next[r];
+#pragma unroll
+        for (int v = 0; v < VPT; ++v) {
+          s[r][v] = stage.template read<Tx, VEC>(st, 2 * (r * VPT + v));
+          dy[r][v] = stage.template read<Tdy, VEC>(st, 2 * (r * VPT + v) + 1);
+        }
+      }
+      if (base + step < p.rows) stage_rows(st ^ 1, base + step);
+    } else {
+      each_pack(base, [&](int r, int v, int64_t row, int64_t col, bool ok) {
+        if (ok) {
+          s[r][v] = load_pack<Tx, VEC>(static_cast<const Tx *>(p.x) + row * p.xs + col);
+          dy[r][v] = load_pack<Tdy, VEC>(static_cast<const Tdy *>(p.dy) + row * p.dys + col);
         } else {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
@@ -116,13 +164,14 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
             dy[r][v].v[e] = from_float<Tdy>(0.0f);
           }
         }
-      }
-    float rstd[R], mean[R];
+      });
+      if (p.rstd)
+#pragma unroll
+        for (int r = 0; r < R; ++r) rstd[r] = row0 + r < p.rows ? p.rstd[row0 + r] : 0.0f;
+    }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      if (p.rstd) {
-        rstd[r] = row0 + r < p.rows ? p.rstd[row0 + r] : 0.0f;
-      } else {
+      if (!p.rstd) {
         float ss = 0.0f;
 #pragma unroll
         for (int v = 0; v < VPT; ++v)
@@ -289,7 +338,7 @@ struct Bwd {
         constexpr Shape sh = Shapes<true>::at[decltype(I)::value];
         const int64_t per_block = int64_t(sh.block / sh.tpr) * sh.rows_at_once;
         const int64_t want = (a.rows + per_block - 1) / per_block;
-        const int64_t cap = int64_t(sm_count()) * regs_kernel<sh.tpr, sh.vpt, sh.rows_at_once, sh.block>().occupancy;
+        const int64_t cap = int64_t(sm_count()) * regs_kernel<decltype(I)::value>().occupancy;
         pl.parts = std::min(want, cap);
         return HL_STATUS_SUCCESS;
       });
@@ -306,22 +355,23 @@ struct Bwd {
     return pl;
   }
 
-  // A register kernel, its dynamic shared memory (the dw row of a block-per-row shape) and how
-  // many blocks fit on a multiprocessor; the shared-memory limit is raised once.
+  // A register kernel, its dynamic shared memory (the dw row of a block-per-row shape, the
+  // staging) and how
+  // many blocks fit on a multiprocessor (the shared-memory limit raised once).
   struct Launch {
     void (*kernel)(BwdParams);
     size_t smem;
     int occupancy;
   };
-  template <int TPR, int VPT, int R, int BLOCK>
+  template <int I>
   static const Launch &regs_kernel() {
     static const Launch l = [] {
-      auto k = rmsnorm_bwd_regs<Tx, Tdy, VEC, TPR, VPT, R, BLOCK>;
-      const size_t smem = kCacheWeight<BLOCK> ? 0 : size_t(TPR) * VPT * VEC * sizeof(float);
-      if (smem > 48 * 1024 &&
-          cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
-        (void)cudaGetLastError();  // the launch reports it
-      return Launch{k, smem, blocks_per_sm(k, BLOCK, smem)};
+      constexpr Shape sh = Shapes<true>::at[I];
+      constexpr bool staged = sh.staged && sizeof(Tdy) <= sizeof(Tx);  // staging slots hold 16 bytes
+      auto k = rmsnorm_bwd_regs<Tx, Tdy, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block, staged>;
+      const size_t smem = (kCacheWeight<sh.block> ? 0 : size_t(sh.tpr) * sh.vpt * VEC * sizeof(float)) +
+                          (staged ? Staging<2 * sh.rows_at_once * sh.vpt, sh.block>::kBytes : 0);
+      return Launch{k, smem, blocks_per_sm_optin(k, sh.block, smem)};
     }();
     return l;
   }
@@ -334,7 +384,7 @@ struct Bwd {
     if (a.rows > 0 && pl.shape >= 0) {
       HL_TRY(with_shape<true>(pl.shape, [&](auto I) {
         constexpr Shape sh = Shapes<true>::at[decltype(I)::value];
-        const Launch &l = regs_kernel<sh.tpr, sh.vpt, sh.rows_at_once, sh.block>();
+        const Launch &l = regs_kernel<decltype(I)::value>();
         l.kernel<<<unsigned(pl.parts), sh.block, l.smem, stream>>>(p);
         HL_CUDA_TRY_LAUNCH();
         return HL_STATUS_SUCCESS;

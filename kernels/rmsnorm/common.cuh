@@ -4,6 +4,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <type_traits>
 
+#include "common/cp_async.cuh"
 #include "common/dtype.cuh"
 
 namespace hl::rmsnorm {
@@ -95,6 +96,26 @@ struct RowSum {
   }
 };
 
+// The next rows' packs, staged in shared memory by cp.async while the current rows reduce and
+// store: loads stay in flight through a persistent block's whole loop without the registers a
+// second set of packs would take. A thread reads back only the packs it copied, so no barrier
+// is needed; two stages, so a stage is refilled only after its packs were used. N: packs a
+// thread stages a row group, each of at most 16 bytes.
+template <int N, int BLOCK>
+struct Staging {
+  static constexpr size_t kBytes = size_t(2) * N * BLOCK * 16;
+  uint4 *buf;  // [2][N][BLOCK] slots of up to 16 bytes: consecutive threads, consecutive slots
+  // Pack k of `stage` from src, or zeros when !valid (src must still be a valid address).
+  template <class T, int VEC>
+  __device__ __forceinline__ void copy(int stage, int k, const T *src, bool valid) const {
+    cp_async_bytes<sizeof(Pack<T, VEC>)>(buf + (stage * N + k) * BLOCK + threadIdx.x, src, valid);
+  }
+  template <class T, int VEC>
+  __device__ __forceinline__ Pack<T, VEC> read(int stage, int k) const {
+    return *reinterpret_cast<const Pack<T, VEC> *>(buf + (stage * N + k) * BLOCK + threadIdx.x);
+  }
+};
+
 // Register-cached kernel shapes: a row of cols = VEC * TPR * VPT elements is held by TPR threads,
 // VPT packs of VEC elements each; a group processes R rows at a time so that enough loads are in
 // flight for short rows. Indexed by the number of packs per row (a power of two, up to 2048).
@@ -104,15 +125,19 @@ struct RowSum {
 // (bench/NOTES.md).
 struct Shape {
   int tpr, vpt, rows_at_once, block;
+  bool staged = false;  // (backward) the next rows load through Staging
 };
 template <bool BWD>
 struct Shapes {
   static constexpr Shape at[] = {
       // Short rows: 2 rows a group in the forward, 1 in the backward, beat 4 (H100: fwd 90 -> 91%,
-      // bwd 70 -> 83% of copy at 128 columns).
-      {8, 1, BWD ? 1 : 2, 256},   // <= 8 packs   (64 bf16)
-      {16, 1, BWD ? 1 : 2, 256},  // <= 16        (128)
-      {32, 1, BWD ? 1 : 2, 256},  // <= 32        (256)
+      // bwd 70 -> 83% of copy at 128 columns). The backward stages its next rows (83/84 -> 86/87%
+      // at 128/256 columns); staging lost everywhere else (forward 128: 91 -> 83%, backward 2048:
+      // 94 -> 88%, 16384: 83 -> 57%), where one block per row group (forward) or more resident
+      // warps (backward) hide the latency better.
+      {8, 1, BWD ? 1 : 2, 256, BWD},   // <= 8 packs   (64 bf16)
+      {16, 1, BWD ? 1 : 2, 256, BWD},  // <= 16        (128)
+      {32, 1, BWD ? 1 : 2, 256, BWD},  // <= 32        (256)
       {32, 2, 2, 256},   // <= 64        (512)
       {32, 4, 1, 256},   // <= 128       (1024)
       {64, 4, 1, 64},    // <= 256       (2048): a block per row from here on

@@ -183,6 +183,16 @@ def test_gpu_many_rows(gpu, rng):
         check_backward(gpu, rng, rows, cols, "bfloat16", "llama", fused=False)
 
 
+def test_gpu_persistent_loops(gpu, rng):
+    """Enough rows that every register shape's persistent blocks loop several times (the staged
+    loads of the next rows), ending on a partial row group."""
+    for i, cols in enumerate([64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]):
+        rows = (1 << 23) // cols + int(rng.integers(1, 32))
+        xdt = XDTS[i % len(XDTS)]
+        check_forward(gpu, rng, rows, cols, xdt, "llama", residual=i % 2 == 1)
+        check_backward(gpu, rng, rows, cols, xdt, "llama", fused=i % 2 == 0, with_rstd=i % 3 != 0)
+
+
 def test_gpu_in_place_and_deterministic(gpu, rng):
     x = rng.standard_normal((513, 4096)).astype(DTYPES["bfloat16"])
     w = rng.standard_normal(4096).astype(np.float32)
