@@ -332,7 +332,7 @@ struct Bwd {
              rows_aligned(a.dresidual_out, a.dresidual_out_stride, sizeof(Tx), 16) &&
              rows_aligned(a.dx, a.dx_stride, sizeof(Tx), 16) &&
              rows_aligned(a.dresidual, a.dresidual_stride, sizeof(Tx), 16);
-    pl.shape = pl.vec ? shape_for<true>(a.cols / VEC) : -1;
+    pl.shape = pl.vec ? shape_for<true>(a.cols / VEC, a.rows) : -1;
     if (pl.shape >= 0) {
       with_shape<true>(pl.shape, [&](auto I) {
         constexpr Shape sh = Shapes<true>::at[decltype(I)::value];

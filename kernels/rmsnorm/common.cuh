@@ -118,7 +118,8 @@ struct Staging {
 
 // Register-cached kernel shapes: a row of cols = VEC * TPR * VPT elements is held by TPR threads,
 // VPT packs of VEC elements each; a group processes R rows at a time so that enough loads are in
-// flight for short rows. Indexed by the number of packs per row (a power of two, up to 2048).
+// flight for short rows. A row takes the first shape that holds its packs (up to 2048) and whose
+// min_rows the call reaches.
 // In the backward (a persistent grid), blocks of up to 256 threads keep the weight in registers
 // across the rows they visit; larger blocks, and the forward, read it per row from L1. One table
 // per direction (the backward holds x and dy and sums dw); the choices are measured on H100
@@ -126,6 +127,7 @@ struct Staging {
 struct Shape {
   int tpr, vpt, rows_at_once, block;
   bool staged = false;  // (backward) the next rows load through Staging
+  int64_t min_rows = 0;
 };
 template <bool BWD>
 struct Shapes {
@@ -141,7 +143,11 @@ struct Shapes {
       {32, 2, 2, 256},   // <= 64        (512)
       {32, 4, 1, 256},   // <= 128       (1024)
       {64, 4, 1, 64},    // <= 256       (2048): a block per row from here on
-      {128, 4, 1, 128},  // <= 512       (4096)
+      // <= 512 (4096): the forward in 256 threads of 2 packs from 2048 rows (H100 32768 x 4096: 97 ->
+      // 98% of copy), 128 of 4 below (1024 x 4096: 8.8 us, 9.4 with 256 x 2). The backward's
+      // first entry is its second (the same kernel).
+      {BWD ? 128 : 256, BWD ? 4 : 2, 1, BWD ? 128 : 256, false, BWD ? 0 : 2048},
+      {128, 4, 1, 128},
       {256, 4, 1, 256},  // <= 1024      (8192)
       // <= 2048 (16384): the backward in 1024 threads of 2 packs (64 registers, no spill: 78 ->
       // 82% of copy); the forward loses with it (97 -> 76%).
@@ -152,11 +158,14 @@ struct Shapes {
 template <bool BWD>
 constexpr int kNumShapes = int(sizeof(Shapes<BWD>::at) / sizeof(Shape));
 
-// Index of the smallest shape that holds `packs` packs per row, or -1 when none does.
+// Index of the first shape that holds `packs` packs per row with at least its min_rows rows, or
+// -1 when none does.
 template <bool BWD>
-int shape_for(int64_t packs) {
-  for (int i = 0; i < kNumShapes<BWD>; ++i)
-    if (packs <= int64_t(Shapes<BWD>::at[i].tpr) * Shapes<BWD>::at[i].vpt) return i;
+int shape_for(int64_t packs, int64_t rows) {
+  for (int i = 0; i < kNumShapes<BWD>; ++i) {
+    const Shape &s = Shapes<BWD>::at[i];
+    if (packs <= int64_t(s.tpr) * s.vpt && rows >= s.min_rows) return i;
+  }
   return -1;
 }
 

@@ -175,7 +175,7 @@ hl_status_t fwd_typed(FwdParams p, hl_stream_t stream) {
       p.cols % VEC == 0 && rows_aligned(p.x, p.xs, sizeof(Tx), 16) &&
       rows_aligned(p.res, p.rs, sizeof(Tx), 16) && rows_aligned(p.res_out, p.ros, sizeof(Tx), 16) &&
       rows_aligned(p.y, p.ys, sizeof(Ty), VEC * sizeof(Ty));
-  const int shape = aligned ? shape_for<false>(p.cols / VEC) : -1;
+  const int shape = aligned ? shape_for<false>(p.cols / VEC, p.rows) : -1;
   if (shape >= 0)
     return with_shape<false>(shape, [&](auto I) {
       return with_weight_kind<Tx>(p.w, p.wdt, p.w_vec, [&](auto tw) {

@@ -183,12 +183,13 @@ def test_gpu_many_rows(gpu, rng):
         check_backward(gpu, rng, rows, cols, "bfloat16", "llama", fused=False)
 
 
-def test_gpu_persistent_loops(gpu, rng):
+@pytest.mark.parametrize("xdt", XDTS)
+def test_gpu_persistent_loops(gpu, rng, xdt):
     """Enough rows that every register shape's persistent blocks loop several times (the staged
-    loads of the next rows), ending on a partial row group."""
+    loads of the next rows), ending on a partial row group, and that the forward takes its
+    many-row shapes (4096 columns from 2048 rows)."""
     for i, cols in enumerate([64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]):
-        rows = (1 << 23) // cols + int(rng.integers(1, 32))
-        xdt = XDTS[i % len(XDTS)]
+        rows = max((1 << 22) // cols, 2048) + int(rng.integers(1, 32))
         check_forward(gpu, rng, rows, cols, xdt, "llama", residual=i % 2 == 1)
         check_backward(gpu, rng, rows, cols, xdt, "llama", fused=i % 2 == 0, with_rstd=i % 3 != 0)
 
