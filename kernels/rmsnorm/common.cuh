@@ -135,8 +135,8 @@ struct Shapes {
       // Short rows: 2 rows a group in the forward, 1 in the backward, beat 4 (H100: fwd 90 -> 91%,
       // bwd 70 -> 83% of copy at 128 columns). The backward stages its next rows (83/84 -> 86/87%
       // at 128/256 columns); staging lost everywhere else (forward 128: 91 -> 83%, backward 2048:
-      // 94 -> 88%, 16384: 83 -> 57%), where one block per row group (forward) or more resident
-      // warps (backward) hide the latency better.
+      // 94 -> 88%, 16384: 83 -> 57%, or 61% with whole rows by bulk copies), where one block per
+      // row group (forward) or more resident warps (backward) hide the latency better.
       {8, 1, BWD ? 1 : 2, 256, BWD},   // <= 8 packs   (64 bf16)
       {16, 1, BWD ? 1 : 2, 256, BWD},  // <= 16        (128)
       {32, 1, BWD ? 1 : 2, 256, BWD},  // <= 32        (256)
