@@ -113,22 +113,22 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
       }
   };
   float rstd_next[R];
-  auto stage_rows = [&](int st, int64_t base) {
-    each_pack(base, [&](int r, int v, int64_t row, int64_t col, bool ok) {
-      if constexpr (STAGED) {
+  auto stage_rows = [&](int st, int64_t base) {  // STAGED: the rows at base into stage st
+    if constexpr (STAGED) {
+      each_pack(base, [&](int r, int v, int64_t row, int64_t col, bool ok) {
         const Tx *x = static_cast<const Tx *>(p.x);
         const Tdy *dy = static_cast<const Tdy *>(p.dy);
         stage.template copy<Tx, VEC>(st, 2 * (r * VPT + v), ok ? x + row * p.xs + col : x, ok);
         stage.template copy<Tdy, VEC>(st, 2 * (r * VPT + v) + 1, ok ? dy + row * p.dys + col : dy, ok);
-      }
-    });
-    cp_async_commit();
-    if (p.rstd)
+      });
+      cp_async_commit();
+      if (p.rstd)
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = base + int64_t(group) * R + r;
-        rstd_next[r] = row < p.rows ? p.rstd[row] : 0.0f;
-      }
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = base + int64_t(group) * R + r;
+          rstd_next[r] = row < p.rows ? p.rstd[row] : 0.0f;
+        }
+    }
   };
 
   const int64_t step = int64_t(gridDim.x) * G * R;
@@ -356,8 +356,7 @@ struct Bwd {
   }
 
   // A register kernel, its dynamic shared memory (the dw row of a block-per-row shape, the
-  // staging) and how
-  // many blocks fit on a multiprocessor (the shared-memory limit raised once).
+  // staging) and how many blocks fit on a multiprocessor (the shared-memory limit raised once).
   struct Launch {
     void (*kernel)(BwdParams);
     size_t smem;

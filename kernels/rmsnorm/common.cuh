@@ -127,7 +127,7 @@ struct Staging {
 struct Shape {
   int tpr, vpt, rows_at_once, block;
   bool staged = false;  // (backward) the next rows load through Staging
-  int64_t min_rows = 0;
+  int64_t min_rows = 0;  // taken from this many rows on
 };
 template <bool BWD>
 struct Shapes {
@@ -144,8 +144,8 @@ struct Shapes {
       {32, 4, 1, 256},   // <= 128       (1024)
       {64, 4, 1, 64},    // <= 256       (2048): a block per row from here on
       // <= 512 (4096): the forward in 256 threads of 2 packs from 2048 rows (H100 32768 x 4096: 97 ->
-      // 98% of copy), 128 of 4 below (1024 x 4096: 8.8 us, 9.4 with 256 x 2). The backward's
-      // first entry is its second (the same kernel).
+      // 98% of copy), 128 of 4 below (1024 x 4096: 8.8 us, 9.4 with 256 x 2). In the backward this
+      // entry is the next one (the same kernel).
       {BWD ? 128 : 256, BWD ? 4 : 2, 1, BWD ? 128 : 256, false, BWD ? 0 : 2048},
       {128, 4, 1, 128},
       {256, 4, 1, 256},  // <= 1024      (8192)
