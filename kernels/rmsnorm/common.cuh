@@ -28,6 +28,12 @@ __device__ __forceinline__ void load_weights(const void *w, int64_t col, float *
 #pragma unroll
   for (int e = 0; e < VEC; ++e) f[e] = to_float(p.v[e]);
 }
+// w -> offset + w, rounded to x's dtype in NONE mode.
+template <class Tx, int VEC>
+__device__ __forceinline__ void add_offset(float *wf, float offset, bool none_mode) {
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) wf[e] = none_mode ? round_to<Tx>(offset + wf[e]) : offset + wf[e];
+}
 template <class Tx, int VEC>
 __device__ __forceinline__ void weight_pack(const void *w, hl_dtype_t wdt, float offset,
                                             bool none_mode, bool w_vec, int64_t col, int64_t cols,
@@ -36,8 +42,7 @@ __device__ __forceinline__ void weight_pack(const void *w, hl_dtype_t wdt, float
     if (wdt == HL_DTYPE_BF16) load_weights<__nv_bfloat16, VEC>(w, col, wf);
     else if (wdt == HL_DTYPE_F16) load_weights<__half, VEC>(w, col, wf);
     else load_weights<float, VEC>(w, col, wf);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) wf[e] = none_mode ? round_to<Tx>(offset + wf[e]) : offset + wf[e];
+    add_offset<Tx, VEC>(wf, offset, none_mode);
     return;
   }
 #pragma unroll
@@ -56,8 +61,7 @@ __device__ __forceinline__ void weight_pack_as(const void *w, hl_dtype_t wdt, fl
     weight_pack<Tx, VEC>(w, wdt, offset, none_mode, w_vec, col, cols, wf);
   } else {
     load_weights<Tw, VEC>(w, col, wf);
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) wf[e] = none_mode ? round_to<Tx>(offset + wf[e]) : offset + wf[e];
+    add_offset<Tx, VEC>(wf, offset, none_mode);
   }
 }
 
