@@ -105,6 +105,15 @@ __device__ __forceinline__ void to_floats(const Pack<T, N> &p, float (&f)[N]) {
   }
 }
 
+// Two floats rounded to T, as one pack.
+template <class T>
+__device__ __forceinline__ Pack<T, 2> pack_pair(float a, float b) {
+  Pack<T, 2> p;
+  p.v[0] = from_float<T>(a);
+  p.v[1] = from_float<T>(b);
+  return p;
+}
+
 template <class T, int N>
 __device__ __forceinline__ Pack<T, N> load_pack(const T *p) {
   return *reinterpret_cast<const Pack<T, N> *>(p);

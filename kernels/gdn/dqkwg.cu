@@ -241,10 +241,7 @@ __global__ void __launch_bounds__(kThreads, 2) dqkwg_kernel(Params P) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = m0 + lane / 4 + 8 * half, c = n0 + 8 * j + 2 * (lane % 4);
-          Pack<T, 2> pk;
-          pk.v[0] = from_float<T>(ds[j][2 * half]);
-          pk.v[1] = from_float<T>(ds[j][2 * half + 1]);
-          store_pack<T, 2>(ds_s + r * kLd + c, pk);
+          store_pack<T, 2>(ds_s + r * kLd + c, pack_pair<T>(ds[j][2 * half], ds[j][2 * half + 1]));
         }
       __syncthreads();
       float dglk = 0.f;  // sum(dk_inter * k), part of the last-row term

@@ -250,11 +250,10 @@ __device__ __forceinline__ void row_dots(float (&rs)[2], const float (&acc)[KH /
     }
 }
 
+// pack_pair as the 32-bit register stmatrix takes.
 template <class T>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
-  Pack<T, 2> pk;
-  pk.v[0] = from_float<T>(a);
-  pk.v[1] = from_float<T>(b);
+  const Pack<T, 2> pk = pack_pair<T>(a, b);
   uint32_t u;
   memcpy(&u, &pk, 4);
   return u;
@@ -367,10 +366,7 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
 #pragma unroll
             for (int e = 0; e < 2; ++e)  // a select, never a multiply by a mask: E(g_t - g_s) overflows
               x[e] = col + e <= r && r < n ? ds[j][2 * h2 + e] * gexp(gam[r] - gam[col + e], P.log2) * P.scale : 0.f;
-            Pack<T, 2> pk;
-            pk.v[0] = from_float<T>(x[0]);
-            pk.v[1] = from_float<T>(x[1]);
-            store_pack<T, 2>(ds_s + Swizzled::off(r, col), pk);
+            store_pack<T, 2>(ds_s + Swizzled::off(r, col), pack_pair<T>(x[0], x[1]));
           }
         float rowf[2];  // WG0: E(g_r) scale; WG1: E(g_l - g_r), 0 past n
 #pragma unroll

@@ -112,10 +112,7 @@ __device__ __forceinline__ void store_block(T *out, int64_t ld, int nr, int nc, 
       const float x0 = acc[j][2 * half] * mul, x1 = acc[j][2 * half + 1] * mul;
       T *p = out + r * ld + c;
       if (pairs && c + 1 < nc) {
-        Pack<T, 2> pk;
-        pk.v[0] = from_float<T>(x0);
-        pk.v[1] = from_float<T>(x1);
-        store_pack<T, 2>(p, pk);
+        store_pack<T, 2>(p, pack_pair<T>(x0, x1));
       } else {
         if (c < nc) p[0] = from_float<T>(x0);
         if (c + 1 < nc) p[1] = from_float<T>(x1);
