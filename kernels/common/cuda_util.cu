@@ -27,4 +27,13 @@ cudaLaunchConfig_t cluster_launch(int64_t ctas, int threads, size_t smem, int cl
   return cfg;
 }
 
+void allow_early_start(cudaLaunchConfig_t &cfg, cudaLaunchAttribute (&attrs)[2]) {
+  if (cfg.numAttrs) attrs[0] = cfg.attrs[0];
+  cudaLaunchAttribute &a = attrs[cfg.numAttrs];
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attrs;
+  cfg.numAttrs += 1;
+}
+
 }  // namespace hl::cuda

@@ -68,4 +68,10 @@ int blocks_per_sm_optin(Kernel kernel, int threads, size_t smem) {
 cudaLaunchConfig_t cluster_launch(int64_t ctas, int threads, size_t smem, int cluster, cudaStream_t stream,
                                   cudaLaunchAttribute &attr);
 
+// Lets the kernel that cfg launches begin while the kernel before it on the stream still runs
+// (programmatic dependent launch, sm_90; grid_dependency.cuh has the device side). The launched
+// kernel must wait_for_previous_grid() before it reads what that kernel writes. attrs: storage for
+// cfg's attributes, which it takes over.
+void allow_early_start(cudaLaunchConfig_t &cfg, cudaLaunchAttribute (&attrs)[2]);
+
 }  // namespace hl::cuda

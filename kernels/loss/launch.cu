@@ -1,17 +1,21 @@
 // The loss plan on CUDA: the kernels and their cluster / shared-memory shapes are chosen once per
-// plan; an execution runs three kernels on the stream:
+// plan; an execution runs two kernels on the stream:
 //   prep:   the divisor D (sum of valid weights, fixed order) and the label check;
-//   rows:   statistics, per-row record, gradient (row_kernel.cuh);
-//   reduce: per-row records to the scalars, in a fixed order (no atomics: deterministic).
-// The split execution runs rows in its kStats phase alone, then prep, rows (kFinish) and reduce.
+//   rows:   statistics, gradient, and the scalars: each cluster sums its rows' records and the
+//           last cluster to finish merges those partial sums (sums.cuh; fixed order, no float
+//           atomics: deterministic).
+// The split execution runs rows in its kStats phase alone, then prep, rows (kFinish) and a
+// reduce kernel over per-row records, so that every rank gets the same bits whatever its grid.
 #include <climits>
 #include <cstring>
 #include <vector>
 
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
+#include "common/grid_dependency.cuh"
 #include "loss/loss.h"
 #include "loss/params.cuh"
+#include "loss/sums.cuh"
 
 #include <cooperative_groups.h>
 
@@ -22,7 +26,12 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kReduceThreads = 1024;
-constexpr size_t kPrepBytes = 16;             // kd, D (floats), first bad row (int64)
+// The prep kernel's CTAs are small enough (128 threads, <= 32 registers) to be resident beside
+// three row-kernel CTAs, so the row kernel, launched to start early (allow_early_start), begins
+// its first rows while prep runs; each row kernel CTA waits for prep only at its first finish.
+constexpr int kPrepThreads = 128;
+constexpr int kPrepRowsPerThread = 16;
+constexpr size_t kPrepBytes = 32;             // kd, D (floats), first bad row (int64), ticket
 constexpr size_t kKeepTarget = 72 * 1024;     // a slice this small lets 3 CTAs share an SM
 constexpr size_t kStaticSmemSlack = 8 * 1024; // the kernel's own shared memory, rounded up
 
@@ -40,11 +49,11 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// The prep and reduce kernels run as one cluster of CTAs from kSmallClusterRows rows on (Hopper;
-// else one CTA): each CTA reduces a contiguous range of rows, then rank 0 merges the CTAs' results
-// in rank order through distributed shared memory (deterministic). Measured (H100, ncu): at 65536
-// rows 15 -> 11 us (prep) and 55 -> 22 us (reduce), the call 3.167 -> 3.129 ms; at 8192 rows the
-// cluster was slower (5.4 -> 7.2 and 14.1 -> 16.8 us), so fewer rows keep one CTA.
+// The prep and reduce kernels run as one cluster of CTAs (Hopper; else one CTA): each CTA reduces
+// a contiguous range of rows, then rank 0 merges the CTAs' results in rank order through
+// distributed shared memory (deterministic). Prep takes one CTA per kPrepRowsPerThread x 128 rows,
+// up to kSmallCluster; the reduce kernel (split only) a cluster from kSmallClusterRows rows on
+// (measured with ncu on H100 at 65536 rows: 55 -> 22 us; slower at 8192 rows).
 constexpr int kSmallCluster = 8;
 constexpr int64_t kSmallClusterRows = 32768;
 
@@ -82,27 +91,33 @@ __device__ __forceinline__ void cta_rows(int64_t n, int64_t &lo, int64_t &hi) {
   lo = min(n, c.rank * per), hi = min(n, lo + per);
 }
 
-__global__ void __launch_bounds__(kReduceThreads) prep_kernel(const PrepArgs a, float *prep) {
-  __shared__ float wsum[32];
-  __shared__ long long wbad[32];
+__global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a, float *prep) {
+  hl::cuda::let_next_grid_start();
+  __shared__ float wsum[kPrepThreads / 32];
+  __shared__ long long wbad[kPrepThreads / 32];
   float w = 0.0f;
   long long bad = LLONG_MAX;
   int64_t lo, hi;
   cta_rows(a.rows, lo, hi);
   constexpr int B = 4;  // rows a thread reads before using any: latency, not bandwidth, bounds this
-  for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += B * kReduceThreads) {
-    RowInputs<float> in[B];
-#pragma unroll
-    for (int b = 0; b < B; ++b)
-      if (i0 + b * kReduceThreads < hi)
-        in[b] = read_inputs<float>(a.labels, a.labels64, a.weights, nullptr, nullptr, nullptr,
-                                   i0 + b * kReduceThreads, a.use_ignore, a.ignore_index);
+  for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += B * kPrepThreads) {
+    int64_t y[B];
+    float wt[B];
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-      const int64_t i = i0 + b * kReduceThreads;
-      if (i >= hi || !in[b].valid) continue;
-      w += in[b].w;
-      if (in[b].has_label && in[b].label >= a.vocab && bad == LLONG_MAX) bad = i;
+      const int64_t i = i0 + b * kPrepThreads;
+      if (i >= hi) break;
+      y[b] = !a.labels ? 0 : a.labels64 ? static_cast<const int64_t *>(a.labels)[i]
+                                         : int64_t(static_cast<const int32_t *>(a.labels)[i]);
+      wt[b] = a.weights ? a.weights[i] : 1.0f;
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const int64_t i = i0 + b * kPrepThreads;
+      if (i >= hi) break;
+      if (!label_counts(y[b], a.use_ignore, a.ignore_index)) continue;
+      w += wt[b];
+      if (y[b] >= a.vocab && bad == LLONG_MAX) bad = i;
     }
   }
   w = warp_sum(w);
@@ -113,7 +128,7 @@ __global__ void __launch_bounds__(kReduceThreads) prep_kernel(const PrepArgs a, 
   if (threadIdx.x % 32 == 0) wsum[threadIdx.x / 32] = w, wbad[threadIdx.x / 32] = bad;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int i = 1; i < kReduceThreads / 32; ++i) {
+    for (int i = 1; i < kPrepThreads / 32; ++i) {
       w += wsum[i];
       bad = wbad[i] < bad ? wbad[i] : bad;
     }
@@ -135,59 +150,31 @@ __global__ void __launch_bounds__(kReduceThreads) prep_kernel(const PrepArgs a, 
   prep[0] = D > 0.0f ? gs / D : 0.0f;
   prep[1] = D;
   reinterpret_cast<long long *>(prep)[1] = bad;
-}
-
-// Merges a partial of field k of the reduce kernel: sums, then min / max pairs.
-__device__ __forceinline__ float combine(int k, float a, float o) {
-  return k < kRecFields ? a + o : ((k - kRecFields) % 2 ? fmaxf(a, o) : fminf(a, o));
+  reinterpret_cast<unsigned *>(prep)[4] = 0;  // the row kernel's clusters take tickets from 0
 }
 
 __global__ void __launch_bounds__(kReduceThreads)
 reduce_kernel(const float *rec, int64_t rows, const float *prep, bool has_ratio, bool has_adv,
               unsigned terms, float *out) {
-  constexpr int K = kRecFields + 4;  // the sums, then ratio min / max, advantage min / max
-  __shared__ float part[kReduceThreads / 32][K];
-  float acc[K];
-  for (int k = 0; k < kRecFields; ++k) acc[k] = 0.0f;
-  acc[kRecFields] = acc[kRecFields + 2] = INFINITY;
-  acc[kRecFields + 1] = acc[kRecFields + 3] = -INFINITY;
+  __shared__ float part[kReduceThreads / 32][kSumFields];
+  float acc[kSumFields];
+  sums_init(acc);
   int64_t lo, hi;
   cta_rows(rows, lo, hi);
-  for (int64_t i = lo + threadIdx.x; i < hi; i += kReduceThreads) {
-    const float w = rec[R_W * rows + i];
-    for (int k = 0; k < kRecFields; ++k) {
-      const float x = rec[k * rows + i];
-      acc[k] += (k == R_W || k == R_VALID) ? x : w * x;
-    }
-    if (w > 0.0f) {
-      const float ratio = rec[R_RATIO * rows + i], adv = rec[R_ADV * rows + i];
-      acc[kRecFields] = fminf(acc[kRecFields], ratio);
-      acc[kRecFields + 1] = fmaxf(acc[kRecFields + 1], ratio);
-      acc[kRecFields + 2] = fminf(acc[kRecFields + 2], adv);
-      acc[kRecFields + 3] = fmaxf(acc[kRecFields + 3], adv);
-    }
-  }
-  for (int k = 0; k < K; ++k)
-    for (int off = 16; off > 0; off >>= 1) acc[k] = combine(k, acc[k], __shfl_xor_sync(0xffffffffu, acc[k], off));
-  if (threadIdx.x % 32 == 0)
-    for (int k = 0; k < K; ++k) part[threadIdx.x / 32][k] = acc[k];
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kReduceThreads / 32; ++w)
-      for (int k = 0; k < K; ++k) acc[k] = combine(k, acc[k], part[w][k]);
-    for (int k = 0; k < K; ++k) part[0][k] = acc[k];  // this CTA's result
-  }
+  for (int64_t i = lo + threadIdx.x; i < hi; i += kReduceThreads)
+    add_row(acc, [&](int k) { return rec[k * rows + i]; });
+  block_combine<kReduceThreads>(acc, part);
+  if (threadIdx.x == 0)
+    for (int k = 0; k < kSumFields; ++k) part[0][k] = acc[k];  // this CTA's result
   cluster_sync();
   const bool last = cluster_pos().rank == 0 && threadIdx.x == 0;
   if (last)
     for (int c = 1; c < cluster_pos().size; ++c) {
       const float *o = peer(&part[0][0], c);
-      for (int k = 0; k < K; ++k) acc[k] = combine(k, acc[k], o[k]);
+      for (int k = 0; k < kSumFields; ++k) acc[k] = combine(k, acc[k], o[k]);
     }
   cluster_sync();
-  if (!last) return;
-  finish_scalars<float>(acc, acc[kRecFields], acc[kRecFields + 1], acc[kRecFields + 2],
-                        acc[kRecFields + 3], prep[1], has_ratio, has_adv, terms, out);
+  if (last) write_scalars(acc, prep[1], has_ratio, has_adv, terms, out);
 }
 
 const void *pick_bulk(hl_dtype_t dt, int phase, bool grad, bool cap) {
@@ -229,6 +216,9 @@ static int max_clusters(const CudaLaunch &c) {
 
 static size_t align16(size_t n) { return (n + 15) / 16 * 16; }
 static size_t records_bytes(int64_t rows) { return align16(size_t(rows) * kRecFields * sizeof(float)); }
+static size_t partials_bytes(const hl_loss_plan_st &p) {
+  return size_t(p.cuda.partials) * kPartialStride * sizeof(float);
+}
 
 // The kernel arguments every phase shares.
 static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const hl_loss_args_t &a,
@@ -241,9 +231,14 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
   k.tok_loss = a.token_loss, k.tok_logp = a.token_logp, k.tok_entropy = a.token_entropy;
   k.tok_lse = a.token_lse;
   if (workspace) {
-    k.prep = static_cast<const float *>(workspace);
-    k.records = static_cast<float *>(workspace) + kPrepBytes / sizeof(float);
+    char *w = static_cast<char *>(workspace);
+    k.prep = reinterpret_cast<const float *>(w);
+    k.ticket = reinterpret_cast<unsigned *>(w + 16);
+    k.partials = reinterpret_cast<float *>(w + kPrepBytes);
+    k.records = reinterpret_cast<float *>(w + kPrepBytes + partials_bytes(p));
   }
+  k.scalars = a.scalars;
+  k.has_ratio = a.labels && a.old_logprobs, k.has_adv = a.advantages != nullptr;
   k.rows = a.rows, k.vocab = d.vocab;
   k.slice = slice_cols(d.vocab, c.cluster, int(16 / dtype_size(d.logits_dtype)));
   k.o = p.opt, k.ignore_index = d.ignore_index;
@@ -256,10 +251,12 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
   return k;
 }
 
-static hl_status_t launch_rows(const CudaLaunch &c, const Params &k, cudaStream_t stream) {
+// early: the kernel before it on the stream is the prep kernel, which it may overlap (sm_90).
+static hl_status_t launch_rows(const CudaLaunch &c, const Params &k, cudaStream_t stream, bool early) {
   const int64_t clusters = std::min<int64_t>(k.rows, c.grid / c.cluster);
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(clusters * c.cluster, kThreads, c.smem, c.cluster, stream, attr);
+  cudaLaunchAttribute attr, attrs[2];
+  cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(clusters * c.cluster, kThreads, c.smem, c.cluster, stream, attr);
+  if (early) hl::cuda::allow_early_start(cfg, attrs);
   Params arg = k;
   void *args[] = {&arg};
   HL_CUDA_TRY(cudaLaunchKernelExC(&cfg, c.kernel, args));
@@ -276,12 +273,17 @@ static const CudaLaunch &pick_launch(const hl_loss_plan_st &p, const hl_loss_arg
 static int small_cluster(const hl_loss_plan_st &p, int64_t rows) {
   return rows >= kSmallClusterRows ? p.cuda.small_cluster : 1;
 }
+static int prep_cluster(const hl_loss_plan_st &p, int64_t rows) {
+  const int64_t per = int64_t(kPrepThreads) * kPrepRowsPerThread;
+  return int(std::min<int64_t>(p.cuda.small_cluster, (rows + per - 1) / per));
+}
 
 // Launches the prep or reduce kernel as one cluster of `cluster` CTAs.
 template <class... Exp, class... Act>
-static hl_status_t launch_small(void (*kernel)(Exp...), int cluster, cudaStream_t stream, Act... args) {
+static hl_status_t launch_small(void (*kernel)(Exp...), int threads, int cluster, cudaStream_t stream,
+                                Act... args) {
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(cluster, kReduceThreads, 0, cluster, stream, attr);
+  const cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(cluster, threads, 0, cluster, stream, attr);
   HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, args...));
   return HL_STATUS_SUCCESS;
 }
@@ -294,7 +296,7 @@ static hl_status_t prep_and_check(const char *fn, const hl_loss_plan_st &p, cons
   const bool l64 = d.labels_dtype == HL_DTYPE_I64;
   const PrepArgs pa{a.labels, a.weights, a.rows, d.vocab_global, d.ignore_index, a.divisor,
                     a.grad_scale, l64, d.use_ignore_index != 0};
-  HL_TRY(launch_small(prep_kernel, small_cluster(p, a.rows), stream, pa, prep));
+  HL_TRY(launch_small(prep_kernel, kPrepThreads, prep_cluster(p, a.rows), stream, pa, prep));
   if ((d.flags & HL_LOSS_UNCHECKED) || (!a.labels && !gathered)) return HL_STATUS_SUCCESS;
   long long bad = LLONG_MAX;
   std::vector<BlockHeader> headers(gathered ? size_t(d.ranks) : 0);
@@ -326,11 +328,10 @@ static hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_l
   Params k = make_params(p, c, a, workspace);
   k.gathered = static_cast<const char *>(gathered);
   HL_TRY(prep_and_check(fn, p, a, static_cast<float *>(workspace), gathered, stream));
-  HL_TRY(launch_rows(c, k, stream));
-  if (a.scalars) {
-    HL_TRY(launch_small(reduce_kernel, small_cluster(p, a.rows), stream, k.records, a.rows,
-                        static_cast<const float *>(k.prep), a.labels && a.old_logprobs,
-                        a.advantages != nullptr, unsigned(p.desc.terms), a.scalars));
+  HL_TRY(launch_rows(c, k, stream, p.cuda.early_start));
+  if (a.scalars && phase == kFinish) {
+    HL_TRY(launch_small(reduce_kernel, kReduceThreads, small_cluster(p, a.rows), stream, k.records, a.rows, k.prep,
+                        k.has_ratio, k.has_adv, unsigned(p.desc.terms), a.scalars));
   }
   return HL_STATUS_SUCCESS;
 }
@@ -352,6 +353,11 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   // 16 with the non-portable opt-in. A row too long for that is re-read from global memory.
   const int max_cluster = major >= 9 ? kMaxCluster : 1;
   p.cuda.small_cluster = major >= 9 ? kSmallCluster : 1;
+  p.cuda.early_start = major >= 9;
+  // The row kernel takes the most shared memory an SM has; an SM whose L1 / shared split suits a
+  // kernel asking for less cannot host its CTAs, so prep asks for the same split to share SMs.
+  HL_CUDA_TRY(cudaFuncSetAttribute(prep_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   cudaSharedmemCarveoutMaxShared));
   int cluster = 1;
   while (cluster < max_cluster && bytes(cluster) > kKeepTarget) cluster *= 2;
   const bool keep_row = bytes(cluster) <= cap_bytes;
@@ -364,6 +370,7 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
     if (c.cluster > 8)
       HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     c.grid = max_clusters(c) * c.cluster;
+    p.cuda.partials = std::max(p.cuda.partials, c.grid / c.cluster);
     return HL_STATUS_SUCCESS;
   };
   for (int ph = kWhole; ph <= kFinish; ++ph) {
@@ -395,11 +402,12 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
 }
 
 size_t cuda_workspace_bytes(const hl_loss_plan_st &p, int64_t rows) {
-  return cuda::kPrepBytes + cuda::records_bytes(rows) + size_t(p.desc.ranks) * block_bytes(p, rows);
+  return cuda::kPrepBytes + cuda::partials_bytes(p) + cuda::records_bytes(rows) +
+         size_t(p.desc.ranks) * block_bytes(p, rows);
 }
 
-void *cuda_gathered(const hl_loss_plan_st &, int64_t rows, void *workspace) {
-  return static_cast<char *>(workspace) + cuda::kPrepBytes + cuda::records_bytes(rows);
+void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace) {
+  return static_cast<char *>(workspace) + cuda::kPrepBytes + cuda::partials_bytes(p) + cuda::records_bytes(rows);
 }
 
 hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
@@ -426,7 +434,7 @@ hl_status_t cuda_stats(const char *, const hl_loss_plan_st &p, const hl_loss_arg
   k.block = static_cast<char *>(block);
   static_assert(sizeof h == sizeof k.header, "the header is 8 int64 fields");
   std::memcpy(k.header, &h, sizeof h);
-  return launch_rows(c, k, s);
+  return launch_rows(c, k, s, false);
 }
 
 }  // namespace hl::loss

@@ -21,8 +21,13 @@ struct Params {
   int64_t logits_stride, teacher_stride, grad_stride;
   const float *weights, *adv, *old_logp, *ref_logp;
   float *tok_loss, *tok_logp, *tok_entropy, *tok_lse;
-  float *records;      // [kRecFields][rows]
+  float *records;      // [kRecFields][rows]: the split's finish, for the reduce kernel
   const float *prep;   // the prep kernel's output: grad_scale / D, D
+  // The whole loss's scalars (optional): each cluster's partial sums, in the order of the
+  // clusters; the ticket (zeroed by the prep kernel) counts the clusters done.
+  float *scalars, *partials;
+  unsigned *ticket;
+  bool has_ratio, has_adv;
   int64_t rows, vocab;
   int64_t slice;       // columns per CTA, a multiple of the vector width
   Options o;

@@ -26,7 +26,9 @@
 
 #include "common/bulk_copy.cuh"
 #include "common/dtype.cuh"
+#include "common/grid_dependency.cuh"
 #include "loss/params.cuh"
+#include "loss/sums.cuh"
 
 namespace hl::loss::cuda {
 
@@ -320,6 +322,29 @@ __device__ void write_record(const Params &p, int64_t r, RowStats<float> st) {
     for (int k = 0; k < 8; ++k) reinterpret_cast<int64_t *>(p.block)[k] = p.header[k];
 }
 
+// A cluster's partial sums (sums, thread 0) into the workspace; the last cluster to finish (the
+// ticket) merges every cluster's partial in cluster order and writes the scalars. part: shared
+// scratch for block_combine.
+__device__ __forceinline__ void publish_sums(const Params &p, const float *sums, float (*part)[kSumFields],
+                                          int64_t cluster, int64_t clusters) {
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    for (int k = 0; k < kSumFields; ++k) p.partials[cluster * kPartialStride + k] = sums[k];
+    __threadfence();  // the partial is visible before the ticket counts it
+    last = atomicAdd(p.ticket, 1u) == unsigned(clusters - 1);
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  float acc[kSumFields];
+  sums_init(acc);
+  for (int64_t i = threadIdx.x; i < clusters; i += kThreads)
+#pragma unroll
+    for (int k = 0; k < kSumFields; ++k) acc[k] = combine(k, acc[k], __ldcg(p.partials + i * kPartialStride + k));
+  block_combine<kThreads>(acc, part);
+  if (threadIdx.x == 0) write_scalars(acc, p.prep[1], p.has_ratio, p.has_adv, p.o.terms, p.scalars);
+}
+
 template <class T, bool GRAD, bool CAP, int DISTILL, int PHASE, bool BULK>
 __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel(const Params p) {
   static_assert(PHASE != kStats || !GRAD, "the statistics step writes no gradient");
@@ -340,6 +365,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
 #endif
   __shared__ MergeScratch scratch;
   __shared__ RowResult<float> row;
+  __shared__ float sums[kSumFields];  // kWhole with scalars: this cluster's rows (rank 0, thread 0)
   __shared__ uint64_t full[kMaxChunks], empty[kMaxChunks];  // BULK: see the top of this file
 #if __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
@@ -366,7 +392,6 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   };
   const int64_t lo = min(p.vocab, rank * p.slice), hi = min(p.vocab, lo + p.slice);
   const int64_t nvec = (hi - lo) / VEC, tail_lo = lo + nvec * VEC;
-  const float kd = PHASE == kStats ? 0.0f : p.prep[0];
   const int64_t first = blockIdx.x / csize, step = gridDim.x / csize;
   const auto slice_of = [&](int64_t row) { return static_cast<const T *>(p.logits) + row * p.logits_stride + lo; };
   // Chunks of the slice: kChunkPacks packs each with BULK, else one chunk of all of it.
@@ -398,6 +423,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     }
     __syncthreads();
   }
+  const bool sum_rows = PHASE == kWhole && p.scalars && rank == 0;
+  if (sum_rows && tid == 0) sums_init(sums);
   int parity = 0;
   for (int64_t r = first, it = 0; r < p.rows; r += step, parity ^= 1, ++it) {
     const T *x = slice_of(r);
@@ -522,17 +549,21 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       if (PHASE == kStats) {
         if (rank == 0) write_record<DISTILL>(p, r, all);
       } else {
-      row = finish_row(all, in, o, kd);
-      if (rank == 0) {
-        for (int k = 0; k < kRecFields; ++k) p.records[k * p.rows + r] = row.rec[k];
-        if (p.tok_loss) p.tok_loss[r] = row.token_loss;
-        if (p.tok_logp) p.tok_logp[r] = row.logp;
-        if (p.tok_entropy) p.tok_entropy[r] = row.entropy;
-        if (p.tok_lse) p.tok_lse[r] = row.lse;
-      }
+      hl::cuda::wait_for_previous_grid();  // the prep kernel's kd (launch_rows: early)
+      row = finish_row(all, in, o, p.prep[0]);
       }
     }
     if (PHASE != kStats) __syncthreads();
+    // The row's outputs, after the barrier: stores and sums here would hold every warp back.
+    if (PHASE != kStats && tid == 0 && rank == 0) {
+      if (PHASE == kFinish)
+        for (int k = 0; k < kRecFields; ++k) p.records[k * p.rows + r] = row.rec[k];
+      if (sum_rows) add_row(sums, [&](int k) { return row.rec[k]; });
+      if (p.tok_loss) p.tok_loss[r] = row.token_loss;
+      if (p.tok_logp) p.tok_logp[r] = row.logp;
+      if (p.tok_entropy) p.tok_entropy[r] = row.entropy;
+      if (p.tok_lse) p.tok_lse[r] = row.lse;
+    }
     if (GRAD) {
       RowResult<float> rr = row;  // coefficients in registers for the loop
       if (RAW) rr.cpz *= zs;      // on the raw logit
@@ -598,6 +629,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
 #if __CUDA_ARCH__ >= 900
   if (csize > 1) cluster.sync();  // no CTA leaves while its records may still be on the way
 #endif
+  static_assert(sizeof(MergeScratch) >= sizeof(float[kThreads / 32][kSumFields]), "scratch is reused");
+  if (sum_rows) publish_sums(p, sums, reinterpret_cast<float(*)[kSumFields]>(&scratch), first, step);
 }
 
 template <class T, int PHASE, bool GRAD, bool CAP>

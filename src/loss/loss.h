@@ -24,7 +24,9 @@ struct CudaLaunch {
 struct CudaChoice {
   CudaLaunch phase[3];  // by Phase
   CudaLaunch bulk[3];   // the same through bulk copies (sm_90, aligned rows); kernel null if none
-  int small_cluster = 1;  // CTAs of the prep and reduce kernels (one cluster)
+  int small_cluster = 1;  // the most CTAs of the prep and reduce kernels (one cluster)
+  int partials = 0;       // clusters of the largest grid: the row kernel's partial sums
+  bool early_start = false;  // the row kernel may overlap the prep kernel (sm_90)
 };
 
 }  // namespace hl::loss
@@ -70,7 +72,8 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
 
 #if HL_HAVE_CUDA
 hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p);
-// Per-row records, then room for `ranks` gathered blocks (hl_loss_plan_execute_nccl).
+// The prep kernel's output and each cluster's partial sums, per-row records for the split's reduce,
+// then room for `ranks` gathered blocks (hl_loss_plan_execute_nccl).
 size_t cuda_workspace_bytes(const hl_loss_plan_st &p, int64_t rows);
 // Where the gathered blocks live in a workspace.
 void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace);

@@ -115,8 +115,12 @@ struct RowInputs {
   bool has_adv, has_old, has_ref;
 };
 
-// Row i's inputs as the caller passed them (device pointers on CUDA, host ones on the CPU).
 // A row is ignored when its label is negative or equals the plan's ignore_index.
+HL_HD bool label_counts(int64_t label, bool use_ignore, int64_t ignore_index) {
+  return label >= 0 && !(use_ignore && label == ignore_index);
+}
+
+// Row i's inputs as the caller passed them (device pointers on CUDA, host ones on the CPU).
 template <class F>
 HL_HD RowInputs<F> read_inputs(const void *labels, bool labels64, const float *weights,
                                const float *adv, const float *old_logp, const float *ref_logp,
@@ -127,7 +131,7 @@ HL_HD RowInputs<F> read_inputs(const void *labels, bool labels64, const float *w
   if (in.has_label)
     in.label = labels64 ? static_cast<const int64_t *>(labels)[i]
                         : int64_t(static_cast<const int32_t *>(labels)[i]);
-  in.valid = !in.has_label || (in.label >= 0 && !(use_ignore && in.label == ignore_index));
+  in.valid = !in.has_label || label_counts(in.label, use_ignore, ignore_index);
   if (!in.valid) in.label = -1;
   in.w = weights ? F(weights[i]) : F(1);
   in.has_adv = adv != nullptr;

@@ -266,15 +266,30 @@ def test_bulk_dtypes(be, dtype, grad_dtype):
 
 
 def test_many_rows_scalars(be):
-    """Enough rows (40000) that CUDA's prep and reduce kernels split them over a cluster of CTAs
-    (launch.cu, kSmallClusterRows): the divisor, every scalar (sums and the ratio / advantage
-    min / max) and the first bad label must come out as with one CTA."""
+    """Enough rows (40000) that CUDA's prep kernel splits them over a cluster of CTAs and each of
+    the row kernel's clusters sums ~100 rows before the last one merges the partials: the divisor,
+    every scalar (sums and the ratio / advantage min / max) and the first bad label must come out
+    as with one CTA."""
     rng = np.random.default_rng(40000)
     terms, opts, inp = build(rng, 40000, 24, "float32", "all")
     check(be, run_lib(be, inp, terms, opts), run_ref(inp, terms, opts), "float32")
     inp["labels"][[21001, 39999]] = 24  # bad rows in two CTAs' ranges: the first is reported
     with pytest.raises(headloss.HeadlossError, match=r"labels\[21001\] is 24"):
         run_lib(be, inp, terms, opts)
+
+
+@pytest.mark.parametrize("V", [32000, 128256])
+def test_gpu_deterministic(be, V):
+    """Two runs give the same bits: the row kernel's clusters sum their own rows and whichever
+    finishes last merges every cluster's partial sums, always in cluster order."""
+    if be.name == "cpu":
+        pytest.skip("the partial sums are CUDA's")
+    terms, opts, inp = _bulk_inputs(np.random.default_rng(11), V, "bfloat16", "grpo_kl")
+    (s1, t1, g1), (s2, t2, g2) = (run_lib(be, inp, terms, opts) for _ in range(2))
+    assert np.array_equal(np.array(list(s1.values())), np.array(list(s2.values())))
+    for k in t1:
+        assert np.array_equal(t1[k], t2[k]), k
+    assert np.array_equal(g1, g2)
 
 
 def test_finite_differences():
