@@ -31,7 +31,7 @@ constexpr int kReduceThreads = 1024;
 // its first rows while prep runs; each row kernel CTA waits for prep only at its first finish.
 constexpr int kPrepThreads = 128;
 constexpr int kPrepRowsPerThread = 16;
-constexpr size_t kPrepBytes = 32;             // kd, D (floats), first bad row (int64), ticket
+constexpr size_t kPrepBytes = (sizeof(PrepOut) + 15) / 16 * 16;
 constexpr size_t kKeepTarget = 72 * 1024;     // a slice this small lets 3 CTAs share an SM
 constexpr size_t kStaticSmemSlack = 8 * 1024; // the kernel's own shared memory, rounded up
 
@@ -91,7 +91,7 @@ __device__ __forceinline__ void cta_rows(int64_t n, int64_t &lo, int64_t &hi) {
   lo = min(n, c.rank * per), hi = min(n, lo + per);
 }
 
-__global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a, float *prep) {
+__global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a, PrepOut *out) {
   hl::cuda::let_next_grid_start();
   __shared__ float wsum[kPrepThreads / 32];
   __shared__ long long wbad[kPrepThreads / 32];
@@ -147,14 +147,14 @@ __global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a
   if (!last) return;
   const float D = a.divisor > 0 ? float(a.divisor) : w;
   const float gs = a.grad_scale == 0.0f ? 1.0f : a.grad_scale;
-  prep[0] = D > 0.0f ? gs / D : 0.0f;
-  prep[1] = D;
-  reinterpret_cast<long long *>(prep)[1] = bad;
-  reinterpret_cast<unsigned *>(prep)[4] = 0;  // the row kernel's clusters take tickets from 0
+  out->kd = D > 0.0f ? gs / D : 0.0f;
+  out->D = D;
+  out->bad = bad;
+  out->ticket = 0;
 }
 
 __global__ void __launch_bounds__(kReduceThreads)
-reduce_kernel(const float *rec, int64_t rows, const float *prep, bool has_ratio, bool has_adv,
+reduce_kernel(const float *rec, int64_t rows, const PrepOut *prep, bool has_ratio, bool has_adv,
               unsigned terms, float *out) {
   __shared__ float part[kReduceThreads / 32][kSumFields];
   float acc[kSumFields];
@@ -174,7 +174,7 @@ reduce_kernel(const float *rec, int64_t rows, const float *prep, bool has_ratio,
       for (int k = 0; k < kSumFields; ++k) acc[k] = combine(k, acc[k], o[k]);
     }
   cluster_sync();
-  if (last) write_scalars(acc, prep[1], has_ratio, has_adv, terms, out);
+  if (last) write_scalars(acc, prep->D, has_ratio, has_adv, terms, out);
 }
 
 const void *pick_bulk(hl_dtype_t dt, int phase, bool grad, bool cap) {
@@ -217,7 +217,7 @@ static int max_clusters(const CudaLaunch &c) {
 static size_t align16(size_t n) { return (n + 15) / 16 * 16; }
 static size_t records_bytes(int64_t rows) { return align16(size_t(rows) * kRecFields * sizeof(float)); }
 static size_t partials_bytes(const hl_loss_plan_st &p) {
-  return size_t(p.cuda.partials) * kPartialStride * sizeof(float);
+  return align16(size_t(p.cuda.partials) * kSumFields * sizeof(float));
 }
 
 // The kernel arguments every phase shares.
@@ -232,8 +232,7 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
   k.tok_lse = a.token_lse;
   if (workspace) {
     char *w = static_cast<char *>(workspace);
-    k.prep = reinterpret_cast<const float *>(w);
-    k.ticket = reinterpret_cast<unsigned *>(w + 16);
+    k.prep = reinterpret_cast<PrepOut *>(w);
     k.partials = reinterpret_cast<float *>(w + kPrepBytes);
     k.records = reinterpret_cast<float *>(w + kPrepBytes + partials_bytes(p));
   }
@@ -291,7 +290,7 @@ static hl_status_t launch_small(void (*kernel)(Exp...), int threads, int cluster
 // The prep kernel (D, first bad label), then unless the plan is unchecked one synchronisation
 // that checks the labels and, for a finish, the gathered blocks' headers.
 static hl_status_t prep_and_check(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                                  float *prep, const void *gathered, cudaStream_t stream) {
+                                  PrepOut *prep, const void *gathered, cudaStream_t stream) {
   const hl_loss_plan_desc_t &d = p.desc;
   const bool l64 = d.labels_dtype == HL_DTYPE_I64;
   const PrepArgs pa{a.labels, a.weights, a.rows, d.vocab_global, d.ignore_index, a.divisor,
@@ -300,7 +299,7 @@ static hl_status_t prep_and_check(const char *fn, const hl_loss_plan_st &p, cons
   if ((d.flags & HL_LOSS_UNCHECKED) || (!a.labels && !gathered)) return HL_STATUS_SUCCESS;
   long long bad = LLONG_MAX;
   std::vector<BlockHeader> headers(gathered ? size_t(d.ranks) : 0);
-  if (a.labels) HL_CUDA_TRY(cudaMemcpyAsync(&bad, prep + 2, sizeof bad, cudaMemcpyDeviceToHost, stream));
+  if (a.labels) HL_CUDA_TRY(cudaMemcpyAsync(&bad, &prep->bad, sizeof bad, cudaMemcpyDeviceToHost, stream));
   if (gathered)
     HL_CUDA_TRY(cudaMemcpy2DAsync(headers.data(), sizeof(BlockHeader), gathered, block_bytes(p, a.rows),
                                   sizeof(BlockHeader), size_t(d.ranks), cudaMemcpyDeviceToHost, stream));
@@ -327,7 +326,7 @@ static hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_l
   const CudaLaunch &c = pick_launch(p, a, phase);
   Params k = make_params(p, c, a, workspace);
   k.gathered = static_cast<const char *>(gathered);
-  HL_TRY(prep_and_check(fn, p, a, static_cast<float *>(workspace), gathered, stream));
+  HL_TRY(prep_and_check(fn, p, a, k.prep, gathered, stream));
   HL_TRY(launch_rows(c, k, stream, p.cuda.early_start));
   if (a.scalars && phase == kFinish) {
     HL_TRY(launch_small(reduce_kernel, kReduceThreads, small_cluster(p, a.rows), stream, k.records, a.rows, k.prep,

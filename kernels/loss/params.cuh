@@ -15,6 +15,13 @@ constexpr int kMaxChunks = 16;
 constexpr int kMaxCluster = 16;  // CTAs a row may be split over (Hopper's non-portable maximum)
 constexpr float kLog2e = 1.4426950408889634f;
 
+// The prep kernel's output, at the start of the workspace.
+struct PrepOut {
+  float kd, D;        // grad_scale / D (0 when D == 0), D
+  long long bad;      // the first row whose label is out of range (LLONG_MAX: none)
+  unsigned ticket;    // zeroed here; the row kernel's clusters count themselves done on it
+};
+
 struct Params {
   const void *logits, *teacher, *labels;
   void *grad;
@@ -22,11 +29,9 @@ struct Params {
   const float *weights, *adv, *old_logp, *ref_logp;
   float *tok_loss, *tok_logp, *tok_entropy, *tok_lse;
   float *records;      // [kRecFields][rows]: the split's finish, for the reduce kernel
-  const float *prep;   // the prep kernel's output: grad_scale / D, D
-  // The whole loss's scalars (optional): each cluster's partial sums, in the order of the
-  // clusters; the ticket (zeroed by the prep kernel) counts the clusters done.
+  PrepOut *prep;
+  // The whole loss's scalars (optional): each cluster's partial sums, in the order of the clusters.
   float *scalars, *partials;
-  unsigned *ticket;
   bool has_ratio, has_adv;
   int64_t rows, vocab;
   int64_t slice;       // columns per CTA, a multiple of the vector width

@@ -329,9 +329,9 @@ __device__ __forceinline__ void publish_sums(const Params &p, const float *sums,
                                           int64_t cluster, int64_t clusters) {
   __shared__ bool last;
   if (threadIdx.x == 0) {
-    for (int k = 0; k < kSumFields; ++k) p.partials[cluster * kPartialStride + k] = sums[k];
+    for (int k = 0; k < kSumFields; ++k) p.partials[cluster * kSumFields + k] = sums[k];
     __threadfence();  // the partial is visible before the ticket counts it
-    last = atomicAdd(p.ticket, 1u) == unsigned(clusters - 1);
+    last = atomicAdd(&p.prep->ticket, 1u) == unsigned(clusters - 1);
   }
   __syncthreads();
   if (!last) return;
@@ -340,9 +340,9 @@ __device__ __forceinline__ void publish_sums(const Params &p, const float *sums,
   sums_init(acc);
   for (int64_t i = threadIdx.x; i < clusters; i += kThreads)
 #pragma unroll
-    for (int k = 0; k < kSumFields; ++k) acc[k] = combine(k, acc[k], __ldcg(p.partials + i * kPartialStride + k));
+    for (int k = 0; k < kSumFields; ++k) acc[k] = combine(k, acc[k], __ldcg(p.partials + i * kSumFields + k));
   block_combine<kThreads>(acc, part);
-  if (threadIdx.x == 0) write_scalars(acc, p.prep[1], p.has_ratio, p.has_adv, p.o.terms, p.scalars);
+  if (threadIdx.x == 0) write_scalars(acc, p.prep->D, p.has_ratio, p.has_adv, p.o.terms, p.scalars);
 }
 
 template <class T, bool GRAD, bool CAP, int DISTILL, int PHASE, bool BULK>
@@ -550,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
         if (rank == 0) write_record<DISTILL>(p, r, all);
       } else {
       hl::cuda::wait_for_previous_grid();  // the prep kernel's kd (launch_rows: early)
-      row = finish_row(all, in, o, p.prep[0]);
+      row = finish_row(all, in, o, p.prep->kd);
       }
     }
     if (PHASE != kStats) __syncthreads();

@@ -12,8 +12,6 @@ namespace hl::loss::cuda {
 // The weighted sums of the record fields, then ratio min / max and advantage min / max (rows with
 // w > 0).
 constexpr int kSumFields = kRecFields + 4;
-constexpr int kPartialStride = 24;  // floats a cluster's partial takes in the workspace
-static_assert(kPartialStride >= kSumFields, "a partial holds every sum");
 
 __device__ __forceinline__ void sums_init(float *acc) {
 #pragma unroll
