@@ -1,11 +1,11 @@
 // The loss plan on CUDA: the kernels and their cluster / shared-memory shapes are chosen once per
 // plan; an execution runs two kernels on the stream:
-//   prep:   the divisor D (sum of valid weights, fixed order) and the label check;
-//   rows:   statistics, gradient, and the scalars: each cluster sums its rows' records and the
-//           last cluster to finish merges those partial sums (sums.cuh; fixed order, no float
-//           atomics: deterministic).
-// The split execution runs rows in its kStats phase alone, then prep, rows (kFinish) and a
-// reduce kernel over per-row records, so that every rank gets the same bits whatever its grid.
+//   prep:   the divisor D (sum of valid weights, fixed order), the label check, and zeroed
+//           counters for the row kernel;
+//   rows:   statistics, gradient, and each row's record;
+//   reduce: the scalars from the records (sums.cuh: an order fixed by the row count, no float
+//           atomics: deterministic, and the same bits on every rank of a split).
+// The split execution runs rows in its kStats phase alone, then prep, rows (kFinish) and reduce.
 #include <climits>
 #include <cstring>
 #include <vector>
@@ -42,6 +42,8 @@ struct PrepArgs {
   double divisor;
   float grad_scale;
   bool labels64, use_ignore;
+  unsigned *counters;  // the row kernel's (params.cuh), zeroed here
+  int64_t ncounters;
 };
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -52,8 +54,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 // The prep and reduce kernels run as one cluster of CTAs (Hopper; else one CTA): each CTA reduces
 // a contiguous range of rows, then rank 0 merges the CTAs' results in rank order through
 // distributed shared memory (deterministic). Prep takes one CTA per kPrepRowsPerThread x 128 rows,
-// up to kSmallCluster; the reduce kernel (split only) a cluster from kSmallClusterRows rows on
-// (measured with ncu on H100 at 65536 rows: 55 -> 22 us; slower at 8192 rows).
+// up to kSmallCluster; the reduce kernel a cluster from kSmallClusterRows rows on (measured with
+// ncu on H100 at 65536 rows: 55 -> 22 us; slower at 8192 rows).
 constexpr int kSmallCluster = 8;
 constexpr int64_t kSmallClusterRows = 32768;
 
@@ -97,6 +99,8 @@ __global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a
   __shared__ long long wbad[kPrepThreads / 32];
   float w = 0.0f;
   long long bad = LLONG_MAX;
+  const int64_t t = int64_t(cluster_pos().rank) * kPrepThreads + threadIdx.x;
+  for (int64_t i = t; i < a.ncounters; i += int64_t(cluster_pos().size) * kPrepThreads) a.counters[i] = 0;
   int64_t lo, hi;
   cta_rows(a.rows, lo, hi);
   constexpr int B = 4;  // rows a thread reads before using any: latency, not bandwidth, bounds this
@@ -150,7 +154,6 @@ __global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a
   out->kd = D > 0.0f ? gs / D : 0.0f;
   out->D = D;
   out->bad = bad;
-  out->ticket = 0;
 }
 
 __global__ void __launch_bounds__(kReduceThreads)
@@ -161,8 +164,11 @@ reduce_kernel(const float *rec, int64_t rows, const PrepOut *prep, bool has_rati
   sums_init(acc);
   int64_t lo, hi;
   cta_rows(rows, lo, hi);
-  for (int64_t i = lo + threadIdx.x; i < hi; i += kReduceThreads)
-    add_row(acc, [&](int k) { return rec[k * rows + i]; });
+  for (int64_t i = lo + threadIdx.x; i < hi; i += kReduceThreads) {
+    float r[kRecFields];
+    load_floats(rec + i * kRecStride, r);
+    add_row(acc, [&](int k) { return r[k]; });
+  }
   block_combine<kReduceThreads>(acc, part);
   if (threadIdx.x == 0)
     for (int k = 0; k < kSumFields; ++k) part[0][k] = acc[k];  // this CTA's result
@@ -214,11 +220,10 @@ static int max_clusters(const CudaLaunch &c) {
   return n;
 }
 
-static size_t align16(size_t n) { return (n + 15) / 16 * 16; }
-static size_t records_bytes(int64_t rows) { return align16(size_t(rows) * kRecFields * sizeof(float)); }
-static size_t partials_bytes(const hl_loss_plan_st &p) {
-  return align16(size_t(p.cuda.partials) * kSumFields * sizeof(float));
-}
+// The workspace: PrepOut, the row counters (params.cuh), the rows' records (sums.cuh), then the
+// gathered blocks of a split.
+constexpr size_t kRecordsAt = kPrepBytes + (kMaxCluster * sizeof(unsigned) + 15) / 16 * 16;
+static size_t gathered_at(int64_t rows) { return kRecordsAt + size_t(rows) * kRecStride * sizeof(float); }
 
 // The kernel arguments every phase shares.
 static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const hl_loss_args_t &a,
@@ -233,10 +238,9 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
   if (workspace) {
     char *w = static_cast<char *>(workspace);
     k.prep = reinterpret_cast<PrepOut *>(w);
-    k.partials = reinterpret_cast<float *>(w + kPrepBytes);
-    k.records = reinterpret_cast<float *>(w + kPrepBytes + partials_bytes(p));
+    k.counters = reinterpret_cast<unsigned *>(w + kPrepBytes);
+    k.records = a.scalars ? reinterpret_cast<float *>(w + kRecordsAt) : nullptr;
   }
-  k.scalars = a.scalars;
   k.has_ratio = a.labels && a.old_logprobs, k.has_adv = a.advantages != nullptr;
   k.rows = a.rows, k.vocab = d.vocab;
   k.slice = slice_cols(d.vocab, c.cluster, int(16 / dtype_size(d.logits_dtype)));
@@ -269,12 +273,13 @@ static const CudaLaunch &pick_launch(const hl_loss_plan_st &p, const hl_loss_arg
   return aligned && p.cuda.bulk[phase].kernel ? p.cuda.bulk[phase] : p.cuda.phase[phase];
 }
 
-static int small_cluster(const hl_loss_plan_st &p, int64_t rows) {
-  return rows >= kSmallClusterRows ? p.cuda.small_cluster : 1;
-}
 static int prep_cluster(const hl_loss_plan_st &p, int64_t rows) {
   const int64_t per = int64_t(kPrepThreads) * kPrepRowsPerThread;
   return int(std::min<int64_t>(p.cuda.small_cluster, (rows + per - 1) / per));
+}
+
+static int small_cluster(const hl_loss_plan_st &p, int64_t rows) {
+  return rows >= kSmallClusterRows ? p.cuda.small_cluster : 1;
 }
 
 // Launches the prep or reduce kernel as one cluster of `cluster` CTAs.
@@ -290,11 +295,12 @@ static hl_status_t launch_small(void (*kernel)(Exp...), int threads, int cluster
 // The prep kernel (D, first bad label), then unless the plan is unchecked one synchronisation
 // that checks the labels and, for a finish, the gathered blocks' headers.
 static hl_status_t prep_and_check(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                                  PrepOut *prep, const void *gathered, cudaStream_t stream) {
+                                  const Params &k, const void *gathered, cudaStream_t stream) {
+  PrepOut *prep = k.prep;
   const hl_loss_plan_desc_t &d = p.desc;
   const bool l64 = d.labels_dtype == HL_DTYPE_I64;
   const PrepArgs pa{a.labels, a.weights, a.rows, d.vocab_global, d.ignore_index, a.divisor,
-                    a.grad_scale, l64, d.use_ignore_index != 0};
+                    a.grad_scale, l64, d.use_ignore_index != 0, k.counters, kMaxCluster};
   HL_TRY(launch_small(prep_kernel, kPrepThreads, prep_cluster(p, a.rows), stream, pa, prep));
   if ((d.flags & HL_LOSS_UNCHECKED) || (!a.labels && !gathered)) return HL_STATUS_SUCCESS;
   long long bad = LLONG_MAX;
@@ -326,13 +332,11 @@ static hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_l
   const CudaLaunch &c = pick_launch(p, a, phase);
   Params k = make_params(p, c, a, workspace);
   k.gathered = static_cast<const char *>(gathered);
-  HL_TRY(prep_and_check(fn, p, a, k.prep, gathered, stream));
+  HL_TRY(prep_and_check(fn, p, a, k, gathered, stream));
   HL_TRY(launch_rows(c, k, stream, p.cuda.early_start));
-  if (a.scalars && phase == kFinish) {
-    HL_TRY(launch_small(reduce_kernel, kReduceThreads, small_cluster(p, a.rows), stream, k.records, a.rows, k.prep,
-                        k.has_ratio, k.has_adv, unsigned(p.desc.terms), a.scalars));
-  }
-  return HL_STATUS_SUCCESS;
+  if (!a.scalars) return HL_STATUS_SUCCESS;
+  return launch_small(reduce_kernel, kReduceThreads, small_cluster(p, a.rows), stream, k.records, a.rows,
+                      k.prep, k.has_ratio, k.has_adv, unsigned(p.desc.terms), a.scalars);
 }
 
 }  // namespace cuda
@@ -369,7 +373,6 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
     if (c.cluster > 8)
       HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     c.grid = max_clusters(c) * c.cluster;
-    p.cuda.partials = std::max(p.cuda.partials, c.grid / c.cluster);
     return HL_STATUS_SUCCESS;
   };
   for (int ph = kWhole; ph <= kFinish; ++ph) {
@@ -401,12 +404,11 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
 }
 
 size_t cuda_workspace_bytes(const hl_loss_plan_st &p, int64_t rows) {
-  return cuda::kPrepBytes + cuda::partials_bytes(p) + cuda::records_bytes(rows) +
-         size_t(p.desc.ranks) * block_bytes(p, rows);
+  return cuda::gathered_at(rows) + size_t(p.desc.ranks) * block_bytes(p, rows);
 }
 
 void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace) {
-  return static_cast<char *>(workspace) + cuda::kPrepBytes + cuda::partials_bytes(p) + cuda::records_bytes(rows);
+  return static_cast<char *>(workspace) + cuda::gathered_at(rows);
 }
 
 hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,

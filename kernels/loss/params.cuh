@@ -19,8 +19,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 struct PrepOut {
   float kd, D;        // grad_scale / D (0 when D == 0), D
   long long bad;      // the first row whose label is out of range (LLONG_MAX: none)
-  unsigned ticket;    // zeroed here; the row kernel's clusters count themselves done on it
 };
+// The prep kernel zeroes kMaxCluster counters (Params::counters): the next row to hand out, one
+// per cluster rank (the split's finish: each rank's CTAs take rows alone).
 
 struct Params {
   const void *logits, *teacher, *labels;
@@ -28,10 +29,9 @@ struct Params {
   int64_t logits_stride, teacher_stride, grad_stride;
   const float *weights, *adv, *old_logp, *ref_logp;
   float *tok_loss, *tok_logp, *tok_entropy, *tok_lse;
-  float *records;      // [kRecFields][rows]: the split's finish, for the reduce kernel
   PrepOut *prep;
-  // The whole loss's scalars (optional): each cluster's partial sums, in the order of the clusters.
-  float *scalars, *partials;
+  unsigned *counters;
+  float *records;  // with scalars (else null): the rows' records for the reduce kernel (sums.cuh)
   bool has_ratio, has_adv;
   int64_t rows, vocab;
   int64_t slice;       // columns per CTA, a multiple of the vector width

@@ -322,29 +322,6 @@ __device__ void write_record(const Params &p, int64_t r, RowStats<float> st) {
     for (int k = 0; k < 8; ++k) reinterpret_cast<int64_t *>(p.block)[k] = p.header[k];
 }
 
-// A cluster's partial sums (sums, thread 0) into the workspace; the last cluster to finish (the
-// ticket) merges every cluster's partial in cluster order and writes the scalars. part: shared
-// scratch for block_combine.
-__device__ __forceinline__ void publish_sums(const Params &p, const float *sums, float (*part)[kSumFields],
-                                          int64_t cluster, int64_t clusters) {
-  __shared__ bool last;
-  if (threadIdx.x == 0) {
-    for (int k = 0; k < kSumFields; ++k) p.partials[cluster * kSumFields + k] = sums[k];
-    __threadfence();  // the partial is visible before the ticket counts it
-    last = atomicAdd(&p.prep->ticket, 1u) == unsigned(clusters - 1);
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  float acc[kSumFields];
-  sums_init(acc);
-  for (int64_t i = threadIdx.x; i < clusters; i += kThreads)
-#pragma unroll
-    for (int k = 0; k < kSumFields; ++k) acc[k] = combine(k, acc[k], __ldcg(p.partials + i * kSumFields + k));
-  block_combine<kThreads>(acc, part);
-  if (threadIdx.x == 0) write_scalars(acc, p.prep->D, p.has_ratio, p.has_adv, p.o.terms, p.scalars);
-}
-
 template <class T, bool GRAD, bool CAP, int DISTILL, int PHASE, bool BULK>
 __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel(const Params p) {
   static_assert(PHASE != kStats || !GRAD, "the statistics step writes no gradient");
@@ -362,10 +339,16 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   // for its peers' records alone, not at a cluster-wide barrier.
   __shared__ alignas(16) RowStats<float> mail[2][kMaxCluster];
   __shared__ uint64_t mail_full[2];
+  // kWhole: the row after the current one, from rank 0 to every rank (two rows deep, like mail).
+  __shared__ alignas(16) long long next_mail[2][2];
+  __shared__ uint64_t next_full[2];
 #endif
   __shared__ MergeScratch scratch;
   __shared__ RowResult<float> row;
-  __shared__ float sums[kSumFields];  // kWhole with scalars: this cluster's rows (rank 0, thread 0)
+  // The row after the current one: for every thread (next_sh), for thread 0 from the row's start
+  // (nxt), the one after that (after). In shared memory: registers held across the column loops
+  // would spill there.
+  __shared__ long long next_sh, nxt, after;
   __shared__ uint64_t full[kMaxChunks], empty[kMaxChunks];  // BULK: see the top of this file
 #if __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
@@ -408,6 +391,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     if (tid == 0) {
       hl::cuda::mbar_init(&mail_full[0], 1);
       hl::cuda::mbar_init(&mail_full[1], 1);
+      hl::cuda::mbar_init(&next_full[0], 1);
+      hl::cuda::mbar_init(&next_full[1], 1);
     }
     cluster.sync();  // every peer's barriers are initialised before the first record arrives
   }
@@ -423,21 +408,49 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     }
     __syncthreads();
   }
-  const bool sum_rows = PHASE == kWhole && p.scalars && rank == 0;
-  if (sum_rows && tid == 0) sums_init(sums);
+  // Rows: a cluster takes its first two in grid order, then the next free one from a counter, so
+  // that clusters on SMs that get less memory bandwidth take fewer rows and all finish within
+  // about a row of each other (with rows in grid order the first cluster finished at 2/3 of the
+  // kernel's time; bench/NOTES.md "Loss v7"). Thread 0 knows the row after the current one (nxt)
+  // from the row's start, for its bulk requests; the one after that (after) is taken at the
+  // row's finish, and its round trip hides behind pass 2. kWhole: rank 0 takes rows and hands
+  // them to its peers (next_mail); kFinish: the CTAs of a cluster do not talk, each takes rows
+  // from its rank's counter; kStats: rows in grid order (no prep kernel zeroes a counter).
+  constexpr bool DYN = PHASE != kStats;
+  const bool hand_rows = DYN && PHASE == kWhole && csize > 1;
+  const bool takes_rows = DYN && (!hand_rows || rank == 0);
+  unsigned *const next_counter = p.counters + (PHASE == kWhole ? 0 : rank);
+  if (tid == 0) nxt = first + step;
+  unsigned taken = 0;  // thread 0: the counter's answer, from a row's finish to its barrier
   int parity = 0;
-  for (int64_t r = first, it = 0; r < p.rows; r += step, parity ^= 1, ++it) {
+  for (int64_t r = first, it = 0; r < p.rows; parity ^= 1, ++it) {
     const T *x = slice_of(r);
     const uint32_t phase = uint32_t(it) & 1;
+    if (tid == 0) {
+      if (!DYN) nxt = r + step;
+      else if (it > 0 && takes_rows) nxt = after;
+#if __CUDA_ARCH__ >= 900
+      if (hand_rows) {
+        if (rank == 0)
+          for (int c = 0; c < csize; ++c)
+            ::cuda::ptx::st_async(reinterpret_cast<uint32_t *>(cluster.map_shared_rank(&next_mail[parity][0], c)),
+                                  {uint32_t(nxt), uint32_t(uint64_t(nxt) >> 32), 0u, 0u},
+                                  cluster.map_shared_rank(&next_full[parity], c));
+        hl::cuda::mbar_expect_tx(&next_full[parity], 16);
+        hl::cuda::mbar_wait(&next_full[parity], uint32_t(it >> 1) & 1);
+        nxt = next_mail[parity][0];
+      }
+#endif
+    }
     // The row's last pass over chunk c is done: every warp arrives, and thread 0 requests the
     // next row's chunk c into it once all have.
     const auto release = [&](int c) {
       if (!BULK) return;
       __syncwarp();
       if (tid % 32 == 0) hl::cuda::mbar_arrive(&empty[c]);
-      if (tid == 0 && r + step < p.rows) {
+      if (tid == 0 && nxt < p.rows) {
         hl::cuda::mbar_wait(&empty[c], phase);
-        request(r + step, c);
+        request(nxt, c);
       }
     };
     const T *u = DISTILL ? static_cast<const T *>(p.teacher) + r * p.teacher_stride + lo : nullptr;
@@ -551,14 +564,15 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       } else {
       hl::cuda::wait_for_previous_grid();  // the prep kernel's kd (launch_rows: early)
       row = finish_row(all, in, o, p.prep->kd);
+      next_sh = nxt;
+      if (takes_rows) taken = atomicAdd(next_counter, 1u);  // stored after the barrier: no wait here
       }
     }
     if (PHASE != kStats) __syncthreads();
-    // The row's outputs, after the barrier: stores and sums here would hold every warp back.
+    // The row's outputs, after the barrier: stores before it would hold every warp back.
+    if (tid == 0 && takes_rows) after = 2 * step + taken;
     if (PHASE != kStats && tid == 0 && rank == 0) {
-      if (PHASE == kFinish)
-        for (int k = 0; k < kRecFields; ++k) p.records[k * p.rows + r] = row.rec[k];
-      if (sum_rows) add_row(sums, [&](int k) { return row.rec[k]; });
+      if (p.records) store_floats<kRecFields>(p.records + r * kRecStride, row.rec);
       if (p.tok_loss) p.tok_loss[r] = row.token_loss;
       if (p.tok_logp) p.tok_logp[r] = row.logp;
       if (p.tok_entropy) p.tok_entropy[r] = row.entropy;
@@ -625,12 +639,11 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       if (p.grad_f32) write(static_cast<float *>(p.grad));
       else write(static_cast<T *>(p.grad));
     }
+    r = PHASE != kStats ? next_sh : r + step;  // next_sh changes after the next row's first barrier
   }
 #if __CUDA_ARCH__ >= 900
   if (csize > 1) cluster.sync();  // no CTA leaves while its records may still be on the way
 #endif
-  static_assert(sizeof(MergeScratch) >= sizeof(float[kThreads / 32][kSumFields]), "scratch is reused");
-  if (sum_rows) publish_sums(p, sums, reinterpret_cast<float(*)[kSumFields]>(&scratch), first, step);
 }
 
 template <class T, int PHASE, bool GRAD, bool CAP>

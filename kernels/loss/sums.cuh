@@ -1,8 +1,8 @@
-// The scalars' sums over rows, in a fixed order (deterministic, no float atomics). Two users:
-//   the reduce kernel (launch.cu) sums per-row records from global memory (the split's finish,
-//     whose bits must not depend on a rank's own grid);
-//   the row kernel sums its own rows as it finishes them, one partial per cluster, and the last
-//     cluster to finish merges the partials (row_kernel.cuh): no reduce kernel.
+// The scalars' sums over rows, in a fixed order that depends on the row count alone (no float
+// atomics: the same bits on every run whichever cluster ran which row, and on every rank of a
+// split). The row kernel stores each row's record in the workspace (kRecStride floats a row; rows
+// go to clusters dynamically, so the sums cannot follow the clusters); the reduce kernel
+// (launch.cu) sums them: each CTA a fixed range of rows, then its cluster's rank 0 in rank order.
 #pragma once
 
 #include "loss/params.cuh"
@@ -12,6 +12,7 @@ namespace hl::loss::cuda {
 // The weighted sums of the record fields, then ratio min / max and advantage min / max (rows with
 // w > 0).
 constexpr int kSumFields = kRecFields + 4;
+constexpr int kRecStride = (kRecFields + 3) / 4 * 4;  // floats a row's record takes (16-byte packs)
 
 __device__ __forceinline__ void sums_init(float *acc) {
 #pragma unroll
@@ -65,6 +66,26 @@ __device__ __forceinline__ void write_scalars(const float (&acc)[kSumFields], fl
                                               bool has_adv, unsigned terms, float *out) {
   finish_scalars<float>(acc, acc[kRecFields], acc[kRecFields + 1], acc[kRecFields + 2],
                         acc[kRecFields + 3], D, has_ratio, has_adv, terms, out);
+}
+
+// N floats of a 16-byte aligned workspace row, in 16-byte packs.
+template <int N>
+__device__ __forceinline__ void load_floats(const float *src, float (&dst)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; k += 4) {
+    const float4 v = *reinterpret_cast<const float4 *>(src + k);
+    dst[k] = v.x;
+    if (k + 1 < N) dst[k + 1] = v.y;
+    if (k + 2 < N) dst[k + 2] = v.z;
+    if (k + 3 < N) dst[k + 3] = v.w;
+  }
+}
+template <int N>
+__device__ __forceinline__ void store_floats(float *dst, const float *src) {
+#pragma unroll
+  for (int k = 0; k < N; k += 4)
+    *reinterpret_cast<float4 *>(dst + k) = make_float4(src[k], k + 1 < N ? src[k + 1] : 0.0f,
+                                                       k + 2 < N ? src[k + 2] : 0.0f, k + 3 < N ? src[k + 3] : 0.0f);
 }
 
 }  // namespace hl::loss::cuda
