@@ -448,9 +448,12 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       if (!BULK) return;
       __syncwarp();
       if (tid % 32 == 0) hl::cuda::mbar_arrive(&empty[c]);
-      if (tid == 0 && nxt < p.rows) {
-        hl::cuda::mbar_wait(&empty[c], phase);
-        request(nxt, c);
+      if (tid == 0) {  // nxt read by thread 0 alone (volatile: not hoisted out of the branch)
+        const int64_t n = *static_cast<volatile long long *>(&nxt);
+        if (n < p.rows) {
+          hl::cuda::mbar_wait(&empty[c], phase);
+          request(n, c);
+        }
       }
     };
     const T *u = DISTILL ? static_cast<const T *>(p.teacher) + r * p.teacher_stride + lo : nullptr;
