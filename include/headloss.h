@@ -417,8 +417,8 @@ typedef struct {
 
 /* Validates the description once and picks a specialised kernel. */
 HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_plan_t *plan);
-/* Workspace for executing on `rows` rows: 0 on the CPU backend; on CUDA it holds partial sums, per-row
- * records and, for a plan with ranks > 1, the gathered statistics of hl_loss_plan_execute_nccl. */
+/* Workspace for executing on `rows` rows: 0 on the CPU backend; on CUDA it holds per-row records
+ * and, for a plan with ranks > 1, the gathered statistics of hl_loss_plan_execute_nccl. */
 HL_API hl_status_t hl_loss_plan_get_workspace_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes);
 /* workspace: device memory (CUDA), 16-byte aligned, at least the size asked for; NULL if 0. */
 HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_t *args,

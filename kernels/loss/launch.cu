@@ -1,5 +1,5 @@
 // The loss plan on CUDA: the kernels and their cluster / shared-memory shapes are chosen once per
-// plan; an execution runs two kernels on the stream:
+// plan; an execution runs three kernels on the stream:
 //   prep:   the divisor D (sum of valid weights, fixed order), the label check, and zeroed
 //           counters for the row kernel;
 //   rows:   statistics, gradient, and each row's record;
@@ -42,8 +42,7 @@ struct PrepArgs {
   double divisor;
   float grad_scale;
   bool labels64, use_ignore;
-  unsigned *counters;  // the row kernel's (params.cuh), zeroed here
-  int64_t ncounters;
+  unsigned *counters;  // the row kernel's kMaxCluster (params.cuh), zeroed here
 };
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -99,8 +98,8 @@ __global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a
   __shared__ long long wbad[kPrepThreads / 32];
   float w = 0.0f;
   long long bad = LLONG_MAX;
-  const int64_t t = int64_t(cluster_pos().rank) * kPrepThreads + threadIdx.x;
-  for (int64_t i = t; i < a.ncounters; i += int64_t(cluster_pos().size) * kPrepThreads) a.counters[i] = 0;
+  static_assert(kMaxCluster <= kPrepThreads, "one thread a counter");
+  if (cluster_pos().rank == 0 && threadIdx.x < kMaxCluster) a.counters[threadIdx.x] = 0;
   int64_t lo, hi;
   cta_rows(a.rows, lo, hi);
   constexpr int B = 4;  // rows a thread reads before using any: latency, not bandwidth, bounds this
@@ -300,7 +299,7 @@ static hl_status_t prep_and_check(const char *fn, const hl_loss_plan_st &p, cons
   const hl_loss_plan_desc_t &d = p.desc;
   const bool l64 = d.labels_dtype == HL_DTYPE_I64;
   const PrepArgs pa{a.labels, a.weights, a.rows, d.vocab_global, d.ignore_index, a.divisor,
-                    a.grad_scale, l64, d.use_ignore_index != 0, k.counters, kMaxCluster};
+                    a.grad_scale, l64, d.use_ignore_index != 0, k.counters};
   HL_TRY(launch_small(prep_kernel, kPrepThreads, prep_cluster(p, a.rows), stream, pa, prep));
   if ((d.flags & HL_LOSS_UNCHECKED) || (!a.labels && !gathered)) return HL_STATUS_SUCCESS;
   long long bad = LLONG_MAX;
@@ -407,7 +406,7 @@ size_t cuda_workspace_bytes(const hl_loss_plan_st &p, int64_t rows) {
   return cuda::gathered_at(rows) + size_t(p.desc.ranks) * block_bytes(p, rows);
 }
 
-void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace) {
+void *cuda_gathered(const hl_loss_plan_st &, int64_t rows, void *workspace) {
   return static_cast<char *>(workspace) + cuda::gathered_at(rows);
 }
 

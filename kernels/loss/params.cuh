@@ -20,8 +20,6 @@ struct PrepOut {
   float kd, D;        // grad_scale / D (0 when D == 0), D
   long long bad;      // the first row whose label is out of range (LLONG_MAX: none)
 };
-// The prep kernel zeroes kMaxCluster counters (Params::counters): the next row to hand out, one
-// per cluster rank (the split's finish: each rank's CTAs take rows alone).
 
 struct Params {
   const void *logits, *teacher, *labels;
@@ -30,6 +28,8 @@ struct Params {
   const float *weights, *adv, *old_logp, *ref_logp;
   float *tok_loss, *tok_logp, *tok_entropy, *tok_lse;
   PrepOut *prep;
+  // kMaxCluster counters the prep kernel zeroes: the next row to hand out, one per cluster rank
+  // (the split's finish: each rank's CTAs take rows alone).
   unsigned *counters;
   float *records;  // with scalars (else null): the rows' records for the reduce kernel (sums.cuh)
   bool has_ratio, has_adv;
