@@ -25,7 +25,7 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kReduceThreads = 1024;
+constexpr int kReduceThreads = 256, kReduceBatch = 4, kReduceRows = kReduceThreads * kReduceBatch;
 // The prep kernel's CTAs are small enough (128 threads, <= 32 registers) to be resident beside
 // three row-kernel CTAs, so the row kernel, launched to start early (allow_early_start), begins
 // its first rows while prep runs; each row kernel CTA waits for prep only at its first finish.
@@ -42,7 +42,7 @@ struct PrepArgs {
   double divisor;
   float grad_scale;
   bool labels64, use_ignore;
-  unsigned *counters;  // the row kernel's kMaxCluster (params.cuh), zeroed here
+  unsigned *counters;  // kCounters (params.cuh), zeroed here
 };
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -50,13 +50,11 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// The prep and reduce kernels run as one cluster of CTAs (Hopper; else one CTA): each CTA reduces
-// a contiguous range of rows, then rank 0 merges the CTAs' results in rank order through
-// distributed shared memory (deterministic). Prep takes one CTA per kPrepRowsPerThread x 128 rows,
-// up to kSmallCluster; the reduce kernel a cluster from kSmallClusterRows rows on (measured with
-// ncu on H100 at 65536 rows: 55 -> 22 us; slower at 8192 rows).
+// The prep kernel runs as one cluster of CTAs (Hopper; else one CTA): each CTA reduces a
+// contiguous range of rows, then rank 0 merges the CTAs' results in rank order through
+// distributed shared memory (deterministic; no counter to zero first). One CTA per
+// kPrepRowsPerThread x 128 rows, up to kSmallCluster.
 constexpr int kSmallCluster = 8;
-constexpr int64_t kSmallClusterRows = 32768;
 
 struct ClusterPos {
   int rank, size;
@@ -98,8 +96,8 @@ __global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a
   __shared__ long long wbad[kPrepThreads / 32];
   float w = 0.0f;
   long long bad = LLONG_MAX;
-  static_assert(kMaxCluster <= kPrepThreads, "one thread a counter");
-  if (cluster_pos().rank == 0 && threadIdx.x < kMaxCluster) a.counters[threadIdx.x] = 0;
+  static_assert(kCounters <= kPrepThreads, "one thread a counter");
+  if (cluster_pos().rank == 0 && threadIdx.x < kCounters) a.counters[threadIdx.x] = 0;
   int64_t lo, hi;
   cta_rows(a.rows, lo, hi);
   constexpr int B = 4;  // rows a thread reads before using any: latency, not bandwidth, bounds this
@@ -155,31 +153,44 @@ __global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a
   out->bad = bad;
 }
 
+// The reduce kernel: CTA b sums the records of rows [b kReduceRows, (b + 1) kReduceRows) (each
+// thread kReduceBatch of them, all loaded before any is added: one round trip) into a partial;
+// the CTA that takes the last ticket merges the partials in CTA order and writes the scalars.
+// The order of additions depends on the row count alone. Many CTAs rather than one: one CTA's
+// latency-bound loop took 14 us at 8192 rows (a third of the fixed cost of a call there).
 __global__ void __launch_bounds__(kReduceThreads)
-reduce_kernel(const float *rec, int64_t rows, const PrepOut *prep, bool has_ratio, bool has_adv,
-              unsigned terms, float *out) {
+reduce_kernel(const float *rec, int64_t rows, float *partials, unsigned *ticket, const PrepOut *prep,
+              bool has_ratio, bool has_adv, unsigned terms, float *out) {
   __shared__ float part[kReduceThreads / 32][kSumFields];
+  __shared__ bool last;
   float acc[kSumFields];
   sums_init(acc);
-  int64_t lo, hi;
-  cta_rows(rows, lo, hi);
-  for (int64_t i = lo + threadIdx.x; i < hi; i += kReduceThreads) {
-    float r[kRecFields];
-    load_floats(rec + i * kRecStride, r);
-    add_row(acc, [&](int k) { return r[k]; });
+  const int64_t i0 = int64_t(blockIdx.x) * kReduceRows + threadIdx.x;
+  float r[kReduceBatch][kRecFields];
+#pragma unroll
+  for (int b = 0; b < kReduceBatch; ++b)
+    if (i0 + b * kReduceThreads < rows) load_floats(rec + (i0 + b * kReduceThreads) * kRecStride, r[b]);
+#pragma unroll
+  for (int b = 0; b < kReduceBatch; ++b)
+    if (i0 + b * kReduceThreads < rows) add_row(acc, [&](int k) { return r[b][k]; });
+  block_combine<kReduceThreads>(acc, part);
+  if (threadIdx.x == 0) {
+    store_floats<kSumFields>(partials + size_t(blockIdx.x) * kSumStride, acc);
+    __threadfence();  // the partial before the ticket
+    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other CTAs' partials after their tickets
+  sums_init(acc);
+  for (unsigned c = threadIdx.x; c < gridDim.x; c += kReduceThreads) {
+    float o[kSumFields];
+    load_floats<kSumFields, true>(partials + size_t(c) * kSumStride, o);
+#pragma unroll
+    for (int k = 0; k < kSumFields; ++k) acc[k] = combine(k, acc[k], o[k]);
   }
   block_combine<kReduceThreads>(acc, part);
-  if (threadIdx.x == 0)
-    for (int k = 0; k < kSumFields; ++k) part[0][k] = acc[k];  // this CTA's result
-  cluster_sync();
-  const bool last = cluster_pos().rank == 0 && threadIdx.x == 0;
-  if (last)
-    for (int c = 1; c < cluster_pos().size; ++c) {
-      const float *o = peer(&part[0][0], c);
-      for (int k = 0; k < kSumFields; ++k) acc[k] = combine(k, acc[k], o[k]);
-    }
-  cluster_sync();
-  if (last) write_scalars(acc, prep->D, has_ratio, has_adv, terms, out);
+  if (threadIdx.x == 0) write_scalars(acc, prep->D, has_ratio, has_adv, terms, out);
 }
 
 const void *pick_bulk(hl_dtype_t dt, int phase, bool grad, bool cap) {
@@ -219,10 +230,14 @@ static int max_clusters(const CudaLaunch &c) {
   return n;
 }
 
-// The workspace: PrepOut, the row counters (params.cuh), the rows' records (sums.cuh), then the
-// gathered blocks of a split.
-constexpr size_t kRecordsAt = kPrepBytes + (kMaxCluster * sizeof(unsigned) + 15) / 16 * 16;
-static size_t gathered_at(int64_t rows) { return kRecordsAt + size_t(rows) * kRecStride * sizeof(float); }
+// The workspace: PrepOut, the counters (params.cuh), the rows' records (sums.cuh), the reduce
+// kernel's partials, then the gathered blocks of a split.
+constexpr size_t kRecordsAt = kPrepBytes + (kCounters * sizeof(unsigned) + 15) / 16 * 16;
+static int64_t reduce_ctas(int64_t rows) { return (rows + kReduceRows - 1) / kReduceRows; }
+static size_t partials_at(int64_t rows) { return kRecordsAt + size_t(rows) * kRecStride * sizeof(float); }
+static size_t gathered_at(int64_t rows) {
+  return partials_at(rows) + size_t(reduce_ctas(rows)) * kSumStride * sizeof(float);
+}
 
 // The kernel arguments every phase shares.
 static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const hl_loss_args_t &a,
@@ -277,16 +292,12 @@ static int prep_cluster(const hl_loss_plan_st &p, int64_t rows) {
   return int(std::min<int64_t>(p.cuda.small_cluster, (rows + per - 1) / per));
 }
 
-static int small_cluster(const hl_loss_plan_st &p, int64_t rows) {
-  return rows >= kSmallClusterRows ? p.cuda.small_cluster : 1;
-}
-
-// Launches the prep or reduce kernel as one cluster of `cluster` CTAs.
+// Launches the prep or reduce kernel: `ctas` CTAs in clusters of `cluster`.
 template <class... Exp, class... Act>
-static hl_status_t launch_small(void (*kernel)(Exp...), int threads, int cluster, cudaStream_t stream,
-                                Act... args) {
+static hl_status_t launch_small(void (*kernel)(Exp...), int threads, int64_t ctas, int cluster,
+                                cudaStream_t stream, Act... args) {
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(cluster, threads, 0, cluster, stream, attr);
+  const cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(ctas, threads, 0, cluster, stream, attr);
   HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, args...));
   return HL_STATUS_SUCCESS;
 }
@@ -300,7 +311,8 @@ static hl_status_t prep_and_check(const char *fn, const hl_loss_plan_st &p, cons
   const bool l64 = d.labels_dtype == HL_DTYPE_I64;
   const PrepArgs pa{a.labels, a.weights, a.rows, d.vocab_global, d.ignore_index, a.divisor,
                     a.grad_scale, l64, d.use_ignore_index != 0, k.counters};
-  HL_TRY(launch_small(prep_kernel, kPrepThreads, prep_cluster(p, a.rows), stream, pa, prep));
+  const int cluster = prep_cluster(p, a.rows);
+  HL_TRY(launch_small(prep_kernel, kPrepThreads, cluster, cluster, stream, pa, prep));
   if ((d.flags & HL_LOSS_UNCHECKED) || (!a.labels && !gathered)) return HL_STATUS_SUCCESS;
   long long bad = LLONG_MAX;
   std::vector<BlockHeader> headers(gathered ? size_t(d.ranks) : 0);
@@ -334,8 +346,10 @@ static hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_l
   HL_TRY(prep_and_check(fn, p, a, k, gathered, stream));
   HL_TRY(launch_rows(c, k, stream, p.cuda.early_start));
   if (!a.scalars) return HL_STATUS_SUCCESS;
-  return launch_small(reduce_kernel, kReduceThreads, small_cluster(p, a.rows), stream, k.records, a.rows,
-                      k.prep, k.has_ratio, k.has_adv, unsigned(p.desc.terms), a.scalars);
+  float *partials = reinterpret_cast<float *>(static_cast<char *>(workspace) + partials_at(a.rows));
+  return launch_small(reduce_kernel, kReduceThreads, reduce_ctas(a.rows), 1, stream, k.records, a.rows,
+                      partials, k.counters + kTicket, k.prep, k.has_ratio, k.has_adv,
+                      unsigned(p.desc.terms), a.scalars);
 }
 
 }  // namespace cuda

@@ -13,6 +13,8 @@ constexpr int kThreads = 256;
 constexpr int kChunkPacks = 4 * kThreads;
 constexpr int kMaxChunks = 16;
 constexpr int kMaxCluster = 16;  // CTAs a row may be split over (Hopper's non-portable maximum)
+// The workspace's counters: the row kernel's (kMaxCluster), then the reduce kernel's ticket.
+constexpr int kTicket = kMaxCluster, kCounters = kTicket + 1;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // The prep kernel's output, at the start of the workspace.
@@ -28,8 +30,8 @@ struct Params {
   const float *weights, *adv, *old_logp, *ref_logp;
   float *tok_loss, *tok_logp, *tok_entropy, *tok_lse;
   PrepOut *prep;
-  // kMaxCluster counters the prep kernel zeroes: the next row to hand out, one per cluster rank
-  // (the split's finish: each rank's CTAs take rows alone).
+  // kCounters counters the prep kernel zeroes: the next row to hand out, one per cluster rank
+  // (the split's finish: each rank's CTAs take rows alone), then the reduce kernel's ticket.
   unsigned *counters;
   float *records;  // with scalars (else null): the rows' records for the reduce kernel (sums.cuh)
   bool has_ratio, has_adv;

@@ -2,7 +2,8 @@
 // atomics: the same bits on every run whichever cluster ran which row, and on every rank of a
 // split). The row kernel stores each row's record in the workspace (kRecStride floats a row; rows
 // go to clusters dynamically, so the sums cannot follow the clusters); the reduce kernel
-// (launch.cu) sums them: each CTA a fixed range of rows, then its cluster's rank 0 in rank order.
+// (launch.cu) sums them: each CTA a fixed range of rows, then the last CTA the CTAs' partials in
+// CTA order.
 #pragma once
 
 #include "loss/params.cuh"
@@ -13,6 +14,7 @@ namespace hl::loss::cuda {
 // w > 0).
 constexpr int kSumFields = kRecFields + 4;
 constexpr int kRecStride = (kRecFields + 3) / 4 * 4;  // floats a row's record takes (16-byte packs)
+constexpr int kSumStride = (kSumFields + 3) / 4 * 4;  // floats a partial of the sums takes
 
 __device__ __forceinline__ void sums_init(float *acc) {
 #pragma unroll
@@ -68,12 +70,14 @@ __device__ __forceinline__ void write_scalars(const float (&acc)[kSumFields], fl
                         acc[kRecFields + 3], D, has_ratio, has_adv, terms, out);
 }
 
-// N floats of a 16-byte aligned workspace row, in 16-byte packs.
-template <int N>
+// N floats of a 16-byte aligned workspace row, in 16-byte packs; L2: bypassing L1 (what other
+// CTAs of the running kernel wrote).
+template <int N, bool L2 = false>
 __device__ __forceinline__ void load_floats(const float *src, float (&dst)[N]) {
 #pragma unroll
   for (int k = 0; k < N; k += 4) {
-    const float4 v = *reinterpret_cast<const float4 *>(src + k);
+    const float4 *p = reinterpret_cast<const float4 *>(src + k);
+    const float4 v = L2 ? __ldcg(p) : *p;
     dst[k] = v.x;
     if (k + 1 < N) dst[k + 1] = v.y;
     if (k + 2 < N) dst[k + 2] = v.z;

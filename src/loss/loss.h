@@ -24,7 +24,7 @@ struct CudaLaunch {
 struct CudaChoice {
   CudaLaunch phase[3];  // by Phase
   CudaLaunch bulk[3];   // the same through bulk copies (sm_90, aligned rows); kernel null if none
-  int small_cluster = 1;  // the most CTAs of the prep and reduce kernels (one cluster)
+  int small_cluster = 1;  // the most CTAs of the prep kernel (one cluster)
   bool early_start = false;  // the row kernel may overlap the prep kernel (sm_90)
 };
 
@@ -71,8 +71,8 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
 
 #if HL_HAVE_CUDA
 hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p);
-// The prep kernel's output, the row kernel's counters and per-row records (kernels/loss/sums.cuh),
-// then room for `ranks` gathered blocks (hl_loss_plan_execute_nccl).
+// The prep kernel's output, the counters, the per-row records and the reduce kernel's partials
+// (kernels/loss/sums.cuh), then room for `ranks` gathered blocks (hl_loss_plan_execute_nccl).
 size_t cuda_workspace_bytes(const hl_loss_plan_st &p, int64_t rows);
 // Where the gathered blocks live in a workspace.
 void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace);
