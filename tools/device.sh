@@ -50,7 +50,7 @@ if want sanitize; then
     for sel in "rms" "loss" "tp" "gdn"; do
       case $sel in
         rms) args=("${rms[@]}") ;;
-        loss) args=(tests/python/test_loss.py -k "cuda and (all or entropy or distill_fwd) and (bfloat16 or float32)") ;;
+        loss) args=(tests/python/test_loss.py -k "cuda and ((all or entropy or distill_fwd) and (bfloat16 or float32) or bulk_many_rows and grpo_kl)") ;;
         tp) args=(tests/python/test_loss_tp.py -k "cuda and (all or ce_smooth) and bfloat16") ;;
         gdn) args=(tests/python/test_gdn.py -k "cuda_fp32_state or cuda_fused_cumsum") ;;  # both kernels
       esac
