@@ -234,7 +234,10 @@ HL_API hl_status_t rmsnorm_bwd(const hl_rmsnorm_bwd_args_t *args, hl_stream_t st
  * counts chunks of all sequences in order and is required (sum of ceil(len / 64)): it sizes the
  * launch without reading cu_seqlens. The CUDA backend copies cu_seqlens to the host to check it and
  * to build its chunk table in the workspace: a varlen call synchronises the stream once (as fla's
- * prepare_chunk_indices does). Without cu_seqlens, num_chunks is ceil(T / 64) (0 = that).
+ * prepare_chunk_indices does), unless flags has HL_GDN_UNCHECKED: then the table is built on the
+ * device from cu_seqlens as it is (no copy, no check, no synchronisation: CUDA-graph capturable;
+ * values outside [previous value, T] are clamped there, so a bad cu_seqlens gives wrong results
+ * but no access out of bounds). Without cu_seqlens, num_chunks is ceil(T / 64) (0 = that).
  *
  * K and V: 1..256 each (64, 128 and 256 fastest; other sizes run through zero-padded tiles).
  * reverse_cumsum = 1 writes dg already reverse-cumulated within each chunk (the caller's next
@@ -248,6 +251,9 @@ typedef enum {
   HL_GDN_GATE_CONST_DECAY = 3,      /* g_gamma [HV], natural-log units; no dg  */
   HL_GDN_GATE_CONST_DECAY_LOG2 = 4  /* g_gamma [HV], log2 units (fla); no dg   */
 } hl_gdn_gate_t;
+
+/* Options (hl_gdn_bwd_dqkwg_args_t.flags). CUDA varlen: cu_seqlens read on the device alone. */
+#define HL_GDN_UNCHECKED (1u << 0)
 
 typedef struct {
   size_t struct_size; /* sizeof(hl_gdn_bwd_dqkwg_args_t) */
@@ -275,6 +281,7 @@ typedef struct {
 
   void *workspace;
   size_t workspace_bytes;
+  unsigned flags; /* HL_GDN_UNCHECKED */
 } hl_gdn_bwd_dqkwg_args_t;
 
 HL_API hl_status_t gdn_bwd_dqkwg_workspace_size(const hl_gdn_bwd_dqkwg_args_t *args, size_t *bytes);

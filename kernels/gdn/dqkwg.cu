@@ -19,6 +19,7 @@
 #include <vector>
 
 #include <cooperative_groups.h>
+#include <cub/block/block_scan.cuh>
 
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
@@ -392,6 +393,41 @@ hl_status_t launch(Params p, int64_t heads_chunks, size_t smem, hl_stream_t stre
   return HL_STATUS_SUCCESS;
 }
 
+// The varlen chunk table on the device (HL_GDN_UNCHECKED: cu_seqlens is never copied to the
+// host): seq_start = cu_seqlens clamped to [0, T] and made non-decreasing (so a bad one cannot send
+// an access out of bounds), chunk_first = the exclusive sum of ceil(length / 64); the same table
+// the host builds from a valid cu_seqlens. One CTA, tiles of kTableThreads entries with carries.
+constexpr int kTableThreads = 512;
+struct MaxOp {
+  __device__ int64_t operator()(int64_t a, int64_t b) const { return a > b ? a : b; }
+};
+__global__ void __launch_bounds__(kTableThreads)
+chunk_table_kernel(const void *cu, bool cu64, int64_t n, int64_t T, int64_t *chunk_first, int64_t *seq_start) {
+  using Scan = cub::BlockScan<int64_t, kTableThreads>;
+  __shared__ typename Scan::TempStorage tmp[2];
+  __shared__ int64_t ends[kTableThreads];
+  const int tid = threadIdx.x;
+  int64_t carry_m = 0, carry_c = 0;  // the previous tiles' last start and chunk count
+  for (int64_t base = 0; base < n; base += kTableThreads) {
+    const int64_t i = base + tid;
+    int64_t c = 0;
+    if (i < n) c = cu64 ? static_cast<const int64_t *>(cu)[i] : static_cast<const int32_t *>(cu)[i];
+    c = c < 0 ? 0 : c > T ? T : c;
+    int64_t m, cnt_incl, tile_chunks;
+    Scan(tmp[0]).InclusiveScan(c, m, MaxOp());
+    m = m > carry_m ? m : carry_m;
+    ends[tid] = m;
+    __syncthreads();
+    const int64_t prev = tid ? ends[tid - 1] : carry_m;
+    const int64_t cnt = i < n && i > 0 ? (m - prev + kTile - 1) / kTile : 0;  // chunks of sequence i - 1
+    Scan(tmp[1]).InclusiveSum(cnt, cnt_incl, tile_chunks);
+    if (i < n) seq_start[i] = m, chunk_first[i] = carry_c + cnt_incl;
+    carry_m = ends[kTableThreads - 1];
+    carry_c += tile_chunks;
+    __syncthreads();  // ends and the scans' storage are reused by the next tile
+  }
+}
+
 }  // namespace
 }  // namespace hl::cuda::gdn
 
@@ -455,7 +491,15 @@ hl_status_t cuda_dqkwg_portable(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTab
 hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_t> &cu, int64_t chunks,
                        hl_stream_t stream) {
   ChunkTable table{nullptr, nullptr, a.num_seqs, a.T, a.num_chunks};
-  if (!cu.empty()) {  // chunk table: first chunk of each sequence, then cu_seqlens itself
+  if (a.cu_seqlens && cu.empty()) {  // HL_GDN_UNCHECKED: the table built on the device
+    int64_t *t = static_cast<int64_t *>(a.workspace);
+    const int64_t n = a.num_seqs + 1;
+    chunk_table_kernel<<<1, kTableThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        a.cu_seqlens, a.cu_seqlens_dtype == HL_DTYPE_I64, n, a.T, t, t + n);
+    HL_CUDA_TRY_LAUNCH();
+    table.chunk_first = t;
+    table.seq_start = t + n;
+  } else if (!cu.empty()) {  // chunk table: first chunk of each sequence, then cu_seqlens itself
     std::vector<int64_t> t(2 * cu.size());
     int64_t c = 0;
     for (size_t s = 0; s < cu.size(); ++s) {

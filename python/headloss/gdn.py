@@ -6,10 +6,11 @@ import math
 from typing import Any, NamedTuple, Optional
 
 from ._arrays import ArrayView, empty, same_place, view
-from ._lib import DTYPE_F32, DTYPE_I64, check, declare
+from ._lib import DTYPE_F32, DTYPE_I64, check as _check_status, declare
 
 c_i64, c_ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 GATE_NONE, GATE_LOG, GATE_LOG2, GATE_CONST_DECAY, GATE_CONST_DECAY_LOG2 = 0, 1, 2, 3, 4
+UNCHECKED = 1  # HL_GDN_UNCHECKED
 
 
 class _Args(ctypes.Structure):
@@ -21,7 +22,7 @@ class _Args(ctypes.Structure):
                 ("gate", c_int), ("g", c_ptr), ("g_gamma", c_ptr), ("dg", c_ptr),
                 ("reverse_cumsum", c_int), ("scale", c_float),
                 ("cu_seqlens_dtype", c_int), ("cu_seqlens", c_ptr), ("num_seqs", c_i64),
-                ("workspace", c_ptr), ("workspace_bytes", ctypes.c_size_t)]
+                ("workspace", c_ptr), ("workspace_bytes", ctypes.c_size_t), ("flags", ctypes.c_uint)]
 
 
 _run = declare("gdn_bwd_dqkwg", ctypes.POINTER(_Args), c_ptr)
@@ -48,11 +49,13 @@ def _contig(x: Optional[ArrayView], name: str) -> int:
 
 def gdn_bwd_dqkwg(q, k, v, do, h, dh, *, scale: Optional[float] = None, g=None, g_gamma=None,
                   gate_log2: bool = False, dv=None, cu_seqlens=None, reverse_cumsum: bool = False,
-                  out: Optional[GDNGrads] = None) -> GDNGrads:
+                  check: bool = True, out: Optional[GDNGrads] = None) -> GDNGrads:
     """q, k [B,T,H,K]; v (v_new), do [B,T,HV,V]; h, dh [B,NT,HV,K,V]; g [B,T,HV] fp32 chunk-local
     cumulative gate or g_gamma [HV] fp32 constant decay (gate_log2: exp2 units, as fla 0.6);
     dv [B,T,HV,V] turns on dw; cu_seqlens [S+1] int32/int64 with B = 1 (NT is h.shape[1]).
-    scale defaults to K ** -0.5. NumPy arrays run on the CPU backend, device arrays on CUDA."""
+    scale defaults to K ** -0.5. NumPy arrays run on the CPU backend, device arrays on CUDA.
+    check=False (CUDA varlen): cu_seqlens is not copied to the host and checked, so the call does
+    not synchronise the stream (HL_GDN_UNCHECKED; a CUDA graph can capture it)."""
     if g is not None and g_gamma is not None:
         raise ValueError("pass g or g_gamma, not both")
     qv, kv, vv, dov, hv, dhv = (view(x, n) for x, n in
@@ -90,11 +93,12 @@ def gdn_bwd_dqkwg(q, k, v, do, h, dh, *, scale: Optional[float] = None, g=None, 
               int(reverse_cumsum), K ** -0.5 if scale is None else scale)
     if cv is not None:
         a.cu_seqlens_dtype, a.cu_seqlens, a.num_seqs = cv.dtype, _contig(cv, "cu_seqlens"), cv.shape[0] - 1
+    a.flags = 0 if check else UNCHECKED
     n = ctypes.c_size_t(0)
-    check(_ws(ctypes.byref(a), ctypes.byref(n)))
+    _check_status(_ws(ctypes.byref(a), ctypes.byref(n)))
     ws = None
     if n.value:
         ws = empty(qv, (math.ceil(n.value / 8),), DTYPE_I64)
         a.workspace, a.workspace_bytes = view(ws, "workspace").ptr, n.value
-    check(_run(ctypes.byref(a), qv.stream))
+    _check_status(_run(ctypes.byref(a), qv.stream))
     return out

@@ -50,6 +50,8 @@ hl_status_t check_shape(const char *fn, const hl_gdn_bwd_dqkwg_args_t &a) {
     return fail(HL_STATUS_INVALID_VALUE, "%s: reverse_cumsum is %d; use 0 or 1", fn, a.reverse_cumsum);
   if (a.dw && !a.dv) return fail(HL_STATUS_INVALID_VALUE, "%s: dw is set but dv is NULL", fn);
   if (!std::isfinite(a.scale)) return fail(HL_STATUS_INVALID_VALUE, "%s: scale is not finite", fn);
+  if (a.flags & ~HL_GDN_UNCHECKED)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: flags is 0x%x; only HL_GDN_UNCHECKED is defined", fn, a.flags);
   if (a.cu_seqlens) {
     if (a.B != 1)
       return fail(HL_STATUS_INVALID_VALUE, "%s: B is %lld with cu_seqlens; varlen needs B = 1", fn, (long long)a.B);
@@ -158,6 +160,7 @@ hl_status_t check_memory(const char *fn, const hl_gdn_bwd_dqkwg_args_t &a, hl_st
                     bufs[j].name);
   if (!a.cu_seqlens) return HL_STATUS_SUCCESS;
 #if HL_HAVE_CUDA
+  if (be == HL_BACKEND_CUDA && (a.flags & HL_GDN_UNCHECKED)) return HL_STATUS_SUCCESS;  // table on the device
   if (be == HL_BACKEND_CUDA) {
     HL_TRY(cuda_read_cu_seqlens(a, stream, cu));
     return check_cu_seqlens(fn, a, *cu);

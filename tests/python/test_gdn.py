@@ -205,6 +205,7 @@ def _raw_args(**over):
     (dict(num_chunks=5), 1, "num_chunks is 5"),
     (dict(B=2, num_chunks=1, cu_seqlens=1), 1, "B = 1"),
     (dict(struct_size=4), 1, "struct_size"),
+    (dict(flags=2), 1, "flags is 0x2"),
 ])
 def test_bad_arguments(over, status, needle):
     a, keep = _raw_args(**over)
@@ -301,6 +302,33 @@ def test_cuda_matches_reference(case, dtype, gdn_kernel):
     check_all(got, reference(x, gate, cu, K ** -0.5), 0.003 if dtype == "bf16" else 0.001)
 
 
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[8]], ids=lambda c: f"HV{c[3]}K{c[4]}V{c[5]}")
+def test_cuda_varlen_unchecked(case, gdn_kernel):
+    """check=False builds the chunk table on the device (no synchronisation): the same bits as the
+    checked call, int32 and int64 cu_seqlens, outputs poisoned first."""
+    torch = _torch()
+    B, T, H, HV, K, V, gate, dw, cu = case
+    x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu)
+    d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
+    args = [d(x[n]) for n in ("q", "k", "v", "do", "h", "dh")]
+    alloc = lambda shape, kind: torch.full(shape, float("nan"), device="cuda",
+                                           dtype=torch.bfloat16 if kind == "q" else torch.float32)
+    run = lambda cu_t, check: hg.gdn_bwd_dqkwg(*args, scale=K ** -0.5, g=d(x["g"], torch.float32),
+                                               g_gamma=d(x["g_gamma"], torch.float32),
+                                               gate_log2=gate in ("log2", "const2"), dv=d(x["dv"]),
+                                               cu_seqlens=cu_t, check=check,
+                                               out=poisoned_out(args[0], x, HV, K, alloc))
+    checked = run(torch.tensor(cu, dtype=torch.int64, device="cuda"), True)
+    for dt in (torch.int32, torch.int64):
+        got = run(torch.tensor(cu, dtype=dt, device="cuda"), False)
+        torch.cuda.synchronize()
+        for a, b in zip(got, checked):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a, b)
+    check_all(got, reference(x, gate, cu, K ** -0.5), 0.003)
+
+
 def test_cuda_fp32_state_and_fused_cumsum():
     torch = _torch()
     x = make(np.random.default_rng(), 1, 200, 1, 2, 128, 128, gate="log", dw=True, h_f32=True)
@@ -328,8 +356,10 @@ def test_cuda_fused_cumsum_and_deterministic(K, gdn_kernel):
         assert torch.equal(a, b)
 
 
-def test_cuda_many_chunks_varlen(gdn_kernel):
-    """More than 65535 chunks in all (grid limits), short sequences, no gate: spot-checked."""
+@pytest.mark.parametrize("check", [True, False])
+def test_cuda_many_chunks_varlen(gdn_kernel, check):
+    """More than 65535 chunks in all (grid limits), short sequences, no gate: spot-checked; unchecked,
+    the device builds the chunk table over 137 tiles of its scan."""
     torch = _torch()
     S = 70000
     lens = np.random.default_rng().integers(1, 40, S)
@@ -342,7 +372,7 @@ def test_cuda_many_chunks_varlen(gdn_kernel):
     do = torch.randn_like(v)
     h = torch.randn(1, S, 1, K, V, device=dev, dtype=torch.bfloat16)
     dh = torch.randn_like(h)
-    got = hg.gdn_bwd_dqkwg(q, k, v, do, h, dh, scale=0.125, cu_seqlens=torch.from_numpy(cu).to(dev))
+    got = hg.gdn_bwd_dqkwg(q, k, v, do, h, dh, scale=0.125, cu_seqlens=torch.from_numpy(cu).to(dev), check=check)
     torch.cuda.synchronize()
     t = lambda a: a.double().cpu().numpy()
     for s in (0, S // 2, S - 1):  # one sequence = one chunk each
