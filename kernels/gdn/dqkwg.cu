@@ -491,7 +491,7 @@ hl_status_t cuda_dqkwg_portable(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTab
 hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_t> &cu, int64_t chunks,
                        hl_stream_t stream) {
   ChunkTable table{nullptr, nullptr, a.num_seqs, a.T, a.num_chunks};
-  if (a.cu_seqlens && cu.empty()) {  // HL_GDN_UNCHECKED: the table built on the device
+  if (a.cu_seqlens && (a.flags & HL_GDN_UNCHECKED)) {  // the table built on the device (cu is empty)
     int64_t *t = static_cast<int64_t *>(a.workspace);
     const int64_t n = a.num_seqs + 1;
     chunk_table_kernel<<<1, kTableThreads, 0, static_cast<cudaStream_t>(stream)>>>(
