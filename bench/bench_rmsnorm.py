@@ -81,7 +81,7 @@ def bench_shape(M, N, bw):
     if not QUICK:
         outs_c = [compiled(t, wg) for t in xg]
         bwd["torch.compile"] = lambda: torch.autograd.grad(outs_c[i[0]], (xg[i[0]], wg), dy(), retain_graph=True)
-    if LigerRMSNormFunction is not None:
+    if "liger" in res:  # Liger refuses rows past 64K columns
         outs_l = [LigerRMSNormFunction.apply(t, wg, EPS, 0.0, "llama") for t in xg]
         bwd["liger"] = lambda: torch.autograd.grad(outs_l[i[0]], (xg[i[0]], wg), dy(), retain_graph=True)
     bres = {}

@@ -3,7 +3,8 @@
 # run GPU tests under compute-sanitizer (memcheck, racecheck), run the benchmarks, and leave
 # logs and tables in $OUT. Steps: tools/device.sh [build] [test] [sanitize] [bench-NAME ...]
 # (default: all; bench-NAME runs bench/bench_NAME.py; `bench` runs every benchmark).
-# HL_TESTS="tests/python/test_x.py ..." limits the test step to those files. HL_COMMIT=<hash>
+# HL_TESTS="tests/python/test_x.py ..." limits the test step to those files, HL_SANITIZE="rms gdn"
+# the sanitizer step to those families (rms, loss, tp, gdn). HL_COMMIT=<hash>
 # names the commit in the benchmark tables (the device's copy of the tree has no current .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,13 +42,13 @@ if want sanitize; then
   # Every kernel family, in both a 16-bit and the fp32 dtype where it has one (the whole suite
   # is too slow under the sanitizer).
   rms=(tests/python/test_rmsnorm.py::test_gpu_in_place_and_deterministic)
-  for case in bfloat16-128 float32-1000 bfloat16-4096 float16-16384 bfloat16-40000; do
+  for case in bfloat16-128 float32-1000 bfloat16-4096 float16-16384 bfloat16-16392 bfloat16-40000 bfloat16-131072; do
     rms+=("tests/python/test_rmsnorm.py::test_gpu_forward[$case]" "tests/python/test_rmsnorm.py::test_gpu_backward[$case]")
   done
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool (GPU tests, a subset of sizes)"
     rc=0
-    for sel in "rms" "loss" "tp" "gdn"; do
+    for sel in ${HL_SANITIZE:-rms loss tp gdn}; do
       case $sel in
         rms) args=("${rms[@]}") ;;
         loss) args=(tests/python/test_loss.py -k "cuda and ((all or entropy or distill_fwd) and (bfloat16 or float32) or bulk_many_rows and grpo_kl)") ;;

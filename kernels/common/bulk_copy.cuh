@@ -99,6 +99,15 @@ __device__ __forceinline__ uint32_t peer_addr(const void *p, uint32_t rank) {
   return r;
 }
 
+// This CTA's rank in its cluster (0 outside a cluster launch).
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r = 0;
+#if __CUDA_ARCH__ >= 900
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+
 // One arrival, with release at cluster scope, on the barrier at `bar` in cluster rank `rank`.
 __device__ __forceinline__ void mbar_arrive_peer(uint64_t *bar, uint32_t rank) {
 #if __CUDA_ARCH__ >= 900

@@ -2,6 +2,19 @@
 
 namespace hl::cuda {
 
+namespace {
+__global__ void probe_kernel() {}
+}  // namespace
+
+int code_arch() {
+  static std::atomic<int> cache[kMaxDevices];
+  return per_device(cache, [](int) {
+    cudaFuncAttributes fa{};
+    if (cudaFuncGetAttributes(&fa, probe_kernel) != cudaSuccess) return (void)cudaGetLastError(), 0;
+    return fa.ptxVersion;
+  });
+}
+
 int sm_count() {
   static std::atomic<int> cache[kMaxDevices];
   return per_device(cache, [](int dev) {

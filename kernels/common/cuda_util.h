@@ -41,6 +41,12 @@ inline bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 1
 // Multiprocessor count of the current device (cached per device).
 int sm_count();
 
+// The architecture (major * 10 + minor) the library's device code that runs on the current device
+// was compiled for, as __CUDA_ARCH__ / 10 saw it: 90 on Hopper (sm_90a), 80 on Ampere, and 80 on a
+// newer GPU, which JIT-compiles the sm_80 PTX (sm_90a code runs on 9.0 only). Code for clusters,
+// distributed shared memory or TMA exists in the binary only where this is >= 90 (cached).
+int code_arch();
+
 // How many blocks of `kernel` with `threads` threads and `smem` dynamic shared memory fit on one
 // multiprocessor. Call it once per kernel instantiation and cache the answer.
 template <class Kernel>
@@ -53,20 +59,31 @@ int blocks_per_sm(Kernel kernel, int threads, size_t smem = 0) {
   return n > 0 ? n : 1;
 }
 
-// blocks_per_sm after raising the kernel's dynamic shared-memory limit to `smem` where that passes
-// the default 48 KB (a failure to raise it shows at the launch).
+// Raises the kernel's dynamic shared-memory limit to `smem` where that passes the default 48 KB
+// (a failure to raise it shows at the launch).
 template <class Kernel>
-int blocks_per_sm_optin(Kernel kernel, int threads, size_t smem) {
+void allow_smem(Kernel kernel, size_t smem) {
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
     (void)cudaGetLastError();
-  return blocks_per_sm(kernel, threads, smem);
 }
 
 // Launch configuration of `ctas` CTAs in clusters of `cluster` (1: no cluster attribute); attr
 // is the storage the configuration points to.
 cudaLaunchConfig_t cluster_launch(int64_t ctas, int threads, size_t smem, int cluster, cudaStream_t stream,
                                   cudaLaunchAttribute &attr);
+
+// How many clusters of `cluster` CTAs of `kernel` (or CTAs, when cluster is 1) fit on the device
+// at once; 0 if none does. Raise the kernel's shared-memory limit first.
+template <class Kernel>
+int clusters_resident(Kernel kernel, int threads, size_t smem, int cluster) {
+  if (cluster == 1) return blocks_per_sm(kernel, threads, smem) * sm_count();
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_launch(cluster, threads, smem, cluster, nullptr, attr);
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) (void)cudaGetLastError(), n = 0;
+  return n;
+}
 
 // Lets the kernel that cfg launches begin while the kernel before it on the stream still runs
 // (programmatic dependent launch, sm_90; grid_dependency.cuh has the device side). The launched

@@ -351,21 +351,6 @@ size_t smem_bytes(const hl_gdn_bwd_dqkwg_args_t &a) {
   return b;
 }
 
-// Whether the kernel that will run was built for sm_90 or later (clusters available).
-template <class T, class HT>
-bool has_clusters() {
-  static std::atomic<int> cache[hl::cuda::kMaxDevices];
-  return hl::cuda::per_device(cache, [](int dev) {
-    int major = 0;
-    cudaFuncAttributes fa{};
-    const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                     cudaFuncGetAttributes(&fa, dqkwg_kernel<T, HT>) == cudaSuccess && major >= 9 &&
-                     fa.binaryVersion >= 90;
-    if (!yes) (void)cudaGetLastError();
-    return int(yes);
-  }) != 0;
-}
-
 template <class T, class HT>
 hl_status_t launch(Params p, int64_t heads_chunks, size_t smem, hl_stream_t stream) {
   auto kernel = dqkwg_kernel<T, HT>;
@@ -381,7 +366,7 @@ hl_status_t launch(Params p, int64_t heads_chunks, size_t smem, hl_stream_t stre
     return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: %zu bytes of shared memory needed, %d available",
                 smem, most);
   HL_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-  p.nsplit = p.KS > 1 && has_clusters<T, HT>() ? p.KS : 1;  // one CTA per K slice, in one cluster
+  p.nsplit = p.KS > 1 && hl::cuda::code_arch() >= 90 ? p.KS : 1;  // one CTA per K slice, in one cluster
   const int64_t blocks = heads_chunks * p.nsplit;
   if (blocks > INT32_MAX)
     return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: %lld CTAs exceed one launch", (long long)blocks);

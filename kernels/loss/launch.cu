@@ -219,15 +219,7 @@ int64_t slice_cols(int64_t vocab, int cluster, int vec) {
 
 // Resident clusters (or CTAs without clusters) of this kernel shape; 0 if it cannot run.
 static int max_clusters(const CudaLaunch &c) {
-  if (c.cluster == 1) return hl::cuda::blocks_per_sm(c.kernel, kThreads, c.smem) * hl::cuda::sm_count();
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(c.cluster, kThreads, c.smem, c.cluster, nullptr, attr);
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, c.kernel, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
+  return hl::cuda::clusters_resident(c.kernel, kThreads, c.smem, c.cluster);
 }
 
 // The workspace: PrepOut, the counters (params.cuh), the rows' records (sums.cuh), the reduce
@@ -358,18 +350,18 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   using namespace cuda;
   const hl_loss_plan_desc_t &d = p.desc;
   const bool grad = d.grad_mode != HL_LOSS_GRAD_NONE;
-  int dev = 0, major = 0, optin = 0;
+  int dev = 0, optin = 0;
   HL_CUDA_TRY(cudaGetDevice(&dev));
-  HL_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   HL_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   const size_t elt = dtype_size(d.logits_dtype), cap_bytes = size_t(optin) - kStaticSmemSlack;
   const int vec = int(16 / elt);
   const auto bytes = [&](int cl) { return size_t(slice_cols(d.vocab, cl, vec)) * elt; };
   // The smallest cluster whose slices fit the target; Hopper clusters go to 8 CTAs portably and
   // 16 with the non-portable opt-in. A row too long for that is re-read from global memory.
-  const int max_cluster = major >= 9 ? kMaxCluster : 1;
-  p.cuda.small_cluster = major >= 9 ? kSmallCluster : 1;
-  p.cuda.early_start = major >= 9;
+  const bool sm90 = hl::cuda::code_arch() >= 90;  // not major >= 9: a newer GPU runs the sm_80 code
+  const int max_cluster = sm90 ? kMaxCluster : 1;
+  p.cuda.small_cluster = sm90 ? kSmallCluster : 1;
+  p.cuda.early_start = sm90;
   // The row kernel takes the most shared memory an SM has; an SM whose L1 / shared split suits a
   // kernel asking for less cannot host its CTAs, so prep asks for the same split to share SMs.
   HL_CUDA_TRY(cudaFuncSetAttribute(prep_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -402,7 +394,7 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
                   "%lld)", fn, c.cluster, c.smem, (long long)d.vocab);
     // Bulk copies (Hopper): the whole-row shape, the slice kept in shared memory, where it fits.
     CudaLaunch &b = p.cuda.bulk[ph];
-    b.kernel = major >= 9 && keep_row && p.opt.distill == kDistillNone &&
+    b.kernel = sm90 && keep_row && p.opt.distill == kDistillNone &&
                        bytes(cluster) <= size_t(kMaxChunks) * kChunkPacks * 16
                    ? pick_bulk(d.logits_dtype, ph, grad, p.opt.cap > 0) : nullptr;
     if (b.kernel) {

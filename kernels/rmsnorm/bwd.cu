@@ -76,18 +76,23 @@ __device__ __forceinline__ void add_dw(const BwdParams &p, const Pack<Tx, VEC> &
 // row in dynamic shared memory, where every column has one owner thread (no barrier needed).
 // STAGED: the next row group's x and dy (and rstd) load while this one computes (Staging, after
 // the dw row in dynamic shared memory).
-template <class Tx, class Tdy, int VEC, int TPR, int VPT, int R, int BLOCK, bool STAGED>
-__global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
-  using Sum = RowSum<TPR, BLOCK>;
+// CL > 1: a row spans the CL blocks of a cluster, rank c holding columns [c W, (c + 1) W); a
+// cluster writes one partial dw row. Two blocks an SM, so that one's row sums overlap the other's
+// loads.
+template <class Tx, class Tdy, int VEC, int TPR, int VPT, int R, int BLOCK, bool STAGED, int CL>
+__global__ void __launch_bounds__(BLOCK, CL > 1 ? 2 : 1) rmsnorm_bwd_regs(const BwdParams p) {
+  RowSum<TPR, BLOCK, CL> row_sum;
   constexpr int G = BLOCK / TPR, W = TPR * VPT * VEC;  // W: columns a group covers
   constexpr bool kCacheW = kCacheWeight<BLOCK>, kDwRow = !kCacheW;
-  __shared__ typename Sum::Storage smem;
+  __shared__ typename decltype(row_sum)::Storage smem;
   __shared__ float dw_groups[G > 1 ? G * W : 1];
   extern __shared__ uint4 dyn[];
   // kDwRow: [VEC][W / VEC], element e of pack k at e * W / VEC + k
   float *const dw_row = reinterpret_cast<float *>(dyn);
   const Staging<2 * R * VPT, BLOCK> stage{dyn + (kDwRow ? W / 4 : 0)};  // x, dy of pack (r, v) at 2 (r VPT + v) + 0, 1
   const int lane = threadIdx.x % TPR, group = threadIdx.x / TPR;
+  const int64_t col0 = CL > 1 ? int64_t(cluster_rank()) * W : 0;
+  row_sum.start(smem);
 
   float wf[kCacheW ? VPT : 1][VEC], dw[kDwRow ? 1 : VPT][VEC] = {};
   if constexpr (kDwRow)
@@ -99,7 +104,7 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
   if constexpr (kCacheW)
 #pragma unroll
     for (int v = 0; v < VPT; ++v)
-      weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, int64_t(v * TPR + lane) * VEC, p.cols, wf[v]);
+      weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col0 + int64_t(v * TPR + lane) * VEC, p.cols, wf[v]);
 
   // Calls f(r, v, row, col, in the rows) for the packs of the row group at base.
   auto each_pack = [&](int64_t base, auto &&f) {
@@ -108,7 +113,7 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
-        const int64_t col = int64_t(v * TPR + lane) * VEC;
+        const int64_t col = col0 + int64_t(v * TPR + lane) * VEC;
         f(r, v, row0 + r, col, row0 + r < p.rows && col < p.cols);
       }
   };
@@ -131,11 +136,11 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
     }
   };
 
-  const int64_t step = int64_t(gridDim.x) * G * R;
+  const int64_t step = int64_t(gridDim.x / CL) * G * R, first = int64_t(blockIdx.x / CL) * G * R;
   int st = 0;
   if constexpr (STAGED)
-    if (int64_t(blockIdx.x) * G * R < p.rows) stage_rows(0, int64_t(blockIdx.x) * G * R);
-  for (int64_t base = int64_t(blockIdx.x) * G * R; base < p.rows; base += step, st ^= 1) {
+    if (first < p.rows) stage_rows(0, first);
+  for (int64_t base = first; base < p.rows; base += step, st ^= 1) {
     const int64_t row0 = base + int64_t(group) * R;
     Pack<Tx, VEC> s[R][VPT];
     Pack<Tdy, VEC> dy[R][VPT];
@@ -177,25 +182,25 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
         for (int v = 0; v < VPT; ++v)
 #pragma unroll
           for (int e = 0; e < VEC; ++e) ss += to_float(s[r][v].v[e]) * to_float(s[r][v].v[e]);
-        rstd[r] = rsqrtf(Sum::sum(ss, smem) * p.inv_cols + p.eps);
+        rstd[r] = rsqrtf(row_sum.sum(ss, smem) * p.inv_cols + p.eps);
       }
       float dot = 0.0f;  // sum of g * s; times rstd it is sum of g * xhat
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
         if constexpr (!kCacheW)
-          weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, int64_t(v * TPR + lane) * VEC, p.cols, wf[0]);
+          weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col0 + int64_t(v * TPR + lane) * VEC, p.cols, wf[0]);
 #pragma unroll
         for (int e = 0; e < VEC; ++e)
           dot += to_float(dy[r][v].v[e]) * wf[kCacheW ? v : 0][e] * to_float(s[r][v].v[e]);
       }
-      mean[r] = Sum::sum(dot, smem) * rstd[r] * p.inv_cols;
+      mean[r] = row_sum.sum(dot, smem) * rstd[r] * p.inv_cols;
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (row0 + r >= p.rows) break;
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
-        const int64_t col = int64_t(v * TPR + lane) * VEC;
+        const int64_t col = col0 + int64_t(v * TPR + lane) * VEC;
         if (col >= p.cols) continue;
         if constexpr (!kCacheW) weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col, p.cols, wf[0]);
         store_dx<Tx, Tdy, VEC>(p, row0 + r, col, s[r][v], dy[r][v], wf[kCacheW ? v : 0], rstd[r], mean[r]);
@@ -214,13 +219,13 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
     }
   }
   if (!p.partial) return;
-  float *out = p.partial + int64_t(blockIdx.x) * p.cols;
+  float *out = p.partial + int64_t(blockIdx.x / CL) * p.cols;
   if constexpr (kDwRow || G == 1) {
 #pragma unroll
     for (int v = 0; v < VPT; ++v)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        const int64_t col = int64_t(v * TPR + lane) * VEC + e;
+        const int64_t col = col0 + int64_t(v * TPR + lane) * VEC + e;
         if (col < p.cols) out[col] = kDwRow ? dw_row[e * (W / VEC) + v * TPR + lane] : dw[kDwRow ? 0 : v][e];
       }
   } else {  // sum the groups' columns in shared memory, in group order
@@ -240,8 +245,8 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_regs(const BwdParams p) {
 // Tiled path, step 1: per-row rstd and mean(g * xhat), a block per row.
 template <class Tx, class Tdy, int VEC, int BLOCK>
 __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_stats(const BwdParams p) {
-  using Sum = RowSum<BLOCK, BLOCK>;
-  __shared__ typename Sum::Storage smem;
+  RowSum<BLOCK, BLOCK> row_sum;
+  __shared__ typename decltype(row_sum)::Storage smem;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     float ss = 0.0f, dot = 0.0f;
     for (int64_t col = int64_t(threadIdx.x) * VEC; col < p.cols; col += int64_t(BLOCK) * VEC) {
@@ -254,8 +259,8 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_stats(const BwdParams p) {
         dot += to_float(dy.v[e]) * weight_factor<Tx>(p.w, p.wdt, p.offset, p.none_mode, col + e) * sv;
       }
     }
-    const float rstd = p.rstd ? p.rstd[row] : rsqrtf(Sum::sum(ss, smem) * p.inv_cols + p.eps);
-    const float mean = Sum::sum(dot, smem) * rstd * p.inv_cols;
+    const float rstd = p.rstd ? p.rstd[row] : rsqrtf(row_sum.sum(ss, smem) * p.inv_cols + p.eps);
+    const float mean = row_sum.sum(dot, smem) * rstd * p.inv_cols;
     if (threadIdx.x == 0) p.stats[row] = make_float2(rstd, mean);
   }
 }
@@ -337,9 +342,8 @@ struct Bwd {
       with_shape<true>(pl.shape, [&](auto I) {
         constexpr Shape sh = Shapes<true>::at[decltype(I)::value];
         const int64_t per_block = int64_t(sh.block / sh.tpr) * sh.rows_at_once;
-        const int64_t want = (a.rows + per_block - 1) / per_block;
-        const int64_t cap = int64_t(sm_count()) * regs_kernel<decltype(I)::value>().occupancy;
-        pl.parts = std::min(want, cap);
+        const int64_t want = (a.rows + per_block - 1) / per_block;  // blocks, or clusters
+        pl.parts = std::min<int64_t>(want, regs_kernel<decltype(I)::value>().resident);
         return HL_STATUS_SUCCESS;
       });
     } else {
@@ -356,21 +360,24 @@ struct Bwd {
   }
 
   // A register kernel, its dynamic shared memory (the dw row of a block-per-row shape, the
-  // staging) and how many blocks fit on a multiprocessor (the shared-memory limit raised once).
+  // staging) and how many blocks (or clusters) fit on the device at once: the persistent grid
+  // (the shared-memory limit raised once).
   struct Launch {
     void (*kernel)(BwdParams);
     size_t smem;
-    int occupancy;
+    int resident;
   };
   template <int I>
   static const Launch &regs_kernel() {
     static const Launch l = [] {
       constexpr Shape sh = Shapes<true>::at[I];
       constexpr bool staged = sh.staged && sizeof(Tdy) <= sizeof(Tx);  // staging slots hold 16 bytes
-      auto k = rmsnorm_bwd_regs<Tx, Tdy, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block, staged>;
+      auto k = rmsnorm_bwd_regs<Tx, Tdy, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block, staged, sh.cluster>;
       const size_t smem = (kCacheWeight<sh.block> ? 0 : size_t(sh.tpr) * sh.vpt * VEC * sizeof(float)) +
                           (staged ? Staging<2 * sh.rows_at_once * sh.vpt, sh.block>::kBytes : 0);
-      return Launch{k, smem, blocks_per_sm_optin(k, sh.block, smem)};
+      allow_smem(k, smem);
+      // at least one, so that a shape that cannot run fails at the launch
+      return Launch{k, smem, std::max(1, clusters_resident(k, sh.block, smem, sh.cluster))};
     }();
     return l;
   }
@@ -384,7 +391,10 @@ struct Bwd {
       HL_TRY(with_shape<true>(pl.shape, [&](auto I) {
         constexpr Shape sh = Shapes<true>::at[decltype(I)::value];
         const Launch &l = regs_kernel<decltype(I)::value>();
-        l.kernel<<<unsigned(pl.parts), sh.block, l.smem, stream>>>(p);
+        cudaLaunchAttribute attr;
+        const cudaLaunchConfig_t cfg = cluster_launch(pl.parts * sh.cluster, sh.block, l.smem, sh.cluster,
+                                                      static_cast<cudaStream_t>(stream), attr);
+        HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, l.kernel, p));
         HL_CUDA_TRY_LAUNCH();
         return HL_STATUS_SUCCESS;
       }));

@@ -4,7 +4,9 @@
 #include <cub/block/block_reduce.cuh>
 #include <type_traits>
 
+#include "common/bulk_copy.cuh"
 #include "common/cp_async.cuh"
+#include "common/cuda_util.h"
 #include "common/dtype.cuh"
 
 namespace hl::rmsnorm {
@@ -75,26 +77,56 @@ hl_status_t with_weight_kind(const void *w, hl_dtype_t wdt, bool w_vec, F &&f) {
   return f(TypeTag<WeightAny>{});
 }
 
-// Sum over the TPR threads that share a row. Groups of up to a warp reduce with a butterfly,
-// so every lane gets the sum without a broadcast; a whole block uses CUB and shared memory.
-template <int TPR, int BLOCK>
+// Sum over the threads that share a row: a sub-warp group of TPR (a butterfly: every lane gets
+// the sum, no broadcast), a whole block (CUB and shared memory), or the CL whole blocks of a
+// cluster: each block's sum goes to every rank by st.async, completing on that rank's mbarrier,
+// and the CL sums are added in rank order (every rank gets the same bits). Not a cluster barrier:
+// its release compiles to MEMBAR.GPU, a wait for the block's earlier global stores (H100, backward
+// 2048 x 32768: 240 -> 230 us without it). Two slots, alternating, so a slot is reused only after
+// every rank has read it (a rank sends row n + 2 only after receiving row n + 1 from all, which
+// each sent after its own block's threads had read row n). One object per thread; start() runs
+// in every thread before the first sum.
+template <int TPR, int BLOCK, int CL = 1>
 struct RowSum {
-  static_assert(TPR <= 32 || TPR == BLOCK, "a row is a sub-warp group or the whole block");
+  static_assert(TPR <= 32 || TPR == BLOCK, "a row is a sub-warp group or whole blocks");
+  static_assert(CL == 1 || TPR == BLOCK, "a row spans CL whole blocks");
   struct Storage {
     typename cub::BlockReduce<float, BLOCK>::TempStorage reduce;
-    float total;
+    float total[CL > 1 ? 2 * CL : 1];
+    uint64_t full[CL > 1 ? 2 : 1];  // a slot's CL sums have landed
   };
-  __device__ __forceinline__ static float sum(float v, Storage &s) {
+  unsigned calls = 0;
+  __device__ __forceinline__ void start(Storage &s) {
+    if constexpr (CL > 1) {
+      if (threadIdx.x == 0) mbar_init(&s.full[0], 1), mbar_init(&s.full[1], 1);
+      cluster_barrier();  // every rank's barriers exist before a peer sends to them
+    }
+  }
+  __device__ __forceinline__ float sum(float v, Storage &s) {
     if constexpr (TPR <= 32) {
 #pragma unroll
       for (int o = TPR / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
       return v;
+    } else if constexpr (CL == 1) {
+      const float t = cub::BlockReduce<float, BLOCK>(s.reduce).Sum(v);
+      if (threadIdx.x == 0) s.total[0] = t;
+      __syncthreads();
+      const float r = s.total[0];
+      __syncthreads();  // the storage is reused by the next row
+      return r;
     } else {
       const float t = cub::BlockReduce<float, BLOCK>(s.reduce).Sum(v);
-      if (threadIdx.x == 0) s.total = t;
-      __syncthreads();
-      const float r = s.total;
-      __syncthreads();  // the storage is reused by the next row
+      const unsigned slot = calls & 1, parity = (calls >> 1) & 1;
+      ++calls;
+      float *const sums = s.total + slot * CL;
+      if (threadIdx.x == 0) {
+        mbar_expect_tx(&s.full[slot], CL * sizeof(float));
+        for (int c = 0; c < CL; ++c) st_async_peer(sums + cluster_rank(), t, &s.full[slot], c);
+      }
+      mbar_wait_cluster(&s.full[slot], parity);
+      float r = 0.0f;
+#pragma unroll
+      for (int c = 0; c < CL; ++c) r += sums[c];
       return r;
     }
   }
@@ -132,6 +164,7 @@ struct Shape {
   int tpr, vpt, rows_at_once, block;
   bool staged = false;  // (backward) the next rows load through Staging
   int64_t min_rows = 0;  // taken from this many rows on
+  int cluster = 1;       // a row spans this many blocks of a cluster (sm_90 code), each a slice
 };
 template <bool BWD>
 struct Shapes {
@@ -156,19 +189,33 @@ struct Shapes {
       // <= 2048 (16384): the backward in 1024 threads of 2 packs (64 registers, no spill: 78 ->
       // 82% of copy); the forward loses with it (97 -> 76%).
       {BWD ? 1024 : 512, BWD ? 2 : 4, 1, BWD ? 1024 : 512},
-      // Longer rows would need 1024 threads of 4 packs or 8 packs a thread: both spill.
+      // Longer rows (1024 threads of 4 packs or 8 packs a thread spill) span a cluster of blocks,
+      // up to 8 (the portable most): 128K bf16 columns in the forward, 64K in the backward. H100,
+      // against the kernels these rows took before (bench/NOTES.md, "RMSNorm v9"): forward 1024 x
+      // 65536 140 -> 119 us, 512 x 131072 153 -> 124; backward 2048 x 32768 268 -> 231, 1024 x
+      // 65536 255 -> 241. The forward's 32K-column rows stay with the block-per-row kernel (block
+      // 0 here: 110 us against 117 in clusters of 2), and 16K columns with one block a row in
+      // either direction (clusters of 2, a cluster barrier a row sum: forward 182 -> 204 us,
+      // backward 325 -> 404; RowSum's st.async sums were not measured there).
+      {512, BWD ? 2 : 4, 1, BWD ? 512 : 0, false, 0, BWD ? 4 : 2},  // <= 4096 packs (32K)
+      {512, BWD ? 2 : 4, 1, 512, false, 0, BWD ? 8 : 4},                     // <= 8192 packs (64K)
+      {512, BWD ? 2 : 4, 1, 512, false, 0, 8},  // <= 16384 packs (128K); the backward's is the
+                                                 // entry above (4 packs a thread spill there)
   };
 };
 template <bool BWD>
 constexpr int kNumShapes = int(sizeof(Shapes<BWD>::at) / sizeof(Shape));
 
 // Index of the first shape that holds `packs` packs per row with at least its min_rows rows, or
-// -1 when none does.
+// -1 when none does or that shape's block is 0 (no register kernel for these rows). Cluster
+// shapes only where the device runs the sm_90 code.
 template <bool BWD>
 int shape_for(int64_t packs, int64_t rows) {
+  const bool clusters = code_arch() >= 90;
   for (int i = 0; i < kNumShapes<BWD>; ++i) {
     const Shape &s = Shapes<BWD>::at[i];
-    if (packs <= int64_t(s.tpr) * s.vpt && rows >= s.min_rows) return i;
+    if (packs <= int64_t(s.tpr) * s.vpt * s.cluster && rows >= s.min_rows && (s.cluster == 1 || clusters))
+      return s.block ? i : -1;
   }
   return -1;
 }

@@ -62,27 +62,30 @@ __device__ __forceinline__ float row_rstd(const FwdParams &p, float sumsq) {
   return rsqrtf(sumsq * p.inv_cols + p.eps);
 }
 
-template <bool RES, class Tx, class Ty, class Tw, int VEC, int TPR, int VPT, int R, int BLOCK>
+// CL > 1: a row spans the CL blocks of a cluster, rank c holding columns [c W, (c + 1) W).
+template <bool RES, class Tx, class Ty, class Tw, int VEC, int TPR, int VPT, int R, int BLOCK, int CL>
 __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_regs(const FwdParams p) {
-  using Sum = RowSum<TPR, BLOCK>;
-  __shared__ typename Sum::Storage smem;
-  constexpr int G = BLOCK / TPR;
+  RowSum<TPR, BLOCK, CL> row_sum;
+  __shared__ typename decltype(row_sum)::Storage smem;
+  constexpr int G = BLOCK / TPR, W = TPR * VPT * VEC;
   const int lane = threadIdx.x % TPR, group = threadIdx.x / TPR;
+  const int64_t col0 = CL > 1 ? int64_t(cluster_rank()) * W : 0;
+  row_sum.start(smem);
 
   // The weight is read at the store, a pack at a time (L1 hits after the first row): an fp32 copy
   // kept in registers across rows doubled the registers (H100: 96 against Liger's 38 at 4096
   // columns) and cut the resident warps, while a block sees only R rows.
   // The loop bound is the block's first row so that every thread of a warp runs the same
   // iterations (the row sums shuffle across the whole warp).
-  const int64_t step = int64_t(gridDim.x) * G * R;
-  for (int64_t base = int64_t(blockIdx.x) * G * R; base < p.rows; base += step) {
+  const int64_t step = int64_t(gridDim.x / CL) * G * R;
+  for (int64_t base = int64_t(blockIdx.x / CL) * G * R; base < p.rows; base += step) {
     const int64_t row0 = base + int64_t(group) * R;
     Pack<Tx, VEC> s[R][VPT];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
-        const int64_t col = int64_t(v * TPR + lane) * VEC;
+        const int64_t col = col0 + int64_t(v * TPR + lane) * VEC;
         if (row0 + r < p.rows && col < p.cols) {
           load_s<RES>(p, row0 + r, col, s[r][v]);
         } else {
@@ -98,17 +101,17 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_regs(const FwdParams p) {
       for (int v = 0; v < VPT; ++v)
 #pragma unroll
         for (int e = 0; e < VEC; ++e) ss += to_float(s[r][v].v[e]) * to_float(s[r][v].v[e]);
-      rstd[r] = row_rstd(p, Sum::sum(ss, smem));
+      rstd[r] = row_rstd(p, row_sum.sum(ss, smem));
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int64_t row = row0 + r;
       if (row >= p.rows) break;
-      if (p.rstd && lane == 0) p.rstd[row] = rstd[r];
+      if (p.rstd && lane == 0 && col0 == 0) p.rstd[row] = rstd[r];
       const float rr = p.none_mode ? round_to<Tx>(rstd[r]) : rstd[r];
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
-        const int64_t col = int64_t(v * TPR + lane) * VEC;
+        const int64_t col = col0 + int64_t(v * TPR + lane) * VEC;
         if (col >= p.cols) continue;
         float wf[VEC];
         weight_pack_as<Tx, Tw, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col, p.cols, wf);
@@ -121,8 +124,8 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_regs(const FwdParams p) {
 // Any row length and alignment: a block per row, two passes (sum of squares, then y).
 template <bool RES, class Tx, class Ty, int VEC, int BLOCK>
 __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_rows(const FwdParams p) {
-  using Sum = RowSum<BLOCK, BLOCK>;
-  __shared__ typename Sum::Storage smem;
+  RowSum<BLOCK, BLOCK> row_sum;
+  __shared__ typename decltype(row_sum)::Storage smem;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     float ss = 0.0f;
     for (int64_t col = int64_t(threadIdx.x) * VEC; col < p.cols; col += int64_t(BLOCK) * VEC) {
@@ -132,7 +135,7 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_rows(const FwdParams p) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) ss += to_float(s.v[e]) * to_float(s.v[e]);
     }
-    const float rstd = row_rstd(p, Sum::sum(ss, smem));
+    const float rstd = row_rstd(p, row_sum.sum(ss, smem));
     if (p.rstd && threadIdx.x == 0) p.rstd[row] = rstd;
     const float rr = p.none_mode ? round_to<Tx>(rstd) : rstd;
     // The second pass reads s back (from residual_out when fused: this thread wrote it).
@@ -157,12 +160,16 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_rows(const FwdParams p) {
 // One block per row group, not a persistent grid of SMs x occupancy blocks: the block scheduler
 // then overlaps one block's reduction and stores with the next one's loads (83-89% -> 90-97% of
 // the copy bandwidth on H100, bench/NOTES.md). The kernels' row loops cover grids past 2^31 - 1.
+// A row group per block, or per cluster of `cluster` blocks.
 template <class Kernel>
 hl_status_t launch(Kernel kernel, int block, int64_t rows_per_block, const FwdParams &p,
-                   hl_stream_t stream) {
+                   hl_stream_t stream, int cluster = 1) {
   const int64_t want = (p.rows + rows_per_block - 1) / rows_per_block;
-  const int64_t cap = INT32_MAX;
-  kernel<<<unsigned(want < cap ? want : cap), block, 0, stream>>>(p);
+  const int64_t cap = INT32_MAX / cluster;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_launch((want < cap ? want : cap) * cluster, block, 0, cluster,
+                                                static_cast<cudaStream_t>(stream), attr);
+  HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, p));
   HL_CUDA_TRY_LAUNCH();
   return HL_STATUS_SUCCESS;
 }
@@ -181,8 +188,12 @@ hl_status_t fwd_typed(FwdParams p, hl_stream_t stream) {
       return with_weight_kind<Tx>(p.w, p.wdt, p.w_vec, [&](auto tw) {
         constexpr Shape sh = Shapes<false>::at[decltype(I)::value];
         using Tw = typename decltype(tw)::type;
-        auto k = rmsnorm_fwd_regs<RES, Tx, Ty, Tw, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block>;
-        return launch(k, sh.block, int64_t(sh.block / sh.tpr) * sh.rows_at_once, p, stream);
+        if constexpr (sh.block == 0) {  // never chosen (shape_for)
+          return HL_STATUS_INTERNAL_ERROR;
+        } else {
+          auto k = rmsnorm_fwd_regs<RES, Tx, Ty, Tw, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block, sh.cluster>;
+          return launch(k, sh.block, int64_t(sh.block / sh.tpr) * sh.rows_at_once, p, stream, sh.cluster);
+        }
       });
     });
   constexpr int BLOCK = 512;

@@ -153,9 +153,11 @@ def test_errors_raise_with_the_library_message():
 
 
 # --- CUDA kernels -------------------------------------------------------------------------------
-# Column counts cover every register shape (8..4096 packs), the block-per-row kernel (odd sizes,
-# > 32K, up to 256K) and rows shorter than a pack.
-GPU_COLS = [3, 64, 128, 256, 512, 1000, 1024, 2048, 4096, 8192, 16384, 32768, 40000, 65536, 262144]
+# Column counts cover every register shape (8..4096 packs; past 2048 packs, rows spread over a
+# cluster of blocks, 16392 leaving the last ranks a few columns or none), the block-per-row kernel
+# (odd sizes, past what clusters hold, up to 256K) and rows shorter than a pack.
+GPU_COLS = [3, 64, 128, 256, 512, 1000, 1024, 2048, 4096, 8192, 16384, 16392, 32768, 40000, 65536,
+            131072, 262144]
 
 
 @pytest.mark.parametrize("cols", GPU_COLS)
@@ -188,20 +190,21 @@ def test_gpu_persistent_loops(gpu, rng, xdt):
     """Enough rows that every register shape's persistent blocks loop several times (the staged
     loads of the next rows), ending on a partial row group, and that the forward takes its
     many-row shapes (4096 columns from 2048 rows)."""
-    for i, cols in enumerate([64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]):
-        rows = max((1 << 22) // cols, 2048) + int(rng.integers(1, 32))
+    for i, cols in enumerate([64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]):
+        rows = (max((1 << 22) // cols, 2048) if cols <= 16384 else 600) + int(rng.integers(1, 32))
         check_forward(gpu, rng, rows, cols, xdt, "llama", residual=i % 2 == 1)
         check_backward(gpu, rng, rows, cols, xdt, "llama", fused=i % 2 == 0, with_rstd=i % 3 != 0)
 
 
-def test_gpu_in_place_and_deterministic(gpu, rng):
-    x = rng.standard_normal((513, 4096)).astype(DTYPES["bfloat16"])
-    w = rng.standard_normal(4096).astype(np.float32)
+@pytest.mark.parametrize("cols", [4096, 40000])  # one block a row; a cluster of blocks a row
+def test_gpu_in_place_and_deterministic(gpu, rng, cols):
+    x = rng.standard_normal((513, cols)).astype(DTYPES["bfloat16"])
+    w = rng.standard_normal(cols).astype(np.float32)
     ref = gpu.get(headloss.rmsnorm(gpu.put(x), gpu.put(w), eps=EPS))
     buf = gpu.put(x)
     headloss.rmsnorm_fwd(buf, gpu.put(w), eps=EPS, out=buf)
     assert np.array_equal(gpu.get(buf), ref)
-    dy = gpu.put(rng.standard_normal((513, 4096)).astype(DTYPES["bfloat16"]))
+    dy = gpu.put(rng.standard_normal((513, cols)).astype(DTYPES["bfloat16"]))
     runs = [headloss.rmsnorm_bwd(dy, gpu.put(x), gpu.put(w), eps=EPS) for _ in range(3)]
     for r in runs[1:]:
         assert np.array_equal(gpu.get(r.dw), gpu.get(runs[0].dw))
