@@ -153,9 +153,9 @@ def test_errors_raise_with_the_library_message():
 
 
 # --- CUDA kernels -------------------------------------------------------------------------------
-# Column counts cover every register shape (8..4096 packs; past 2048 packs, rows spread over a
-# cluster of blocks, 16392 leaving the last ranks a few columns or none), the block-per-row kernel
-# (odd sizes, past what clusters hold, up to 256K) and rows shorter than a pack.
+# Column counts cover every register shape (8..16384 packs; past 2048 packs a row spreads over a
+# cluster of blocks, 16392 leaving the last ranks a few columns or none), the block-per-row kernels
+# (odd sizes, the forward's 32K, past what clusters hold, up to 256K) and rows shorter than a pack.
 GPU_COLS = [3, 64, 128, 256, 512, 1000, 1024, 2048, 4096, 8192, 16384, 16392, 32768, 40000, 65536,
             131072, 262144]
 
