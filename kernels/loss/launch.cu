@@ -217,11 +217,6 @@ int64_t slice_cols(int64_t vocab, int cluster, int vec) {
 
 }  // namespace
 
-// Resident clusters (or CTAs without clusters) of this kernel shape; 0 if it cannot run.
-static int max_clusters(const CudaLaunch &c) {
-  return hl::cuda::clusters_resident(c.kernel, kThreads, c.smem, c.cluster);
-}
-
 // The workspace: PrepOut, the counters (params.cuh), the rows' records (sums.cuh), the reduce
 // kernel's partials, then the gathered blocks of a split.
 constexpr size_t kRecordsAt = kPrepBytes + (kCounters * sizeof(unsigned) + 15) / 16 * 16;
@@ -377,7 +372,7 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
                                      int(cap_bytes)));
     if (c.cluster > 8)
       HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    c.grid = max_clusters(c) * c.cluster;
+    c.grid = hl::cuda::clusters_resident(c.kernel, kThreads, c.smem, c.cluster) * c.cluster;  // 0: cannot run
     return HL_STATUS_SUCCESS;
   };
   for (int ph = kWhole; ph <= kFinish; ++ph) {

@@ -211,10 +211,10 @@ constexpr int kNumShapes = int(sizeof(Shapes<BWD>::at) / sizeof(Shape));
 // shapes only where the device runs the sm_90 code.
 template <bool BWD>
 int shape_for(int64_t packs, int64_t rows) {
-  const bool clusters = code_arch() >= 90;
   for (int i = 0; i < kNumShapes<BWD>; ++i) {
     const Shape &s = Shapes<BWD>::at[i];
-    if (packs <= int64_t(s.tpr) * s.vpt * s.cluster && rows >= s.min_rows && (s.cluster == 1 || clusters))
+    // code_arch() only for cluster shapes: short rows' calls skip its device query
+    if (packs <= int64_t(s.tpr) * s.vpt * s.cluster && rows >= s.min_rows && (s.cluster == 1 || code_arch() >= 90))
       return s.block ? i : -1;
   }
   return -1;
