@@ -40,6 +40,14 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
 #endif
 }
 
+// Starts an L2 fill of [p, p + bytes) (16-byte aligned, a multiple of 16 bytes); nothing to wait
+// for: a later load of those bytes finds them in L2 (or goes to memory if they are not there yet).
+__device__ __forceinline__ void prefetch_l2(const void *p, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 // One arrival on bar (release: this thread's earlier shared-memory reads are done).
 __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
 #if __CUDA_ARCH__ >= 900

@@ -76,11 +76,15 @@ __device__ __forceinline__ void add_dw(const BwdParams &p, const Pack<Tx, VEC> &
 // row in dynamic shared memory, where every column has one owner thread (no barrier needed).
 // STAGED: the next row group's x and dy (and rstd) load while this one computes (Staging, after
 // the dw row in dynamic shared memory).
+// PF: the next row group is fetched into L2 while this one computes. It pays where few warps are
+// resident (H100, 16384 x 8192, one 256-thread block an SM: 349 -> 303 us) and costs where more
+// are (32768 x 4096, three 128-thread blocks: 294 -> 324; 8192 x 16384, 1024 threads: 324 -> 338).
 // CL > 1: a row spans the CL blocks of a cluster, rank c holding columns [c W, (c + 1) W); a
 // cluster writes one partial dw row. Two blocks an SM, so that one's row sums overlap the other's
-// loads.
-template <class Tx, class Tdy, int VEC, int TPR, int VPT, int R, int BLOCK, bool STAGED, int CL>
-__global__ void __launch_bounds__(BLOCK, CL > 1 ? 2 : 1) rmsnorm_bwd_regs(const BwdParams p) {
+// loads. (A minimum of 1 block an SM is not the same as none: ptxas then took 195 registers
+// instead of 167 at 4096 columns, 2 blocks an SM instead of 3: H100 32768 x 4096 294 -> 328 us.)
+template <class Tx, class Tdy, int VEC, int TPR, int VPT, int R, int BLOCK, bool STAGED, int CL, bool PF>
+__global__ void __launch_bounds__(BLOCK, CL > 1 ? 2 : 0) rmsnorm_bwd_regs(const BwdParams p) {
   RowSum<TPR, BLOCK, CL> row_sum;
   constexpr int G = BLOCK / TPR, W = TPR * VPT * VEC;  // W: columns a group covers
   constexpr bool kCacheW = kCacheWeight<BLOCK>, kDwRow = !kCacheW;
@@ -158,6 +162,12 @@ __global__ void __launch_bounds__(BLOCK, CL > 1 ? 2 : 1) rmsnorm_bwd_regs(const 
       }
       if (base + step < p.rows) stage_rows(st ^ 1, base + step);
     } else {
+      if constexpr (PF)
+        if (lane == 0 && base + step < p.rows) {
+          prefetch_rows<Tx, R>(p.x, p.xs, row0 + step, p.rows, col0, W, p.cols);
+          prefetch_rows<Tdy, R>(p.dy, p.dys, row0 + step, p.rows, col0, W, p.cols);
+          if (p.dro) prefetch_rows<Tx, R>(p.dro, p.dros, row0 + step, p.rows, col0, W, p.cols);
+        }
       each_pack(base, [&](int r, int v, int64_t row, int64_t col, bool ok) {
         if (ok) {
           s[r][v] = load_pack<Tx, VEC>(static_cast<const Tx *>(p.x) + row * p.xs + col);
@@ -372,7 +382,8 @@ struct Bwd {
     static const Launch l = [] {
       constexpr Shape sh = Shapes<true>::at[I];
       constexpr bool staged = sh.staged && sizeof(Tdy) <= sizeof(Tx);  // staging slots hold 16 bytes
-      auto k = rmsnorm_bwd_regs<Tx, Tdy, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block, staged, sh.cluster>;
+      auto k = rmsnorm_bwd_regs<Tx, Tdy, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block, staged, sh.cluster,
+                                sh.prefetch>;
       const size_t smem = (kCacheWeight<sh.block> ? 0 : size_t(sh.tpr) * sh.vpt * VEC * sizeof(float)) +
                           (staged ? Staging<2 * sh.rows_at_once * sh.vpt, sh.block>::kBytes : 0);
       allow_smem(k, smem);

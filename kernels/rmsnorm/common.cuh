@@ -152,6 +152,19 @@ struct Staging {
   }
 };
 
+// Starts L2 fills of rows [row, row + R) (those below `rows`) of a tensor of T, columns [col0,
+// col0 + W): one thread of a group, for the rows the group takes next. Rows 16-byte aligned and
+// cols a multiple of 16 bytes, as the register kernels require.
+template <class T, int R>
+__device__ __forceinline__ void prefetch_rows(const void *base, int64_t stride, int64_t row, int64_t rows,
+                                              int64_t col0, int W, int64_t cols) {
+  const int64_t n = cols - col0 < W ? cols - col0 : W;
+  if (n <= 0) return;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (row + r < rows) prefetch_l2(static_cast<const T *>(base) + (row + r) * stride + col0, uint32_t(n * sizeof(T)));
+}
+
 // Register-cached kernel shapes: a row of cols = VEC * TPR * VPT elements is held by TPR threads,
 // VPT packs of VEC elements each; a group processes R rows at a time so that enough loads are in
 // flight for short rows. A row takes the first shape that holds its packs (up to 2048) and whose
@@ -165,6 +178,7 @@ struct Shape {
   bool staged = false;  // (backward) the next rows load through Staging
   int64_t min_rows = 0;  // taken from this many rows on
   int cluster = 1;       // a row spans this many blocks of a cluster (sm_90 code), each a slice
+  bool prefetch = false;  // the rows a group takes next are fetched into L2 while it works on these
 };
 template <bool BWD>
 struct Shapes {
@@ -178,17 +192,20 @@ struct Shapes {
       {16, 1, BWD ? 1 : 2, 256, BWD},  // <= 16        (128)
       {32, 1, BWD ? 1 : 2, 256, BWD},  // <= 32        (256)
       {32, 2, 2, 256},   // <= 64        (512)
-      {32, 4, 1, 256},   // <= 128       (1024)
+      // <= 128 (1024): the backward's 193 registers leave one block an SM, so its next rows go to
+      // L2 ahead (prefetch; H100 131072 x 1024: 331 -> 309 us).
+      {32, 4, 1, 256, false, 0, 1, BWD},
       {64, 4, 1, 64},    // <= 256       (2048): a block per row from here on
       // <= 512 (4096): the forward in 256 threads of 2 packs from 2048 rows (H100 32768 x 4096: 97 ->
       // 98% of copy), 128 of 4 below (1024 x 4096: 8.8 us, 9.4 with 256 x 2). In the backward this
       // entry is the next one (the same kernel).
       {BWD ? 128 : 256, BWD ? 4 : 2, 1, BWD ? 128 : 256, false, BWD ? 0 : 2048},
       {128, 4, 1, 128},
-      {256, 4, 1, 256},  // <= 1024      (8192)
-      // <= 2048 (16384): the backward in 1024 threads of 2 packs (64 registers, no spill: 78 ->
-      // 82% of copy); the forward loses with it (97 -> 76%).
-      {BWD ? 1024 : 512, BWD ? 2 : 4, 1, BWD ? 1024 : 512},
+      {256, 4, 1, 256, false, 0, 1, BWD},  // <= 1024 (8192); backward prefetch: 16384 x 8192 349 -> 312 us
+      // <= 2048 (16384): the backward with the prefetch, in 512 threads of 4 packs (118 registers,
+      // one block an SM): 8192 x 16384 321 -> 318 us against 1024 threads of 2 packs, which the
+      // prefetch slowed (324 -> 338) and which beat 512 x 4 without it (82 against 78% of copy).
+      {512, 4, 1, 512, false, 0, 1, BWD},
       // Longer rows (1024 threads of 4 packs or 8 packs a thread spill) span a cluster of blocks,
       // up to 8 (the portable most): 128K bf16 columns in the forward, 64K in the backward. H100,
       // against the kernels these rows took before (bench/NOTES.md, "RMSNorm v9"): forward 1024 x
@@ -197,9 +214,9 @@ struct Shapes {
       // 0 here: 110 us against 117 in clusters of 2), and 16K columns with one block a row in
       // either direction (clusters of 2, a cluster barrier a row sum: forward 182 -> 204 us,
       // backward 325 -> 404; RowSum's st.async sums were not measured there).
-      {512, BWD ? 2 : 4, 1, BWD ? 512 : 0, false, 0, BWD ? 4 : 2},  // <= 4096 packs (32K)
-      {512, BWD ? 2 : 4, 1, 512, false, 0, BWD ? 8 : 4},                     // <= 8192 packs (64K)
-      {512, BWD ? 2 : 4, 1, 512, false, 0, 8},  // <= 16384 packs (128K); the backward's is the
+      {512, BWD ? 2 : 4, 1, BWD ? 512 : 0, false, 0, BWD ? 4 : 2, !BWD},  // <= 4096 packs (32K)
+      {512, BWD ? 2 : 4, 1, 512, false, 0, BWD ? 8 : 4, !BWD},  // <= 8192 packs (64K)
+      {512, BWD ? 2 : 4, 1, 512, false, 0, 8, !BWD},  // <= 16384 packs (128K); the backward's is the
                                                  // entry above (4 packs a thread spill there)
   };
 };
