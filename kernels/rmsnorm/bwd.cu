@@ -1,11 +1,15 @@
 // RMSNorm backward. Rows that fit in registers take rmsnorm_bwd_regs: one read of x and dy, one
 // write of dx, and dw accumulated in registers across the rows a block visits, then written as
 // one fp32 partial row per block. Other rows take two kernels: per-row statistics, then column
-// tiles that write dx and a partial dw per chunk of rows. A last kernel sums the partials in a
-// fixed order, so dw is deterministic without atomics.
+// tiles that write dx and a partial dw per chunk of rows. A last kernel, launched to start early,
+// sums the partials in a fixed order, so dw is deterministic without atomics; rows of a block each
+// from 8K columns sum them in the register kernel itself, after a grid-wide barrier.
 #include <algorithm>
 
+#include <cooperative_groups.h>
+
 #include "common/cuda_util.h"
+#include "common/grid_dependency.cuh"
 #include "rmsnorm/common.cuh"
 #include "rmsnorm/rmsnorm.h"
 
@@ -34,7 +38,43 @@ struct BwdParams {
   int64_t dress;
   float *partial;  // partial dw rows, [parts, cols]; NULL without a weight
   float2 *stats;   // per-row (rstd, mean(g * xhat)) for the tiled path
+  void *dw;
+  hl_dtype_t dwdt;
+  bool fuse_dw;    // the register kernel (a cooperative launch) also sums the partials into dw
 };
+
+// Register kernels that can sum the partial dw rows themselves after a grid-wide barrier, instead
+// of a second kernel (H100 8192 x 16384: 322 -> 318 us, that kernel's whole cost; 16384 x 8192 311
+// -> 308): a block a row, of at least 256 threads, so that the grid is about one block an SM and
+// each block has a 32-column tile of its own to sum.
+template <int TPR, int BLOCK, int CL>
+constexpr bool kCanFuseDw = CL == 1 && TPR == BLOCK && BLOCK >= 256;
+
+// dw[c] = sum over parts of partial[part][c], in part order, for the 32-column tiles first,
+// first + stride, ...: thread (x, y) of Y = BLOCK / 32 warps sums parts y, y + Y, ... of column x
+// of a tile, then warp 0 adds the Y sums in order.
+template <int BLOCK>
+__device__ __forceinline__ void reduce_dw(const float *partial, int64_t parts, int64_t cols, void *dw,
+                                          hl_dtype_t dt, int64_t first, int64_t stride,
+                                          float (&acc)[BLOCK / 32][33]) {
+  constexpr int Y = BLOCK / 32;
+  const int x = threadIdx.x % 32, y = threadIdx.x / 32;
+  for (int64_t t = first; t * 32 < cols; t += stride) {
+    const int64_t col = t * 32 + x;
+    float s = 0.0f;
+    if (col < cols)
+#pragma unroll 4
+      for (int64_t b = y; b < parts; b += Y) s += partial[b * cols + col];
+    acc[y][x] = s;
+    __syncthreads();
+    if (y == 0 && col < cols) {
+      float r = 0.0f;
+      for (int i = 0; i < Y; ++i) r += acc[i][x];
+      store_from_float(dw, dt, col, r);
+    }
+    __syncthreads();
+  }
+}
 
 // dx for one pack, with the fused residual's gradient added; also stores the copy.
 template <class Tx, class Tdy, int VEC>
@@ -97,6 +137,7 @@ __global__ void __launch_bounds__(BLOCK, CL > 1 ? 2 : 0) rmsnorm_bwd_regs(const 
   const int lane = threadIdx.x % TPR, group = threadIdx.x / TPR;
   const int64_t col0 = CL > 1 ? int64_t(cluster_rank()) * W : 0;
   row_sum.start(smem);
+  let_next_grid_start();  // a resident grid: rmsnorm_dw_reduce's blocks take SMs only as it ends
 
   float wf[kCacheW ? VPT : 1][VEC], dw[kDwRow ? 1 : VPT][VEC] = {};
   if constexpr (kDwRow)
@@ -250,6 +291,12 @@ __global__ void __launch_bounds__(BLOCK, CL > 1 ? 2 : 0) rmsnorm_bwd_regs(const 
       out[c] = t;
     }
   }
+  if constexpr (kCanFuseDw<TPR, BLOCK, CL>)
+    if (p.fuse_dw) {
+      __shared__ float acc[BLOCK / 32][33];
+      cooperative_groups::this_grid().sync();
+      reduce_dw<BLOCK>(p.partial, gridDim.x, p.cols, p.dw, p.dwdt, blockIdx.x, gridDim.x, acc);
+    }
 }
 
 // Tiled path, step 1: per-row rstd and mean(g * xhat), a block per row.
@@ -308,21 +355,12 @@ __global__ void __launch_bounds__(32 * kTileY) rmsnorm_bwd_tiles(const BwdParams
   }
 }
 
-// dw[c] = sum over parts of partial[part][c], in part order: 32 columns by 32 part-slices a block.
+// dw from the partial rows: a block of 1024 threads a 32-column tile.
 __global__ void __launch_bounds__(1024) rmsnorm_dw_reduce(const float *partial, int64_t parts,
                                                           int64_t cols, void *dw, hl_dtype_t dt) {
   __shared__ float acc[32][33];
-  const int64_t col = int64_t(blockIdx.x) * 32 + threadIdx.x;
-  float t = 0.0f;
-  if (col < cols)
-    for (int64_t b = threadIdx.y; b < parts; b += 32) t += partial[b * cols + col];
-  acc[threadIdx.y][threadIdx.x] = t;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
-    float s = 0.0f;
-    for (int y = 0; y < 32; ++y) s += acc[y][threadIdx.x];
-    store_from_float(dw, dt, col, s);
-  }
+  wait_for_previous_grid();
+  reduce_dw<1024>(partial, parts, cols, dw, dt, blockIdx.x, gridDim.x, acc);
 }
 
 // Which kernels run and how much workspace they need. Computed the same way for the workspace
@@ -398,13 +436,29 @@ struct Bwd {
     char *ws = static_cast<char *>(a.workspace);
     p.stats = reinterpret_cast<float2 *>(ws);
     p.partial = a.weight ? reinterpret_cast<float *>(ws + pl.stats_bytes) : nullptr;
+    p.dw = a.dw;
+    p.dwdt = a.dw_dtype;
+    bool fused = false;
     if (a.rows > 0 && pl.shape >= 0) {
       HL_TRY(with_shape<true>(pl.shape, [&](auto I) {
         constexpr Shape sh = Shapes<true>::at[decltype(I)::value];
         const Launch &l = regs_kernel<decltype(I)::value>();
         cudaLaunchAttribute attr;
-        const cudaLaunchConfig_t cfg = cluster_launch(pl.parts * sh.cluster, sh.block, l.smem, sh.cluster,
-                                                      static_cast<cudaStream_t>(stream), attr);
+        cudaLaunchConfig_t cfg = cluster_launch(pl.parts * sh.cluster, sh.block, l.smem, sh.cluster,
+                                                static_cast<cudaStream_t>(stream), attr);
+        if (kCanFuseDw<sh.tpr, sh.block, sh.cluster> && a.weight && (a.cols + 31) / 32 >= pl.parts) {
+          // The grid is what fits on the device at once; where the device is shared (MPS) and
+          // the cooperative launch is refused, the second kernel sums instead.
+          attr.id = cudaLaunchAttributeCooperative;
+          attr.val.cooperative = 1;
+          cfg.attrs = &attr;
+          cfg.numAttrs = 1;
+          p.fuse_dw = true;
+          if (cudaLaunchKernelEx(&cfg, l.kernel, p) == cudaSuccess) return fused = true, HL_STATUS_SUCCESS;
+          (void)cudaGetLastError();
+          cfg.numAttrs = 0;
+          p.fuse_dw = false;
+        }
         HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, l.kernel, p));
         HL_CUDA_TRY_LAUNCH();
         return HL_STATUS_SUCCESS;
@@ -412,9 +466,12 @@ struct Bwd {
     } else if (a.rows > 0) {
       HL_TRY(pl.vec ? tiled<VEC>(p, pl, stream) : tiled<1>(p, pl, stream));
     }
-    if (a.weight) {
-      rmsnorm_dw_reduce<<<unsigned((a.cols + 31) / 32), dim3(32, 32), 0, stream>>>(
-          p.partial, pl.parts, a.cols, a.dw, a.dw_dtype);
+    if (a.weight && !fused) {  // launched to start early: it waits for the partials in the kernel
+      cudaLaunchAttribute attr, attrs[2];
+      cudaLaunchConfig_t cfg = cluster_launch((a.cols + 31) / 32, 1024, 0, 1, static_cast<cudaStream_t>(stream), attr);
+      if (code_arch() >= 90) allow_early_start(cfg, attrs);
+      HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, rmsnorm_dw_reduce, static_cast<const float *>(p.partial), pl.parts,
+                                     int64_t(a.cols), a.dw, a.dw_dtype));
       HL_CUDA_TRY_LAUNCH();
     }
     return HL_STATUS_SUCCESS;
