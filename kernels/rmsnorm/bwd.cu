@@ -2,8 +2,8 @@
 // write of dx, and dw accumulated in registers across the rows a block visits, then written as
 // one fp32 partial row per block. Other rows take two kernels: per-row statistics, then column
 // tiles that write dx and a partial dw per chunk of rows. A last kernel, launched to start early,
-// sums the partials in a fixed order, so dw is deterministic without atomics; rows of a block each
-// from 8K columns sum them in the register kernel itself, after a grid-wide barrier.
+// sums the partials in a fixed order, so dw is deterministic without atomics; rows of 8K columns
+// and more (a block a row) have the register kernel sum them itself, after a grid-wide barrier.
 #include <algorithm>
 
 #include <cooperative_groups.h>
@@ -117,7 +117,7 @@ __device__ __forceinline__ void add_dw(const BwdParams &p, const Pack<Tx, VEC> &
 // STAGED: the next row group's x and dy (and rstd) load while this one computes (Staging, after
 // the dw row in dynamic shared memory).
 // PF: the next row group is fetched into L2 while this one computes. It pays where few warps are
-// resident (H100, 16384 x 8192, one 256-thread block an SM: 349 -> 303 us) and costs where more
+// resident (H100, 16384 x 8192, one 256-thread block an SM: 349 -> 303-312 us) and costs where more
 // are (32768 x 4096, three 128-thread blocks: 294 -> 324; 8192 x 16384, 1024 threads: 324 -> 338).
 // CL > 1: a row spans the CL blocks of a cluster, rank c holding columns [c W, (c + 1) W); a
 // cluster writes one partial dw row. Two blocks an SM, so that one's row sums overlap the other's

@@ -201,7 +201,7 @@ struct Shapes {
       // entry is the next one (the same kernel).
       {BWD ? 128 : 256, BWD ? 4 : 2, 1, BWD ? 128 : 256, false, BWD ? 0 : 2048},
       {128, 4, 1, 128},
-      {256, 4, 1, 256, false, 0, 1, BWD},  // <= 1024 (8192); backward prefetch: 16384 x 8192 349 -> 312 us
+      {256, 4, 1, 256, false, 0, 1, BWD},  // <= 1024 (8192); backward prefetch: 16384 x 8192 349 -> 303-312 us
       // <= 2048 (16384): the backward with the prefetch, in 512 threads of 4 packs (118 registers,
       // one block an SM): 8192 x 16384 321 -> 318 us against 1024 threads of 2 packs, which the
       // prefetch slowed (324 -> 338) and which beat 512 x 4 without it (82 against 78% of copy).
