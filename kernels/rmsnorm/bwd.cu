@@ -3,7 +3,7 @@
 // one fp32 partial row per block. Other rows take two kernels: per-row statistics, then column
 // tiles that write dx and a partial dw per chunk of rows. A last kernel, launched to start early,
 // sums the partials in a fixed order, so dw is deterministic without atomics; rows of 8K columns
-// and more (a block a row) have the register kernel sum them itself, after a grid-wide barrier.
+// (a block a row) have the register kernel sum them itself, after a grid-wide barrier.
 #include <algorithm>
 
 #include <cooperative_groups.h>
@@ -44,9 +44,9 @@ struct BwdParams {
 };
 
 // Register kernels that can sum the partial dw rows themselves after a grid-wide barrier, instead
-// of a second kernel (H100 8192 x 16384: 322 -> 318 us, that kernel's whole cost; 16384 x 8192 311
-// -> 308): a block a row, of at least 256 threads, so that the grid is about one block an SM and
-// each block has a 32-column tile of its own to sum.
+// of a second kernel (H100 16384 x 8192: 311 -> 308 us, that kernel's whole cost): a block a row,
+// of at least 256 threads, so that the grid is about one block an SM and each block has a
+// 32-column tile of its own to sum.
 template <int TPR, int BLOCK, int CL>
 constexpr bool kCanFuseDw = CL == 1 && TPR == BLOCK && BLOCK >= 256;
 
@@ -121,10 +121,12 @@ __device__ __forceinline__ void add_dw(const BwdParams &p, const Pack<Tx, VEC> &
 // are (32768 x 4096, three 128-thread blocks: 294 -> 324; 8192 x 16384, 1024 threads: 324 -> 338).
 // CL > 1: a row spans the CL blocks of a cluster, rank c holding columns [c W, (c + 1) W); a
 // cluster writes one partial dw row. Two blocks an SM, so that one's row sums overlap the other's
-// loads. (A minimum of 1 block an SM is not the same as none: ptxas then took 195 registers
-// instead of 167 at 4096 columns, 2 blocks an SM instead of 3: H100 32768 x 4096 294 -> 328 us.)
+// loads, except with the prefetch (clusters of 2 at 16K columns: 191 registers, one block an SM;
+// capped at 128 they spill 340 bytes). A minimum of 1 block an SM is not the same as none: ptxas
+// then took 195 registers instead of 167 at 4096 columns, 2 blocks an SM instead of 3 (H100
+// 32768 x 4096: 294 -> 328 us).
 template <class Tx, class Tdy, int VEC, int TPR, int VPT, int R, int BLOCK, bool STAGED, int CL, bool PF>
-__global__ void __launch_bounds__(BLOCK, CL > 1 ? 2 : 0) rmsnorm_bwd_regs(const BwdParams p) {
+__global__ void __launch_bounds__(BLOCK, CL > 1 && !PF ? 2 : 0) rmsnorm_bwd_regs(const BwdParams p) {
   RowSum<TPR, BLOCK, CL> row_sum;
   constexpr int G = BLOCK / TPR, W = TPR * VPT * VEC;  // W: columns a group covers
   constexpr bool kCacheW = kCacheWeight<BLOCK>, kDwRow = !kCacheW;

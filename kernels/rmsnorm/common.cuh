@@ -202,37 +202,35 @@ struct Shapes {
       {BWD ? 128 : 256, BWD ? 4 : 2, 1, BWD ? 128 : 256, false, BWD ? 0 : 2048},
       {128, 4, 1, 128},
       {256, 4, 1, 256, false, 0, 1, BWD},  // <= 1024 (8192); backward prefetch: 16384 x 8192 349 -> 303-312 us
-      // <= 2048 (16384): the backward with the prefetch, in 512 threads of 4 packs (118 registers,
-      // one block an SM): 8192 x 16384 321 -> 318 us against 1024 threads of 2 packs, which the
-      // prefetch slowed (324 -> 338) and which beat 512 x 4 without it (82 against 78% of copy).
-      {512, 4, 1, 512, false, 0, 1, BWD},
-      // Longer rows (1024 threads of 4 packs or 8 packs a thread spill) span a cluster of blocks,
-      // up to 8 (the portable most): 128K bf16 columns in the forward, 64K in the backward. H100,
-      // against the kernels these rows took before (bench/NOTES.md, "RMSNorm v9"): forward 1024 x
-      // 65536 140 -> 119 us, 512 x 131072 153 -> 124; backward 2048 x 32768 268 -> 231, 1024 x
-      // 65536 255 -> 241. The forward's 32K-column rows stay with the block-per-row kernel (block
-      // 0 here: 110 us against 117 in clusters of 2), and 16K columns with one block a row in
-      // either direction (clusters of 2, a cluster barrier a row sum: forward 182 -> 204 us,
-      // backward 325 -> 404; RowSum's st.async sums were not measured there).
-      {512, BWD ? 2 : 4, 1, BWD ? 512 : 0, false, 0, BWD ? 4 : 2, !BWD},  // <= 4096 packs (32K)
+      // <= 2048 (16384): the forward in 512 threads of 4 packs (63 registers, two blocks an SM; Liger's
+      // shape); the backward in clusters of 2 of the entry above, a half row each (H100 8192 x 16384:
+      // 318-325 -> 310 us, 2048 x 16384 105 -> 96), which beat a block of 512 threads of 4 packs
+      // (118 registers, one block an SM) and 1024 threads of 2.
+      {BWD ? 256 : 512, 4, 1, BWD ? 256 : 512, false, 0, BWD ? 2 : 1, BWD},
+      // <= 4096 (32K): the forward in 1024 threads of 4 packs (64 registers, one block an SM; 2048 x
+      // 32768: 106 us in clusters of 2, 111 reading the row twice, 96.6 so; the fused residual
+      // spills 60-100 bytes there). Longer rows span a cluster of blocks, up to 8 (the portable
+      // most): 128K bf16 columns in the forward, 64K in the backward, where 4 packs a thread
+      // spill (bench/NOTES.md, "RMSNorm v9": forward 1024 x 65536 140 -> 119 us, 512 x 131072 153
+      // -> 124; backward 2048 x 32768 268 -> 231, 1024 x 65536 255 -> 241).
+      {BWD ? 512 : 1024, BWD ? 2 : 4, 1, BWD ? 512 : 1024, false, 0, BWD ? 4 : 1},
       {512, BWD ? 2 : 4, 1, 512, false, 0, BWD ? 8 : 4, !BWD},  // <= 8192 packs (64K)
       {512, BWD ? 2 : 4, 1, 512, false, 0, 8, !BWD},  // <= 16384 packs (128K); the backward's is the
-                                                 // entry above (4 packs a thread spill there)
+                                                 // entry above
   };
 };
 template <bool BWD>
 constexpr int kNumShapes = int(sizeof(Shapes<BWD>::at) / sizeof(Shape));
 
 // Index of the first shape that holds `packs` packs per row with at least its min_rows rows, or
-// -1 when none does or that shape's block is 0 (no register kernel for these rows). Cluster
-// shapes only where the device runs the sm_90 code.
+// -1 when none does. Cluster shapes only where the device runs the sm_90 code.
 template <bool BWD>
 int shape_for(int64_t packs, int64_t rows) {
   for (int i = 0; i < kNumShapes<BWD>; ++i) {
     const Shape &s = Shapes<BWD>::at[i];
     // code_arch() only for cluster shapes: short rows' calls skip its device query
     if (packs <= int64_t(s.tpr) * s.vpt * s.cluster && rows >= s.min_rows && (s.cluster == 1 || code_arch() >= 90))
-      return s.block ? i : -1;
+      return i;
   }
   return -1;
 }

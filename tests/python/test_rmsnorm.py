@@ -153,11 +153,13 @@ def test_errors_raise_with_the_library_message():
 
 
 # --- CUDA kernels -------------------------------------------------------------------------------
-# Column counts cover every register shape (8..16384 packs; past 2048 packs a row spreads over a
-# cluster of blocks, 16392 leaving the last ranks a few columns or none), the block-per-row kernels
-# (odd sizes, the forward's 32K, past what clusters hold, up to 256K) and rows shorter than a pack.
-GPU_COLS = [3, 64, 128, 256, 512, 1000, 1024, 2048, 4096, 8192, 16384, 16392, 32768, 40000, 65536,
-            131072, 262144]
+# Column counts cover every register shape (8..16384 packs; from 1025 packs in the backward and
+# 4097 in the forward a row spreads over a cluster of blocks, 12296 and 16392 leaving the last
+# ranks part of their columns or none; 24584 fills a 32K forward row's threads in part), the
+# block-per-row kernels (odd sizes, past what clusters hold, up to 256K) and rows shorter than a
+# pack.
+GPU_COLS = [3, 64, 128, 256, 512, 1000, 1024, 2048, 4096, 8192, 12296, 16384, 16392, 24584, 32768,
+            40000, 65536, 131072, 262144]
 
 
 @pytest.mark.parametrize("cols", GPU_COLS)
@@ -196,8 +198,9 @@ def test_gpu_persistent_loops(gpu, rng, xdt):
         check_backward(gpu, rng, rows, cols, xdt, "llama", fused=i % 2 == 0, with_rstd=i % 3 != 0)
 
 
-# one block a row; the same, dw summed in the row kernel after a grid-wide barrier; a cluster a row
-@pytest.mark.parametrize("cols", [4096, 16384, 40000])
+# one block a row; the same, dw summed in the row kernel after a grid-wide barrier; clusters of 2
+# (one block an SM) and of 4
+@pytest.mark.parametrize("cols", [4096, 8192, 16384, 40000])
 def test_gpu_in_place_and_deterministic(gpu, rng, cols):
     x = rng.standard_normal((513, cols)).astype(DTYPES["bfloat16"])
     w = rng.standard_normal(cols).astype(np.float32)
