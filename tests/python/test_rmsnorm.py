@@ -28,13 +28,14 @@ class Host:
         return np.asarray(a, np.float64)
 
 
-def draw(rng, rows, cols, xdt, residual, cast):
+def draw(rng, rows, cols, xdt, residual, cast, wdt=None, ydt=None):
+    """Inputs; the weight's and y's dtypes drawn at random unless given."""
     x = (rng.standard_normal((rows, cols)) * rng.uniform(0.3, 4.0)).astype(DTYPES[xdt])
-    wdt = str(rng.choice(XDTS + ["none"]))
+    wdt = wdt or str(rng.choice(XDTS + ["none"]))
     w = None if wdt == "none" else (1 + 0.5 * rng.standard_normal(cols)).astype(DTYPES[wdt])
     r = rng.standard_normal((rows, cols)).astype(DTYPES[xdt]) if residual else None
     offset = 1.0 if (cast == "gemma" and w is not None) else 0.0
-    ydt = str(rng.choice(XDTS))
+    ydt = ydt or str(rng.choice(XDTS))
     return x, w, r, offset, ydt
 
 
@@ -52,8 +53,9 @@ def place(dev, a, layout, rng):
     return dev.put(a)
 
 
-def check_forward(dev, rng, rows, cols, xdt, cast, residual, layout="packed", want_rstd=True):
-    x, w, r, offset, ydt = draw(rng, rows, cols, xdt, residual, cast)
+def check_forward(dev, rng, rows, cols, xdt, cast, residual, layout="packed", want_rstd=True, wdt=None,
+                  ydt=None):
+    x, w, r, offset, ydt = draw(rng, rows, cols, xdt, residual, cast, wdt, ydt)
     y = dev.empty_like_poisoned((rows, cols), ydt)
     s = dev.empty_like_poisoned((rows, cols), xdt) if residual else None
     rstd = dev.empty_like_poisoned((rows,), "float32") if want_rstd else None
@@ -178,6 +180,16 @@ def test_gpu_backward(gpu, rng, cols, xdt):
     for k, cast in enumerate(CASTS):
         check_backward(gpu, rng, rows, cols, xdt, cast, fused=bool(k % 2),
                        layout=["packed", "padded", "unaligned"][(k + cols) % 3], with_rstd=k != 2)
+
+
+@pytest.mark.parametrize("cols", [2048, 8192, 12296, 16384])
+@pytest.mark.parametrize("xdt", ["float16", "bfloat16"])
+def test_gpu_forward_weight_of_x_dtype(gpu, rng, cols, xdt):
+    """x, y and the weight of one 16-bit dtype, no residual: the 8K and 16K rows load the weight
+    with x (and 12296 leaves part of a block's threads idle); 2048 reads it at the store."""
+    rows = 300 + int(rng.integers(0, 7))
+    for cast in CASTS:
+        check_forward(gpu, rng, rows, cols, xdt, cast, residual=False, wdt=xdt, ydt=xdt)
 
 
 def test_gpu_many_rows(gpu, rng):
