@@ -167,8 +167,8 @@ __device__ __forceinline__ void prefetch_rows(const void *base, int64_t stride, 
 
 // Register-cached kernel shapes: a row of cols = VEC * TPR * VPT elements is held by TPR threads,
 // VPT packs of VEC elements each; a group processes R rows at a time so that enough loads are in
-// flight for short rows. A row takes the first shape that holds its packs (up to 2048) and whose
-// min_rows the call reaches.
+// flight for short rows. A row takes the first shape that holds its packs (up to 4096 a block,
+// 16384 across a cluster) and whose min_rows the call reaches.
 // In the backward (a persistent grid), blocks of up to 256 threads keep the weight in registers
 // across the rows they visit; larger blocks, and the forward, read it per row from L1. One table
 // per direction (the backward holds x and dy and sums dw); the choices are measured on H100

@@ -99,9 +99,9 @@ __global__ void __launch_bounds__(BLOCK, kEarlyWeight<RES, Tx, Ty, Tw, TPR, VPT,
   const int64_t col0 = CL > 1 ? int64_t(cluster_rank()) * W : 0;
   row_sum.start(smem);
 
-  // The weight is read at the store, a pack at a time (L1 hits after the first row): an fp32 copy
-  // kept in registers across rows doubled the registers (H100: 96 against Liger's 38 at 4096
-  // columns) and cut the resident warps, while a block sees only R rows.
+  // The weight is read at the store (or with x: kEarlyWeight), a pack at a time (L1 hits after the
+  // first row): an fp32 copy kept in registers across rows doubled the registers (H100: 96 against
+  // Liger's 38 at 4096 columns) and cut the resident warps, while a block sees only R rows.
   // The loop bound is the block's first row so that every thread of a warp runs the same
   // iterations (the row sums shuffle across the whole warp).
   const int64_t step = int64_t(gridDim.x / CL) * G * R;
