@@ -192,10 +192,13 @@ struct Shapes {
       {16, 1, BWD ? 1 : 2, 256, BWD},  // <= 16        (128)
       {32, 1, BWD ? 1 : 2, 256, BWD},  // <= 32        (256)
       {32, 2, 2, 256},   // <= 64        (512)
-      // <= 128 (1024): the backward's 193 registers leave one block an SM, so its next rows go to
-      // L2 ahead (prefetch; H100 131072 x 1024: 331 -> 309 us).
-      {32, 4, 1, 256, false, 0, 1, BWD},
-      {64, 4, 1, 64},    // <= 256       (2048): a block per row from here on
+      // <= 128 (1024) and <= 256 (2048): the forward a block a row of one pack a thread, the weight
+      // loaded with x (Liger's shape: 28 registers, 64 warps an SM; H100 131072 x 1024: 182.4 ->
+      // 180.1 us, 65536 x 2048: 181.9 -> 181.2, against 8 rows of 32 x 4 a block and a row of 64 x 4).
+      // The backward in 8 rows of 32 x 4 a block (193 registers: one block an SM, so its next rows
+      // go to L2 ahead; H100 131072 x 1024: 331 -> 309 us), then a block a row of 64 x 4.
+      {BWD ? 32 : 128, BWD ? 4 : 1, 1, BWD ? 256 : 128, false, 0, 1, BWD},
+      {BWD ? 64 : 256, BWD ? 4 : 1, 1, BWD ? 64 : 256},
       // <= 512 (4096): the forward in 256 threads of 2 packs from 2048 rows (H100 32768 x 4096: 97 ->
       // 98% of copy), 128 of 4 below (1024 x 4096: 8.8 us, 9.4 with 256 x 2). In the backward this
       // entry is the next one (the same kernel).

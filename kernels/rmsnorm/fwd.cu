@@ -59,14 +59,15 @@ __device__ __forceinline__ void store_y(const FwdParams &p, int64_t row, int64_t
   if constexpr (RES) store_pack(static_cast<Tx *>(p.res_out) + row * p.ros + col, s);
 }
 
-// A block a row of 4 packs a thread, no residual, x, y and the weight of one 16-bit dtype: the
-// weight's packs load with x and are converted only at the store, which shortens a block's last
-// phase (H100: 2048 x 16384 50.9 -> 50.0 us, 512 x 16384 15.0 -> 14.4, 2048 x 8192 28.3 -> 27.2),
-// at 64 registers (two 512-thread blocks an SM, as before). Elsewhere the packs cost occupancy
-// (smaller blocks) or spill (fp32, a residual, clusters).
+// A block a row, no residual, x, y and the weight of one 16-bit dtype: the weight's packs load
+// with x and are converted only at the store, which shortens a block's last phase (H100: 2048 x
+// 16384 50.9 -> 50.0 us, 512 x 16384 15.0 -> 14.4, 2048 x 8192 28.3 -> 27.2). At 4 packs a thread
+// only in blocks of 256 or 512 threads (64 registers, as before); at 1 pack (the 1024- and
+// 2048-column rows, 28 registers) always. Elsewhere the packs cost occupancy (smaller blocks) or
+// spill (fp32, a residual, clusters).
 template <bool RES, class Tx, class Ty, class Tw, int TPR, int VPT, int BLOCK, int CL>
 constexpr bool kEarlyWeight = !RES && std::is_same_v<Tw, Tx> && std::is_same_v<Ty, Tx> && sizeof(Tx) == 2 &&
-                              TPR == BLOCK && VPT == 4 && (BLOCK == 256 || BLOCK == 512) && CL == 1;
+                              TPR == BLOCK && (VPT == 1 || VPT == 4 && (BLOCK == 256 || BLOCK == 512)) && CL == 1;
 
 // An empty asm the packs pass through: the compiler cannot convert them before this point (at the
 // load it did: 99 registers at 16K columns).
@@ -96,74 +97,73 @@ __global__ void __launch_bounds__(BLOCK, kEarlyWeight<RES, Tx, Ty, Tw, TPR, VPT,
   constexpr int G = BLOCK / TPR, W = TPR * VPT * VEC;
   constexpr bool kEarlyW = kEarlyWeight<RES, Tx, Ty, Tw, TPR, VPT, BLOCK, CL>;
   const int lane = threadIdx.x % TPR, group = threadIdx.x / TPR;
-  const int64_t col0 = CL > 1 ? int64_t(cluster_rank()) * W : 0;
+  // One row group a block (cluster), no loop: a grid-stride loop's 64-bit state cost registers
+  // (89 -> 56 in the 16K clusters with a weight of another dtype) and spilled 4 bytes at 16K
+  // columns (H100: 8192 x 16384 182.3 -> 181.1 us without it). The host keeps grids under 2^31
+  // blocks. Columns fit 32 bits (at most 128K here).
+  const int64_t row0 = int64_t(blockIdx.x / CL) * (G * R) + group * R;
+  const int col0 = CL > 1 ? int(cluster_rank()) * W : 0, cols = int(p.cols);
   row_sum.start(smem);
 
   // The weight is read at the store (or with x: kEarlyWeight), a pack at a time (L1 hits after the
   // first row): an fp32 copy kept in registers across rows doubled the registers (H100: 96 against
   // Liger's 38 at 4096 columns) and cut the resident warps, while a block sees only R rows.
-  // The loop bound is the block's first row so that every thread of a warp runs the same
-  // iterations (the row sums shuffle across the whole warp).
-  const int64_t step = int64_t(gridDim.x / CL) * G * R;
-  for (int64_t base = int64_t(blockIdx.x / CL) * G * R; base < p.rows; base += step) {
-    const int64_t row0 = base + int64_t(group) * R;
-    if constexpr (PF)
-      if (lane == 0) {
-        prefetch_rows<Tx, R>(p.x, p.xs, row0 + p.ahead, p.rows, col0, W, p.cols);
-        if constexpr (RES) prefetch_rows<Tx, R>(p.res, p.rs, row0 + p.ahead, p.rows, col0, W, p.cols);
-      }
-    Pack<Tx, VEC> s[R][VPT];
-    Pack<std::conditional_t<kEarlyW, Tw, Tx>, VEC> wraw[kEarlyW ? VPT : 1];
-    if constexpr (kEarlyW) {
+  if constexpr (PF)
+    if (lane == 0) {
+      prefetch_rows<Tx, R>(p.x, p.xs, row0 + p.ahead, p.rows, col0, W, p.cols);
+      if constexpr (RES) prefetch_rows<Tx, R>(p.res, p.rs, row0 + p.ahead, p.rows, col0, W, p.cols);
+    }
+  Pack<Tx, VEC> s[R][VPT];
+  Pack<std::conditional_t<kEarlyW, Tw, Tx>, VEC> wraw[kEarlyW ? VPT : 1];
+  if constexpr (kEarlyW) {
 #pragma unroll
-      for (int v = 0; v < VPT; ++v) {
-        const int64_t col = col0 + int64_t(v * TPR + lane) * VEC;
-        if (col < p.cols) wraw[v] = load_pack<Tw, VEC>(static_cast<const Tw *>(p.w) + col);
+    for (int v = 0; v < VPT; ++v) {
+      const int col = col0 + (v * TPR + lane) * VEC;
+      if (col < cols) wraw[v] = load_pack<Tw, VEC>(static_cast<const Tw *>(p.w) + col);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+      const int col = col0 + (v * TPR + lane) * VEC;
+      if (row0 + r < p.rows && col < cols) {
+        load_s<RES>(p, row0 + r, col, s[r][v]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) s[r][v].v[e] = from_float<Tx>(0.0f);
       }
     }
+  float rstd[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
+    float ss = 0.0f;
 #pragma unroll
-      for (int v = 0; v < VPT; ++v) {
-        const int64_t col = col0 + int64_t(v * TPR + lane) * VEC;
-        if (row0 + r < p.rows && col < p.cols) {
-          load_s<RES>(p, row0 + r, col, s[r][v]);
-        } else {
+    for (int v = 0; v < VPT; ++v)
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) s[r][v].v[e] = from_float<Tx>(0.0f);
-        }
+      for (int e = 0; e < VEC; ++e) ss += to_float(s[r][v].v[e]) * to_float(s[r][v].v[e]);
+    rstd[r] = row_rstd(p, row_sum.sum(ss, smem));
+  }
+  if constexpr (kEarlyW) hold_raw(wraw);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = row0 + r;
+    if (row >= p.rows) break;
+    if (p.rstd && lane == 0 && col0 == 0) p.rstd[row] = rstd[r];
+    const float rr = p.none_mode ? round_to<Tx>(rstd[r]) : rstd[r];
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+      const int col = col0 + (v * TPR + lane) * VEC;
+      if (col >= cols) continue;
+      float wf[VEC];
+      if constexpr (kEarlyW) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) wf[e] = to_float(wraw[v].v[e]);
+        add_offset<Tx, VEC>(wf, p.offset, p.none_mode);
+      } else {
+        weight_pack_as<Tx, Tw, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col, p.cols, wf);
       }
-    float rstd[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float ss = 0.0f;
-#pragma unroll
-      for (int v = 0; v < VPT; ++v)
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) ss += to_float(s[r][v].v[e]) * to_float(s[r][v].v[e]);
-      rstd[r] = row_rstd(p, row_sum.sum(ss, smem));
-    }
-    if constexpr (kEarlyW) hold_raw(wraw);
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = row0 + r;
-      if (row >= p.rows) break;
-      if (p.rstd && lane == 0 && col0 == 0) p.rstd[row] = rstd[r];
-      const float rr = p.none_mode ? round_to<Tx>(rstd[r]) : rstd[r];
-#pragma unroll
-      for (int v = 0; v < VPT; ++v) {
-        const int64_t col = col0 + int64_t(v * TPR + lane) * VEC;
-        if (col >= p.cols) continue;
-        float wf[VEC];
-        if constexpr (kEarlyW) {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) wf[e] = to_float(wraw[v].v[e]);
-          add_offset<Tx, VEC>(wf, p.offset, p.none_mode);
-        } else {
-          weight_pack_as<Tx, Tw, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col, p.cols, wf);
-        }
-        store_y<RES, Tx, Ty, VEC>(p, row, col, s[r][v], rr, wf);
-      }
+      store_y<RES, Tx, Ty, VEC>(p, row, col, s[r][v], rr, wf);
     }
   }
 }
@@ -206,19 +206,21 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_rows(const FwdParams p) {
 
 // One block per row group, not a persistent grid of SMs x occupancy blocks: the block scheduler
 // then overlaps one block's reduction and stores with the next one's loads (83-89% -> 90-97% of
-// the copy bandwidth on H100, bench/NOTES.md). The kernels' row loops cover grids past 2^31 - 1.
-// A row group per block, or per cluster of `cluster` blocks.
+// the copy bandwidth on H100, bench/NOTES.md). `blocks` row groups, each a block or a cluster.
 template <class Kernel>
-hl_status_t launch(Kernel kernel, int block, int64_t rows_per_block, const FwdParams &p,
-                   hl_stream_t stream, int cluster = 1) {
-  const int64_t want = (p.rows + rows_per_block - 1) / rows_per_block;
-  const int64_t cap = INT32_MAX / cluster;
+hl_status_t launch(Kernel kernel, int block, int64_t blocks, const FwdParams &p, hl_stream_t stream,
+                   int cluster = 1) {
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_launch((want < cap ? want : cap) * cluster, block, 0, cluster,
-                                                static_cast<cudaStream_t>(stream), attr);
+  const cudaLaunchConfig_t cfg =
+      cluster_launch(blocks * cluster, block, 0, cluster, static_cast<cudaStream_t>(stream), attr);
   HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, p));
   HL_CUDA_TRY_LAUNCH();
   return HL_STATUS_SUCCESS;
+}
+
+constexpr int64_t row_groups(const Shape &sh, int64_t rows) {
+  const int64_t per = int64_t(sh.block / sh.tpr) * sh.rows_at_once;
+  return (rows + per - 1) / per;
 }
 
 template <bool RES, class Tx, class Ty>
@@ -229,7 +231,11 @@ hl_status_t fwd_typed(FwdParams p, hl_stream_t stream) {
       p.cols % VEC == 0 && rows_aligned(p.x, p.xs, sizeof(Tx), 16) &&
       rows_aligned(p.res, p.rs, sizeof(Tx), 16) && rows_aligned(p.res_out, p.ros, sizeof(Tx), 16) &&
       rows_aligned(p.y, p.ys, sizeof(Ty), VEC * sizeof(Ty));
-  const int shape = aligned ? shape_for<false>(p.cols / VEC, p.rows) : -1;
+  int shape = aligned ? shape_for<false>(p.cols / VEC, p.rows) : -1;
+  // The register kernels run a row group a block, without a loop; a grid past 2^31 - 1 blocks (not
+  // within a GPU's memory) would take the rows kernel, which loops.
+  if (shape >= 0 && row_groups(Shapes<false>::at[shape], p.rows) > INT32_MAX / Shapes<false>::at[shape].cluster)
+    shape = -1;
   if (shape >= 0)
     return with_shape<false>(shape, [&](auto I) {
       return with_weight_kind<Tx>(p.w, p.wdt, p.w_vec, [&](auto tw) {
@@ -241,14 +247,13 @@ hl_status_t fwd_typed(FwdParams p, hl_stream_t stream) {
           static const int resident = clusters_resident(k, sh.block, 0, sh.cluster);
           p.ahead = int64_t(resident) * (sh.block / sh.tpr) * sh.rows_at_once;
         }
-        return launch(k, sh.block, int64_t(sh.block / sh.tpr) * sh.rows_at_once, p, stream, sh.cluster);
+        return launch(k, sh.block, row_groups(sh, p.rows), p, stream, sh.cluster);
       });
     });
   constexpr int BLOCK = 512;
-  if (aligned) {
-    return launch(rmsnorm_fwd_rows<RES, Tx, Ty, VEC, BLOCK>, BLOCK, 1, p, stream);
-  }
-  return launch(rmsnorm_fwd_rows<RES, Tx, Ty, 1, BLOCK>, BLOCK, 1, p, stream);
+  const int64_t grid = p.rows < INT32_MAX ? p.rows : INT32_MAX;
+  if (aligned) return launch(rmsnorm_fwd_rows<RES, Tx, Ty, VEC, BLOCK>, BLOCK, grid, p, stream);
+  return launch(rmsnorm_fwd_rows<RES, Tx, Ty, 1, BLOCK>, BLOCK, grid, p, stream);
 }
 
 }  // namespace
