@@ -13,12 +13,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import headloss  # noqa: E402
-from common import copy_bandwidth_gbs, header, median_ms, table  # noqa: E402
+from common import copy_bandwidth_gbs, header, median_ms_each, table  # noqa: E402
 
 SHAPES = [(262144, 128), (131072, 256), (32768, 4096), (8192, 16384), (4096, 4096),
           (65536, 2048), (1024, 4096)]
 EPS = 1e-6
-QUICK = False
+QUICK = FWD_ONLY = False
 
 
 def eager(x, w):
@@ -40,6 +40,18 @@ except Exception as e:  # noqa: BLE001
 def sets_for(nbytes_one: int) -> int:
     """How many input sets to rotate through so that they do not all sit in L2 (50 MB)."""
     return max(1, min(8, -(-200_000_000 // max(nbytes_one, 1))))
+
+
+def timed(fns, what, rotate):
+    """Median times of those of fns that run (a peer may refuse a shape), their calls interleaved."""
+    ok = {}
+    for name, fn in fns.items():
+        try:
+            fn()
+            ok[name] = fn
+        except Exception as e:  # noqa: BLE001
+            print(f"{name} {what} failed: {e}")
+    return median_ms_each(ok, rotate=rotate)
 
 
 def bench_shape(M, N, bw):
@@ -66,12 +78,9 @@ def bench_shape(M, N, bw):
     if LigerRMSNormFunction is not None:
         fwd["liger"] = lambda: LigerRMSNormFunction.apply(x(), w, EPS, 0.0, "llama")
     fwd_bytes = 2 * M * N * 2
-    res = {}
-    for name, fn in fwd.items():
-        try:
-            res[name] = median_ms(fn, rotate=rot)
-        except Exception as e:  # noqa: BLE001
-            print(f"{name} fwd {M}x{N} failed: {e}")
+    res = timed(fwd, f"fwd {M}x{N}", rot)
+    if FWD_ONLY:
+        return res, fwd_bytes, {}, 0
     # Backward: ours from a saved rstd; peers through autograd (their own backward kernels).
     dx = torch.empty_like(xs[0])
     dw = torch.empty(N, device="cuda", dtype=torch.float32)
@@ -84,12 +93,7 @@ def bench_shape(M, N, bw):
     if "liger" in res:  # Liger refuses rows past 64K columns
         outs_l = [LigerRMSNormFunction.apply(t, wg, EPS, 0.0, "llama") for t in xg]
         bwd["liger"] = lambda: torch.autograd.grad(outs_l[i[0]], (xg[i[0]], wg), dy(), retain_graph=True)
-    bres = {}
-    for name, fn in bwd.items():
-        try:
-            bres[name] = median_ms(fn, rotate=rot)
-        except Exception as e:  # noqa: BLE001
-            print(f"{name} bwd {M}x{N} failed: {e}")
+    bres = timed(bwd, f"bwd {M}x{N}", rot)
     bwd_bytes = 3 * M * N * 2
     return res, fwd_bytes, bres, bwd_bytes
 
@@ -98,10 +102,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="write the Markdown table here")
     ap.add_argument("--quick", action="store_true", help="Liger as the only peer (no torch.compile)")
+    ap.add_argument("--fwd-only", action="store_true", help="the forward alone (kernel A/B runs)")
     ap.add_argument("--shapes", default=None, help="MxN,... (default: the issue's shapes)")
     args = ap.parse_args()
-    global QUICK
-    QUICK = args.quick
+    global QUICK, FWD_ONLY
+    QUICK, FWD_ONLY = args.quick, args.fwd_only
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
     headloss.rmsnorm(torch.randn(8, 64, device="cuda"))  # load the module before timing
     bw = copy_bandwidth_gbs()
@@ -118,6 +123,8 @@ def main():
                         [f"{gbs(res[k]):.0f}" if k in res else "-" for k in
                          ["torch eager", "F.rms_norm", "torch.compile", "liger"]] +
                         [f"{peers[best] / ours:.2f}x ({best})" if best else "-"])
+        if FWD_ONLY:
+            continue
         bours = bres["headloss"]
         bgbs = lambda ms: bb / ms / 1e6  # noqa: E731
         bpeers = {k: v for k, v in bres.items() if k != "headloss"}
@@ -129,9 +136,10 @@ def main():
     lines.append(table(fwd_rows, ["M x N", "headloss us", "headloss GB/s (% copy)", "headloss+rstd us",
                                   "eager GB/s", "F.rms_norm GB/s", "compile GB/s", "liger GB/s",
                                   "best peer / headloss"]))
-    lines.append("\n## Backward (dx and dw; bytes: x, dy read + dx written)\n")
-    lines.append(table(bwd_rows, ["M x N", "headloss us", "headloss GB/s (% copy)", "compile GB/s",
-                                  "liger GB/s", "best peer / headloss"]))
+    if bwd_rows:
+        lines.append("\n## Backward (dx and dw; bytes: x, dy read + dx written)\n")
+        lines.append(table(bwd_rows, ["M x N", "headloss us", "headloss GB/s (% copy)", "compile GB/s",
+                                      "liger GB/s", "best peer / headloss"]))
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
