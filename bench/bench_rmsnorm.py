@@ -13,12 +13,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import headloss  # noqa: E402
-from common import copy_bandwidth_gbs, header, median_ms_each, table  # noqa: E402
+from common import copy_bandwidth_gbs, header, median_ms, table  # noqa: E402
 
 SHAPES = [(262144, 128), (131072, 256), (32768, 4096), (8192, 16384), (4096, 4096),
           (65536, 2048), (1024, 4096)]
 EPS = 1e-6
-QUICK = FWD_ONLY = False
+QUICK = FWD_ONLY = FLUSH_L2 = False
 
 
 def eager(x, w):
@@ -43,15 +43,20 @@ def sets_for(nbytes_one: int) -> int:
 
 
 def timed(fns, what, rotate):
-    """Median times of those of fns that run (a peer may refuse a shape), their calls interleaved."""
-    ok = {}
+    """Median times of those of fns that run (a peer may refuse a shape), one after another. With
+    --flush-l2, a read of 256 MB before each call leaves L2 holding nothing of the inputs and no
+    dirty lines of the previous call's outputs."""
+    if FLUSH_L2:
+        scratch = torch.ones(64 << 20, device="cuda")
+        inner = rotate
+        rotate = lambda: (inner(), scratch.sum())  # noqa: E731
+    res = {}
     for name, fn in fns.items():
         try:
-            fn()
-            ok[name] = fn
+            res[name] = median_ms(fn, rotate=rotate)
         except Exception as e:  # noqa: BLE001
             print(f"{name} {what} failed: {e}")
-    return median_ms_each(ok, rotate=rotate)
+    return res
 
 
 def bench_shape(M, N, bw):
@@ -102,11 +107,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="write the Markdown table here")
     ap.add_argument("--quick", action="store_true", help="Liger as the only peer (no torch.compile)")
+    ap.add_argument("--flush-l2", action="store_true", help="read 256 MB before each timed call")
     ap.add_argument("--fwd-only", action="store_true", help="the forward alone (kernel A/B runs)")
     ap.add_argument("--shapes", default=None, help="MxN,... (default: the issue's shapes)")
     args = ap.parse_args()
-    global QUICK, FWD_ONLY
-    QUICK, FWD_ONLY = args.quick, args.fwd_only
+    global QUICK, FWD_ONLY, FLUSH_L2
+    QUICK, FWD_ONLY, FLUSH_L2 = args.quick, args.fwd_only, args.flush_l2
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
     headloss.rmsnorm(torch.randn(8, 64, device="cuda"))  # load the module before timing
     bw = copy_bandwidth_gbs()

@@ -9,38 +9,30 @@ import subprocess
 import torch
 
 
-def median_ms_each(fns: dict, *, warmup: int = 10, iters: int = 50, rotate=None) -> dict:
-    """Median GPU time in ms of each of fns (name -> callable), timed with CUDA events one call at a
-    time, the calls of all of them interleaved (every iteration times each once, in turn), so that
-    each sees the same clocks, allocator and memory state. `rotate`, when given, is called before
-    each call (outside the timed region) to move to fresh inputs, so inputs smaller than the L2
-    cache are not timed from it."""
+def median_ms(fn, *, warmup: int = 10, iters: int = 50, rotate=None) -> float:
+    """Median GPU time of fn() in ms, timed with CUDA events one call at a time. `rotate`, when given,
+    is called before each timed call (outside the timed region) to move to fresh inputs, so
+    inputs smaller than the L2 cache are not timed from it."""
     for _ in range(warmup):
-        for fn in fns.values():
-            if rotate:
-                rotate()
-            fn()
+        if rotate:
+            rotate()
+        fn()
     torch.cuda.synchronize()
-    times = {name: [] for name in fns}
+    times = []
     for _ in range(iters):
-        for name, fn in fns.items():
-            if rotate:
-                rotate()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            # Keep the GPU busy while the host queues the call, so the time is the GPU's alone and
-            # not the host's (Python) overhead; bench/rmsnorm_latency.c measures the launch path.
-            torch.cuda._sleep(2_000_000)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times[name].append(a.elapsed_time(b))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-
-
-def median_ms(fn, **kw) -> float:
-    """median_ms_each of one callable."""
-    return median_ms_each({"fn": fn}, **kw)["fn"]
+        if rotate:
+            rotate()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # Keep the GPU busy while the host queues the call, so the time is the GPU's alone and
+        # not the host's (Python) overhead; bench/rmsnorm_latency.c measures the launch path.
+        torch.cuda._sleep(2_000_000)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
