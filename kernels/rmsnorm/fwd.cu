@@ -218,10 +218,9 @@ hl_status_t launch(Kernel kernel, int block, int64_t blocks, const FwdParams &p,
   return HL_STATUS_SUCCESS;
 }
 
-constexpr int64_t row_groups(const Shape &sh, int64_t rows) {
-  const int64_t per = int64_t(sh.block / sh.tpr) * sh.rows_at_once;
-  return (rows + per - 1) / per;
-}
+// Rows a block (cluster) of shape sh takes, and how many such groups `rows` make.
+constexpr int64_t block_rows(const Shape &sh) { return int64_t(sh.block / sh.tpr) * sh.rows_at_once; }
+constexpr int64_t row_groups(const Shape &sh, int64_t rows) { return (rows + block_rows(sh) - 1) / block_rows(sh); }
 
 template <bool RES, class Tx, class Ty>
 hl_status_t fwd_typed(FwdParams p, hl_stream_t stream) {
@@ -245,7 +244,7 @@ hl_status_t fwd_typed(FwdParams p, hl_stream_t stream) {
                                   sh.prefetch>;
         if constexpr (sh.prefetch) {
           static const int resident = clusters_resident(k, sh.block, 0, sh.cluster);
-          p.ahead = int64_t(resident) * (sh.block / sh.tpr) * sh.rows_at_once;
+          p.ahead = resident * block_rows(sh);
         }
         return launch(k, sh.block, row_groups(sh, p.rows), p, stream, sh.cluster);
       });
