@@ -41,7 +41,9 @@ fi
 if want sanitize; then
   # Every kernel family, in both a 16-bit and the fp32 dtype where it has one (the whole suite
   # is too slow under the sanitizer).
-  rms=(tests/python/test_rmsnorm.py::test_gpu_in_place_and_deterministic)
+  rms=(tests/python/test_rmsnorm.py::test_gpu_in_place_and_deterministic
+       "tests/python/test_rmsnorm.py::test_gpu_forward_weight_of_x_dtype[bfloat16-1000]"
+       "tests/python/test_rmsnorm.py::test_gpu_forward_weight_of_x_dtype[float16-2048]")
   for case in bfloat16-128 float32-1000 bfloat16-4096 bfloat16-12296 float16-16384 bfloat16-16392 bfloat16-24584 bfloat16-40000 bfloat16-131072; do
     rms+=("tests/python/test_rmsnorm.py::test_gpu_forward[$case]" "tests/python/test_rmsnorm.py::test_gpu_backward[$case]")
   done

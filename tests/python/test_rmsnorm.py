@@ -182,11 +182,12 @@ def test_gpu_backward(gpu, rng, cols, xdt):
                        layout=["packed", "padded", "unaligned"][(k + cols) % 3], with_rstd=k != 2)
 
 
-@pytest.mark.parametrize("cols", [2048, 8192, 12296, 16384])
+@pytest.mark.parametrize("cols", [1000, 1024, 2048, 4096, 8192, 12296, 16384])
 @pytest.mark.parametrize("xdt", ["float16", "bfloat16"])
 def test_gpu_forward_weight_of_x_dtype(gpu, rng, cols, xdt):
-    """x, y and the weight of one 16-bit dtype, no residual: the 8K and 16K rows load the weight
-    with x (and 12296 leaves part of a block's threads idle); 2048 reads it at the store."""
+    """x, y and the weight of one 16-bit dtype, no residual: rows of 1024, 2048, 8K and 16K columns
+    load the weight with x (1000 and 12296 leave part of a block's threads idle); 4096 reads it at
+    the store."""
     rows = 300 + int(rng.integers(0, 7))
     for cast in CASTS:
         check_forward(gpu, rng, rows, cols, xdt, cast, residual=False, wdt=xdt, ydt=xdt)
