@@ -6,17 +6,14 @@ import sys
 import torch
 
 import headloss
-from liger_kernel.ops.rms_norm import _rms_norm_forward_kernel, _str_to_casting_mode, calculate_settings
+from placement import EPS, liger_fwd
 
 M, N = int(sys.argv[1]), int(sys.argv[2])
 x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
 w = (1 + 0.1 * torch.randn(N, device="cuda")).to(torch.bfloat16)
 y = torch.empty_like(x)
 rstd = torch.empty(M, device="cuda", dtype=torch.float32)
-bs, nw = calculate_settings(N)
 for _ in range(2):
-    headloss.rmsnorm_fwd(x, w, eps=1e-6, out=y)
-    _rms_norm_forward_kernel[(M,)](y, y.stride(0), x, x.stride(0), w, w.stride(0), rstd, rstd.stride(0), N, 1e-6,
-                                   0.0, _str_to_casting_mode["llama"], elementwise_affine=True, BLOCK_SIZE=bs,
-                                   num_warps=nw)
+    headloss.rmsnorm_fwd(x, w, eps=EPS, out=y)
+    liger_fwd(x, w, y, rstd)
 torch.cuda.synchronize()
