@@ -131,4 +131,19 @@ __device__ __forceinline__ void store_pack(T *p, const Pack<T, N> &v) {
   }
 }
 
+// store_pack to global memory, a 16-byte pack as one instruction. Even through store_pack's uint4,
+// the compiler split some packs assembled from converted elements into 2- and 4-byte stores (the
+// RMSNorm backward's clusters: a row's first pack). The asm also moves the compiler's schedule.
+template <class T, int N>
+__device__ __forceinline__ void store_pack_global(T *p, const Pack<T, N> &v) {
+  if constexpr (sizeof(v) == 16) {
+    uint4 u;
+    memcpy(&u, &v, 16);
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w)
+                 : "memory");
+  } else {
+    store_pack(p, v);
+  }
+}
+
 }  // namespace hl::cuda
