@@ -157,8 +157,7 @@ __global__ void __launch_bounds__(BLOCK, kEarlyWeight<RES, Tx, Ty, Tw, TPR, VPT,
       if (col >= cols) continue;
       float wf[VEC];
       if constexpr (kEarlyW) {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) wf[e] = to_float(wraw[v].v[e]);
+        to_floats(wraw[v], wf);
         add_offset<Tx, VEC>(wf, p.offset, p.none_mode);
       } else {
         weight_pack_as<Tx, Tw, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col, p.cols, wf);
