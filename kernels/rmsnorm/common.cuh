@@ -25,10 +25,8 @@ __device__ __forceinline__ float weight_factor(const void *w, hl_dtype_t wdt, fl
 // Weight factors of the VEC columns starting at col (0 past the end of the row). w_vec: the
 // weight is aligned for one VEC-element access (used only for packs inside the row).
 template <class Tw, int VEC>
-__device__ __forceinline__ void load_weights(const void *w, int64_t col, float *f) {
-  const Pack<Tw, VEC> p = load_pack<Tw, VEC>(static_cast<const Tw *>(w) + col);
-#pragma unroll
-  for (int e = 0; e < VEC; ++e) f[e] = to_float(p.v[e]);
+__device__ __forceinline__ void load_weights(const void *w, int64_t col, float (&f)[VEC]) {
+  to_floats(load_pack<Tw, VEC>(static_cast<const Tw *>(w) + col), f);
 }
 // w -> offset + w, rounded to x's dtype in NONE mode.
 template <class Tx, int VEC>
@@ -39,7 +37,7 @@ __device__ __forceinline__ void add_offset(float *wf, float offset, bool none_mo
 template <class Tx, int VEC>
 __device__ __forceinline__ void weight_pack(const void *w, hl_dtype_t wdt, float offset,
                                             bool none_mode, bool w_vec, int64_t col, int64_t cols,
-                                            float *wf) {
+                                            float (&wf)[VEC]) {
   if (w && w_vec && col + VEC <= cols) {
     if (wdt == HL_DTYPE_BF16) load_weights<__nv_bfloat16, VEC>(w, col, wf);
     else if (wdt == HL_DTYPE_F16) load_weights<__half, VEC>(w, col, wf);
@@ -58,7 +56,7 @@ __device__ __forceinline__ void weight_pack(const void *w, hl_dtype_t wdt, float
 struct WeightAny {};
 template <class Tx, class Tw, int VEC>
 __device__ __forceinline__ void weight_pack_as(const void *w, hl_dtype_t wdt, float offset, bool none_mode,
-                                               bool w_vec, int64_t col, int64_t cols, float *wf) {
+                                               bool w_vec, int64_t col, int64_t cols, float (&wf)[VEC]) {
   if constexpr (std::is_same_v<Tw, WeightAny>) {
     weight_pack<Tx, VEC>(w, wdt, offset, none_mode, w_vec, col, cols, wf);
   } else {
