@@ -4,7 +4,7 @@
 # command against each. Usage (on the device, after tools/device.sh build):
 #   bench/experiments/ab.sh "python3 bench/bench_loss.py --no-compile" a.patch b.patch ...
 # The command sees HEADLOSS_LIBRARY set to the variant's library (/tmp/ab-<name>.so, kept for
-# later tests); output goes to $OUT/ab-<name>.txt. lib/ is left holding the last variant.
+# later tests); output goes to $OUT/ab-<name>.txt. lib/ and the build are left as the tree is.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/headloss-out}
@@ -24,3 +24,9 @@ for name in "${libs[@]}"; do
   echo "== $name"
   HEADLOSS_LIBRARY=/tmp/ab-$name.so $cmd 2>&1 | tee "$OUT/ab-$name.txt" | grep -E "^\|" | tail -12
 done
+# Back to the tree's build. The patched files are touched first: a later call's copy of the tree
+# gives them their older mtime again, and its build would keep the last variant's objects.
+if [ $# -gt 0 ]; then
+  sed -n 's#^+++ b/\([^[:space:]]*\).*#\1#p' "$@" | sort -u | xargs -r touch
+  build restore
+fi
