@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import headloss  # noqa: E402
-from common import median_ms  # noqa: E402
+from common import compile_per_shape, median_ms  # noqa: E402
 from headloss import loss as hloss  # noqa: E402
 
 SHAPES = "8192x32000,8192x128256,4096x262144,65536x32000"
@@ -89,10 +88,7 @@ def main():
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     liger = liger_ce_z()
-    # Specialised to each shape, as a training run compiles it: one compiled function over every
-    # shape goes dynamic after the second (bench_rmsnorm.py saw 1700 instead of 2970 GB/s so).
-    torch._dynamo.config.recompile_limit = 64
-    compiled = None if args.no_compile else torch.compile(torch_ce_z_ent, dynamic=False)
+    compiled = None if args.no_compile else compile_per_shape(torch_ce_z_ent)
     head = ("| N x V | copy floor | CE+grad | % of copy BW | CE+z | CE+z+H+GRPO+KL+metrics | ratio to CE | "
             "Liger CE+z | CE vs Liger | torch.compile CE+z+H | eager CE+z+H |")
     lines = [f"Device: {dev}; bf16 logits, bf16 gradient to its own buffer; headloss library "

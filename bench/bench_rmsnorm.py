@@ -8,13 +8,12 @@ import sys
 from pathlib import Path
 
 import torch
-import torch._dynamo
 import torch._functorch.config
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import headloss  # noqa: E402
-from common import copy_bandwidth_gbs, header, median_ms, table  # noqa: E402
+from common import compile_per_shape, copy_bandwidth_gbs, header, median_ms, table  # noqa: E402
 
 SHAPES = [(262144, 128), (131072, 256), (32768, 4096), (8192, 16384), (4096, 4096),
           (65536, 2048), (1024, 4096)]
@@ -29,11 +28,7 @@ def eager(x, w):
 
 
 torch._functorch.config.donated_buffer = False  # the backward is timed repeatedly
-# A kernel specialised to each shape (dynamic=False), as a training run compiles it: with one
-# compiled function over all the shapes, dynamo went dynamic after the second and the forward fell
-# from ~2970 to ~1700 GB/s at 8192 x 16384 (H100).
-torch._dynamo.config.recompile_limit = 64
-compiled = torch.compile(eager, dynamic=False)
+compiled = compile_per_shape(eager)
 
 try:
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
