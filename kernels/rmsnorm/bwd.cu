@@ -159,9 +159,7 @@ __global__ void __launch_bounds__(BLOCK, CL > 1 && !PF ? 2 : 0) rmsnorm_bwd_regs
 #pragma unroll
         for (int e = 0; e < VEC; ++e) dw_row[e * (W / VEC) + v * TPR + lane] = 0.0f;
   if constexpr (kCacheW)
-#pragma unroll
-    for (int v = 0; v < VPT; ++v)
-      weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col0 + int64_t(v * TPR + lane) * VEC, p.cols, wf[v]);
+    weight_packs<Tx>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col0 + int64_t(lane) * VEC, TPR * VEC, p.cols, wf);
 
   // Calls f(r, v, row, col, in the rows) for the packs of the row group at base.
   auto each_pack = [&](int64_t base, auto &&f) {

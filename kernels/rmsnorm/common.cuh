@@ -50,6 +50,29 @@ __device__ __forceinline__ void weight_pack(const void *w, hl_dtype_t wdt, float
     wf[e] = col + e < cols ? weight_factor<Tx>(w, wdt, offset, none_mode, col + e) : 0.0f;
 }
 
+// weight_pack for a thread's VPT packs at columns col0 + v * stride. Where every pack is inside the
+// row and aligned, all VPT loads are issued before the first is converted: weight_pack a pack at a
+// time put a memory round trip per pack (a branch on the dtype each) at the start of every block.
+template <class Tx, int VPT, int VEC>
+__device__ __forceinline__ void weight_packs(const void *w, hl_dtype_t wdt, float offset, bool none_mode,
+                                             bool w_vec, int64_t col0, int64_t stride, int64_t cols,
+                                             float (&wf)[VPT][VEC]) {
+  if (w && w_vec && col0 + (VPT - 1) * stride + VEC <= cols) {
+    auto all = [&](auto tag) {
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) load_weights<typename decltype(tag)::type, VEC>(w, col0 + v * stride, wf[v]);
+    };
+    if (wdt == HL_DTYPE_BF16) all(TypeTag<__nv_bfloat16>{});
+    else if (wdt == HL_DTYPE_F16) all(TypeTag<__half>{});
+    else all(TypeTag<float>{});
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) add_offset<Tx, VEC>(wf[v], offset, none_mode);
+    return;
+  }
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) weight_pack<Tx, VEC>(w, wdt, offset, none_mode, w_vec, col0 + v * stride, cols, wf[v]);
+}
+
 // weight_pack with the weight's dtype Tw known at compile time and its rows 16-byte aligned (the
 // common case: one vector load, no run-time dtype switch, ~20 fewer registers), or WeightAny:
 // weight_pack as above (no weight, an unaligned one, or a dtype other than x's or fp32).
