@@ -1,6 +1,8 @@
 """RMSNorm forward and backward, headloss against PyTorch (eager, F.rms_norm, torch.compile) and
 Liger, side by side in one run (bf16, llama casting, weight). Bandwidth counts x read + y
-written (forward) and x, dy read + dx written (backward); % is of the measured copy bandwidth."""
+written (forward) and x, dy read + dx written (backward); % is of the measured copy bandwidth.
+--residual: the fused residual add instead (s = x + r normalised; forward x, r read + y, s written;
+backward dy, s and the gradient of s read + dx written), against Liger's fused add."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +20,7 @@ from common import compile_per_shape, copy_bandwidth_gbs, header, median_ms, tab
 SHAPES = [(262144, 128), (131072, 256), (32768, 4096), (8192, 16384), (4096, 4096),
           (65536, 2048), (1024, 4096)]
 EPS = 1e-6
-QUICK = FWD_ONLY = FLUSH_L2 = False
+QUICK = FWD_ONLY = FLUSH_L2 = RESIDUAL = False
 
 
 def eager(x, w):
@@ -27,14 +29,24 @@ def eager(x, w):
     return (xf * r).to(x.dtype) * w
 
 
+def eager_add(x, r, w):
+    s = x + r
+    return eager(s, w), s
+
+
 torch._functorch.config.donated_buffer = False  # the backward is timed repeatedly
 compiled = compile_per_shape(eager)
+compiled_add = compile_per_shape(eager_add)
 
 try:
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 except Exception as e:  # noqa: BLE001
     print(f"liger unavailable: {e}")
     LigerRMSNormFunction = None
+try:
+    from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+except Exception:  # noqa: BLE001
+    LigerFusedAddRMSNormFunction = None
 
 
 def sets_for(nbytes_one: int) -> int:
@@ -60,6 +72,8 @@ def timed(fns, what, rotate):
 
 
 def bench_shape(M, N, bw):
+    if RESIDUAL:
+        return bench_shape_residual(M, N)
     k = sets_for(2 * M * N * 2)
     xs = [torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
     dys = [torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
@@ -103,6 +117,50 @@ def bench_shape(M, N, bw):
     return res, fwd_bytes, bres, bwd_bytes
 
 
+def bench_shape_residual(M, N):
+    """bench_shape for the fused residual add: each call normalises s = x + r and returns y and s;
+    its backward takes dy and ds (the gradient flowing into s) and gives dx (= dr) and dw."""
+    k = sets_for(4 * M * N * 2)
+    xs, rs, dys, dss = ([torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
+                        for _ in range(4))
+    w = (1 + 0.1 * torch.randn(N, device="cuda")).to(torch.bfloat16)
+    i = [0]
+
+    def rot():
+        i[0] = (i[0] + 1) % k
+
+    x, r, dy, ds = (lambda: xs[i[0]]), (lambda: rs[i[0]]), (lambda: dys[i[0]]), (lambda: dss[i[0]])  # noqa: E731
+    y, s = torch.empty_like(xs[0]), torch.empty_like(xs[0])
+    rstd = torch.empty(M, device="cuda", dtype=torch.float32)
+    fwd = {
+        "headloss": lambda: headloss.rmsnorm_fwd(x(), w, eps=EPS, residual=r(), out=y, residual_out=s),
+        "headloss+rstd": lambda: headloss.rmsnorm_fwd(x(), w, eps=EPS, residual=r(), out=y, residual_out=s,
+                                                      rstd=rstd),
+    }
+    if not QUICK:
+        fwd.update({"torch eager": lambda: eager_add(x(), r(), w), "torch.compile": lambda: compiled_add(x(), r(), w)})
+    if LigerFusedAddRMSNormFunction is not None:
+        fwd["liger"] = lambda: LigerFusedAddRMSNormFunction.apply(x(), r(), w, EPS, 0.0, "llama")
+    res = timed(fwd, f"fwd {M}x{N} residual", rot)
+    if FWD_ONLY:
+        return res, 4 * M * N * 2, {}, 0
+    dx = torch.empty_like(xs[0])
+    dw = torch.empty(N, device="cuda", dtype=torch.float32)
+    bwd = {"headloss": lambda: headloss.rmsnorm_bwd(dy(), s, w, rstd, eps=EPS, dresidual_out=ds(), dx=dx, dw=dw)}
+    wg = w.clone().requires_grad_(True)
+    xg, rg = [t.clone().requires_grad_(True) for t in xs], [t.clone().requires_grad_(True) for t in rs]
+    peers = {"liger": lambda a, b: LigerFusedAddRMSNormFunction.apply(a, b, wg, EPS, 0.0, "llama")}
+    if not QUICK:
+        peers["torch.compile"] = lambda a, b: compiled_add(a, b, wg)
+    for name, f in peers.items():
+        if name in res:
+            outs = [f(a, b) for a, b in zip(xg, rg)]
+            bwd[name] = (lambda o: lambda: torch.autograd.grad(o[i[0]], (xg[i[0]], rg[i[0]], wg), (dy(), ds()),
+                                                               retain_graph=True))(outs)
+    bres = timed(bwd, f"bwd {M}x{N} residual", rot)
+    return res, 4 * M * N * 2, bres, 4 * M * N * 2
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="write the Markdown table here")
@@ -110,9 +168,10 @@ def main():
     ap.add_argument("--flush-l2", action="store_true", help="read 256 MB before each timed call")
     ap.add_argument("--fwd-only", action="store_true", help="the forward alone (kernel A/B runs)")
     ap.add_argument("--shapes", default=None, help="MxN,... (default: the issue's shapes)")
+    ap.add_argument("--residual", action="store_true", help="the fused residual add (see the docstring)")
     args = ap.parse_args()
-    global QUICK, FWD_ONLY, FLUSH_L2
-    QUICK, FWD_ONLY, FLUSH_L2 = args.quick, args.fwd_only, args.flush_l2
+    global QUICK, FWD_ONLY, FLUSH_L2, RESIDUAL
+    QUICK, FWD_ONLY, FLUSH_L2, RESIDUAL = args.quick, args.fwd_only, args.flush_l2, args.residual
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
     headloss.rmsnorm(torch.randn(8, 64, device="cuda"))  # load the module before timing
     bw = copy_bandwidth_gbs()
@@ -138,12 +197,14 @@ def main():
         bwd_rows.append([f"{M}x{N}", f"{bours * 1e3:.1f}", f"{bgbs(bours):.0f} ({100 * bgbs(bours) / bw:.0f}%)"] +
                         [f"{bgbs(bres[k]):.0f}" if k in bres else "-" for k in ["torch.compile", "liger"]] +
                         [f"{bpeers[bbest] / bours:.2f}x ({bbest})" if bbest else "-"])
-    lines.append("## Forward (bf16, weight, llama casting, no rstd store unless noted)\n")
+    what = ", fused residual add" if RESIDUAL else ""
+    lines.append(f"## Forward (bf16, weight, llama casting{what}, no rstd store unless noted)\n")
     lines.append(table(fwd_rows, ["M x N", "headloss us", "headloss GB/s (% copy)", "headloss+rstd us",
                                   "eager GB/s", "F.rms_norm GB/s", "compile GB/s", "liger GB/s",
                                   "best peer / headloss"]))
     if bwd_rows:
-        lines.append("\n## Backward (dx and dw; bytes: x, dy read + dx written)\n")
+        lines.append("\n## Backward (dx and dw; bytes: " +
+                     ("s, dy, ds read + dx written)\n" if RESIDUAL else "x, dy read + dx written)\n"))
         lines.append(table(bwd_rows, ["M x N", "headloss us", "headloss GB/s (% copy)", "compile GB/s",
                                       "liger GB/s", "best peer / headloss"]))
     text = "\n".join(lines) + "\n"

@@ -86,21 +86,28 @@ __device__ __forceinline__ void store_out(T *p, const Pack<T, N> &v) {
   else store_pack(p, v);
 }
 
-// dx for one pack, with the fused residual's gradient added; also stores the copy.
-template <class Tx, class Tdy, int VEC, bool ONE_STORE = false>
+// One pack of the fused residual's gradient (p.dro).
+template <class Tx, int VEC>
+__device__ __forceinline__ Pack<Tx, VEC> load_dro(const BwdParams &p, int64_t row, int64_t col) {
+  return load_pack<Tx, VEC>(static_cast<const Tx *>(p.dro) + row * p.dros + col);
+}
+
+// dx for one pack, with the fused residual's gradient added (p.dro): g, loaded earlier (EARLY_G),
+// or loaded here; also stores the copy.
+template <class Tx, class Tdy, int VEC, bool ONE_STORE = false, bool EARLY_G = false>
 __device__ __forceinline__ void store_dx(const BwdParams &p, int64_t row, int64_t col,
                                          const Pack<Tx, VEC> &s, const Pack<Tdy, VEC> &dy,
-                                         const float *wf, float rstd, float mean) {
+                                         const Pack<Tx, VEC> &g, const float *wf, float rstd, float mean) {
   float d[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
     const float xhat = to_float(s.v[e]) * rstd;
     d[e] = rstd * (to_float(dy.v[e]) * wf[e] - xhat * mean);
   }
-  if (p.dro) {
-    const Pack<Tx, VEC> g = load_pack<Tx, VEC>(static_cast<const Tx *>(p.dro) + row * p.dros + col);
+  if (EARLY_G || p.dro) {
+    const Pack<Tx, VEC> gv = EARLY_G ? g : load_dro<Tx, VEC>(p, row, col);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) d[e] += to_float(g.v[e]);
+    for (int e = 0; e < VEC; ++e) d[e] += to_float(gv.v[e]);
   }
   Pack<Tx, VEC> out;
 #pragma unroll
@@ -129,17 +136,23 @@ __device__ __forceinline__ void add_dw(const BwdParams &p, const Pack<Tx, VEC> &
 // PF: the next row group is fetched into L2 while this one computes. It pays where few warps are
 // resident (H100, 16384 x 8192, one 256-thread block an SM: 349 -> 303-312 us) and costs where more
 // are (32768 x 4096, three 128-thread blocks: 294 -> 324; 8192 x 16384, 1024 threads: 324 -> 338).
+// DRO (blocks that cache the weight): the fused residual's gradient (p.dro) loads with x and dy.
+// Loaded at the store, after the stores of dx (which may alias it), each pack waited a round trip,
+// one after another (H100, 32768 x 4096 with it: 451 us against 282 without). A kernel of its own:
+// the early packs take ~50 registers, which the calls without it would pay too; in the larger
+// blocks (no registers to spare) the packs still load at the store.
 // CL > 1: a row spans the CL blocks of a cluster, rank c holding columns [c W, (c + 1) W); a
 // cluster writes one partial dw row. Two blocks an SM, so that one's row sums overlap the other's
 // loads, except with the prefetch (clusters of 2 at 16K columns: 191 registers, one block an SM;
 // capped at 128 they spill 340 bytes). A minimum of 1 block an SM is not the same as none: ptxas
 // then took 195 registers instead of 167 at 4096 columns, 2 blocks an SM instead of 3 (H100
 // 32768 x 4096: 294 -> 328 us).
-template <class Tx, class Tdy, int VEC, int TPR, int VPT, int R, int BLOCK, bool STAGED, int CL, bool PF>
+template <class Tx, class Tdy, int VEC, int TPR, int VPT, int R, int BLOCK, bool STAGED, int CL, bool PF, bool DRO>
 __global__ void __launch_bounds__(BLOCK, CL > 1 && !PF ? 2 : 0) rmsnorm_bwd_regs(const BwdParams p) {
   RowSum<TPR, BLOCK, CL> row_sum;
   constexpr int G = BLOCK / TPR, W = TPR * VPT * VEC;  // W: columns a group covers
   constexpr bool kCacheW = kCacheWeight<BLOCK>, kDwRow = !kCacheW;
+  static_assert(!DRO || kCacheW, "DRO: blocks that cache the weight");
   __shared__ typename decltype(row_sum)::Storage smem;
   __shared__ float dw_groups[G > 1 ? G * W : 1];
   extern __shared__ uint4 dyn[];
@@ -197,7 +210,7 @@ __global__ void __launch_bounds__(BLOCK, CL > 1 && !PF ? 2 : 0) rmsnorm_bwd_regs
     if (first < p.rows) stage_rows(0, first);
   for (int64_t base = first; base < p.rows; base += step, st ^= 1) {
     const int64_t row0 = base + int64_t(group) * R;
-    Pack<Tx, VEC> s[R][VPT];
+    Pack<Tx, VEC> s[R][VPT], g[DRO ? R : 1][DRO ? VPT : 1];
     Pack<Tdy, VEC> dy[R][VPT];
     float rstd[R], mean[R];
     if constexpr (STAGED) {
@@ -211,6 +224,10 @@ __global__ void __launch_bounds__(BLOCK, CL > 1 && !PF ? 2 : 0) rmsnorm_bwd_regs
           dy[r][v] = stage.template read<Tdy, VEC>(st, 2 * (r * VPT + v) + 1);
         }
       }
+      if constexpr (DRO)
+        each_pack(base, [&](int r, int v, int64_t row, int64_t col, bool ok) {
+          if (ok) g[r][v] = load_dro<Tx, VEC>(p, row, col);
+        });
       if (base + step < p.rows) stage_rows(st ^ 1, base + step);
     } else {
       if constexpr (PF)
@@ -223,6 +240,7 @@ __global__ void __launch_bounds__(BLOCK, CL > 1 && !PF ? 2 : 0) rmsnorm_bwd_regs
         if (ok) {
           s[r][v] = load_pack<Tx, VEC>(static_cast<const Tx *>(p.x) + row * p.xs + col);
           dy[r][v] = load_pack<Tdy, VEC>(static_cast<const Tdy *>(p.dy) + row * p.dys + col);
+          if constexpr (DRO) g[r][v] = load_dro<Tx, VEC>(p, row, col);
         } else {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
@@ -264,7 +282,8 @@ __global__ void __launch_bounds__(BLOCK, CL > 1 && !PF ? 2 : 0) rmsnorm_bwd_regs
         const int64_t col = col0 + int64_t(v * TPR + lane) * VEC;
         if (col >= p.cols) continue;
         if constexpr (!kCacheW) weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col, p.cols, wf[0]);
-        store_dx<Tx, Tdy, VEC, (CL > 1)>(p, row0 + r, col, s[r][v], dy[r][v], wf[kCacheW ? v : 0], rstd[r], mean[r]);
+        store_dx<Tx, Tdy, VEC, (CL > 1), DRO>(p, row0 + r, col, s[r][v], dy[r][v], g[DRO ? r : 0][DRO ? v : 0],
+                                              wf[kCacheW ? v : 0], rstd[r], mean[r]);
         if (!p.partial) continue;
         if constexpr (!kDwRow) {
           add_dw<Tx, Tdy, VEC>(p, s[r][v], dy[r][v], rstd[r], dw[v]);
@@ -358,7 +377,7 @@ __global__ void __launch_bounds__(32 * kTileY) rmsnorm_bwd_tiles(const BwdParams
       const float2 st = p.stats[row];
       const Pack<Tx, VEC> s = load_pack<Tx, VEC>(static_cast<const Tx *>(p.x) + row * p.xs + col);
       const Pack<Tdy, VEC> dy = load_pack<Tdy, VEC>(static_cast<const Tdy *>(p.dy) + row * p.dys + col);
-      store_dx<Tx, Tdy, VEC>(p, row, col, s, dy, wf, st.x, st.y);
+      store_dx<Tx, Tdy, VEC>(p, row, col, s, dy, {}, wf, st.x, st.y);
       if (p.partial) add_dw<Tx, Tdy, VEC>(p, s, dy, st.x, dw);
     }
   if (!p.partial) return;
@@ -410,7 +429,7 @@ struct Bwd {
         constexpr Shape sh = Shapes<true>::at[decltype(I)::value];
         const int64_t per_block = int64_t(sh.block / sh.tpr) * sh.rows_at_once;
         const int64_t want = (a.rows + per_block - 1) / per_block;  // blocks, or clusters
-        pl.parts = std::min<int64_t>(want, regs_kernel<decltype(I)::value>().resident);
+        pl.parts = std::min<int64_t>(want, regs_kernel<decltype(I)::value>(a).resident);
         return HL_STATUS_SUCCESS;
       });
     } else {
@@ -434,13 +453,13 @@ struct Bwd {
     size_t smem;
     int resident;
   };
-  template <int I>
+  template <int I, bool DRO>
   static const Launch &regs_kernel() {
     static const Launch l = [] {
       constexpr Shape sh = Shapes<true>::at[I];
       constexpr bool staged = sh.staged && sizeof(Tdy) <= sizeof(Tx);  // staging slots hold 16 bytes
       auto k = rmsnorm_bwd_regs<Tx, Tdy, VEC, sh.tpr, sh.vpt, sh.rows_at_once, sh.block, staged, sh.cluster,
-                                sh.prefetch>;
+                                sh.prefetch, DRO>;
       const size_t smem = (kCacheWeight<sh.block> ? 0 : size_t(sh.tpr) * sh.vpt * VEC * sizeof(float)) +
                           (staged ? Staging<2 * sh.rows_at_once * sh.vpt, sh.block>::kBytes : 0);
       allow_smem(k, smem);
@@ -448,6 +467,12 @@ struct Bwd {
       return Launch{k, smem, std::max(1, clusters_resident(k, sh.block, smem, sh.cluster))};
     }();
     return l;
+  }
+  template <int I>
+  static const Launch &regs_kernel(const hl_rmsnorm_bwd_args_t &a) {
+    if constexpr (kCacheWeight<Shapes<true>::at[I].block>)
+      if (a.dresidual_out) return regs_kernel<I, true>();
+    return regs_kernel<I, false>();
   }
 
   static hl_status_t run(const hl_rmsnorm_bwd_args_t &a, BwdParams p, hl_stream_t stream) {
@@ -461,7 +486,7 @@ struct Bwd {
     if (a.rows > 0 && pl.shape >= 0) {
       HL_TRY(with_shape<true>(pl.shape, [&](auto I) {
         constexpr Shape sh = Shapes<true>::at[decltype(I)::value];
-        const Launch &l = regs_kernel<decltype(I)::value>();
+        const Launch &l = regs_kernel<decltype(I)::value>(a);
         cudaLaunchAttribute attr;
         cudaLaunchConfig_t cfg = cluster_launch(pl.parts * sh.cluster, sh.block, l.smem, sh.cluster,
                                                 static_cast<cudaStream_t>(stream), attr);
