@@ -34,25 +34,10 @@ __device__ __forceinline__ void add_offset(float *wf, float offset, bool none_mo
 #pragma unroll
   for (int e = 0; e < VEC; ++e) wf[e] = none_mode ? round_to<Tx>(offset + wf[e]) : offset + wf[e];
 }
-template <class Tx, int VEC>
-__device__ __forceinline__ void weight_pack(const void *w, hl_dtype_t wdt, float offset,
-                                            bool none_mode, bool w_vec, int64_t col, int64_t cols,
-                                            float (&wf)[VEC]) {
-  if (w && w_vec && col + VEC <= cols) {
-    if (wdt == HL_DTYPE_BF16) load_weights<__nv_bfloat16, VEC>(w, col, wf);
-    else if (wdt == HL_DTYPE_F16) load_weights<__half, VEC>(w, col, wf);
-    else load_weights<float, VEC>(w, col, wf);
-    add_offset<Tx, VEC>(wf, offset, none_mode);
-    return;
-  }
-#pragma unroll
-  for (int e = 0; e < VEC; ++e)
-    wf[e] = col + e < cols ? weight_factor<Tx>(w, wdt, offset, none_mode, col + e) : 0.0f;
-}
-
-// weight_pack for a thread's VPT packs at columns col0 + v * stride. Where every pack is inside the
-// row and aligned, all VPT loads are issued before the first is converted: weight_pack a pack at a
-// time put a memory round trip per pack (a branch on the dtype each) at the start of every block.
+// The weight factors of a thread's VPT packs at columns col0 + v * stride. Where every pack is
+// inside the row and aligned, all VPT loads are issued before the first is converted (a pack at a
+// time, a branch on the dtype each, put a memory round trip per pack at the start of every backward
+// block); otherwise each pack on its own, element by element where it is not.
 template <class Tx, int VPT, int VEC>
 __device__ __forceinline__ void weight_packs(const void *w, hl_dtype_t wdt, float offset, bool none_mode,
                                              bool w_vec, int64_t col0, int64_t stride, int64_t cols,
@@ -67,10 +52,23 @@ __device__ __forceinline__ void weight_packs(const void *w, hl_dtype_t wdt, floa
     else all(TypeTag<float>{});
 #pragma unroll
     for (int v = 0; v < VPT; ++v) add_offset<Tx, VEC>(wf[v], offset, none_mode);
-    return;
-  }
+  } else if constexpr (VPT > 1) {
 #pragma unroll
-  for (int v = 0; v < VPT; ++v) weight_pack<Tx, VEC>(w, wdt, offset, none_mode, w_vec, col0 + v * stride, cols, wf[v]);
+    for (int v = 0; v < VPT; ++v)
+      weight_packs<Tx, 1, VEC>(w, wdt, offset, none_mode, w_vec, col0 + v * stride, 0, cols,
+                               reinterpret_cast<float (&)[1][VEC]>(wf[v]));
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e)
+      wf[0][e] = col0 + e < cols ? weight_factor<Tx>(w, wdt, offset, none_mode, col0 + e) : 0.0f;
+  }
+}
+// weight_packs for one pack.
+template <class Tx, int VEC>
+__device__ __forceinline__ void weight_pack(const void *w, hl_dtype_t wdt, float offset,
+                                            bool none_mode, bool w_vec, int64_t col, int64_t cols,
+                                            float (&wf)[VEC]) {
+  weight_packs<Tx, 1, VEC>(w, wdt, offset, none_mode, w_vec, col, 0, cols, reinterpret_cast<float (&)[1][VEC]>(wf));
 }
 
 // weight_pack with the weight's dtype Tw known at compile time and its rows 16-byte aligned (the
