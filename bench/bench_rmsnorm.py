@@ -71,21 +71,40 @@ def timed(fns, what, rotate):
     return res
 
 
-def bench_shape(M, N, bw):
+class Inputs:
+    """n random bf16 [M, N] tensors a set, in as many sets as keep the timed calls from finding them in
+    L2, and the weight. rot() moves to the next set; at(j) is a function giving tensor j of the
+    current set."""
+
+    def __init__(self, M, N, n):
+        self.sets = [[torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+                     for _ in range(sets_for(n * M * N * 2))]
+        self.w = (1 + 0.1 * torch.randn(N, device="cuda")).to(torch.bfloat16)
+        self.i = 0
+
+    def rot(self):
+        self.i = (self.i + 1) % len(self.sets)
+
+    def at(self, j):
+        return lambda: self.sets[self.i][j]
+
+    def peer_backward(self, f, leaves, grads):
+        """A call of a peer's own backward: f(*tensors `leaves` of a set, weight) recorded once a set,
+        then the current set's tensors `grads` backpropagated through it."""
+        wg = self.w.clone().requires_grad_(True)
+        ins = [[s[j].clone().requires_grad_(True) for j in leaves] for s in self.sets]
+        outs = [f(*a, wg) for a in ins]
+        return lambda: torch.autograd.grad(outs[self.i], (*ins[self.i], wg),
+                                           tuple(self.sets[self.i][j] for j in grads), retain_graph=True)
+
+
+def bench_shape(M, N):
+    """Forward and backward times at one shape (x and dy a set), and the bytes each moves."""
     if RESIDUAL:
         return bench_shape_residual(M, N)
-    k = sets_for(2 * M * N * 2)
-    xs = [torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
-    dys = [torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
-    w = (1 + 0.1 * torch.randn(N, device="cuda")).to(torch.bfloat16)
-    i = [0]
-
-    def rot():
-        i[0] = (i[0] + 1) % k
-
-    x = lambda: xs[i[0]]  # noqa: E731
-    dy = lambda: dys[i[0]]  # noqa: E731
-    y = torch.empty_like(xs[0])
+    inp = Inputs(M, N, 2)
+    x, dy, w = inp.at(0), inp.at(1), inp.w
+    y = torch.empty_like(x())
     rstd = torch.empty(M, device="cuda", dtype=torch.float32)
     fwd = {
         "headloss": lambda: headloss.rmsnorm_fwd(x(), w, eps=EPS, out=y),
@@ -97,22 +116,18 @@ def bench_shape(M, N, bw):
     if LigerRMSNormFunction is not None:
         fwd["liger"] = lambda: LigerRMSNormFunction.apply(x(), w, EPS, 0.0, "llama")
     fwd_bytes = 2 * M * N * 2
-    res = timed(fwd, f"fwd {M}x{N}", rot)
+    res = timed(fwd, f"fwd {M}x{N}", inp.rot)
     if FWD_ONLY:
         return res, fwd_bytes, {}, 0
     # Backward: ours from a saved rstd; peers through autograd (their own backward kernels).
-    dx = torch.empty_like(xs[0])
+    dx = torch.empty_like(y)
     dw = torch.empty(N, device="cuda", dtype=torch.float32)
     bwd = {"headloss": lambda: headloss.rmsnorm_bwd(dy(), x(), w, rstd, eps=EPS, dx=dx, dw=dw)}
-    wg = w.clone().requires_grad_(True)
-    xg = [t.clone().requires_grad_(True) for t in xs]
     if not QUICK:
-        outs_c = [compiled(t, wg) for t in xg]
-        bwd["torch.compile"] = lambda: torch.autograd.grad(outs_c[i[0]], (xg[i[0]], wg), dy(), retain_graph=True)
+        bwd["torch.compile"] = inp.peer_backward(compiled, [0], [1])
     if "liger" in res:  # Liger refuses rows past 64K columns
-        outs_l = [LigerRMSNormFunction.apply(t, wg, EPS, 0.0, "llama") for t in xg]
-        bwd["liger"] = lambda: torch.autograd.grad(outs_l[i[0]], (xg[i[0]], wg), dy(), retain_graph=True)
-    bres = timed(bwd, f"bwd {M}x{N}", rot)
+        bwd["liger"] = inp.peer_backward(lambda a, wg: LigerRMSNormFunction.apply(a, wg, EPS, 0.0, "llama"), [0], [1])
+    bres = timed(bwd, f"bwd {M}x{N}", inp.rot)
     bwd_bytes = 3 * M * N * 2
     return res, fwd_bytes, bres, bwd_bytes
 
@@ -120,17 +135,9 @@ def bench_shape(M, N, bw):
 def bench_shape_residual(M, N):
     """bench_shape for the fused residual add: each call normalises s = x + r and returns y and s;
     its backward takes dy and ds (the gradient flowing into s) and gives dx (= dr) and dw."""
-    k = sets_for(4 * M * N * 2)
-    xs, rs, dys, dss = ([torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
-                        for _ in range(4))
-    w = (1 + 0.1 * torch.randn(N, device="cuda")).to(torch.bfloat16)
-    i = [0]
-
-    def rot():
-        i[0] = (i[0] + 1) % k
-
-    x, r, dy, ds = (lambda: xs[i[0]]), (lambda: rs[i[0]]), (lambda: dys[i[0]]), (lambda: dss[i[0]])  # noqa: E731
-    y, s = torch.empty_like(xs[0]), torch.empty_like(xs[0])
+    inp = Inputs(M, N, 4)
+    x, r, dy, ds, w = inp.at(0), inp.at(1), inp.at(2), inp.at(3), inp.w
+    y, s = torch.empty_like(x()), torch.empty_like(x())
     rstd = torch.empty(M, device="cuda", dtype=torch.float32)
     fwd = {
         "headloss": lambda: headloss.rmsnorm_fwd(x(), w, eps=EPS, residual=r(), out=y, residual_out=s),
@@ -141,23 +148,18 @@ def bench_shape_residual(M, N):
         fwd.update({"torch eager": lambda: eager_add(x(), r(), w), "torch.compile": lambda: compiled_add(x(), r(), w)})
     if LigerFusedAddRMSNormFunction is not None:
         fwd["liger"] = lambda: LigerFusedAddRMSNormFunction.apply(x(), r(), w, EPS, 0.0, "llama")
-    res = timed(fwd, f"fwd {M}x{N} residual", rot)
+    res = timed(fwd, f"fwd {M}x{N} residual", inp.rot)
     if FWD_ONLY:
         return res, 4 * M * N * 2, {}, 0
-    dx = torch.empty_like(xs[0])
+    dx = torch.empty_like(y)
     dw = torch.empty(N, device="cuda", dtype=torch.float32)
     bwd = {"headloss": lambda: headloss.rmsnorm_bwd(dy(), s, w, rstd, eps=EPS, dresidual_out=ds(), dx=dx, dw=dw)}
-    wg = w.clone().requires_grad_(True)
-    xg, rg = [t.clone().requires_grad_(True) for t in xs], [t.clone().requires_grad_(True) for t in rs]
-    peers = {"liger": lambda a, b: LigerFusedAddRMSNormFunction.apply(a, b, wg, EPS, 0.0, "llama")}
     if not QUICK:
-        peers["torch.compile"] = lambda a, b: compiled_add(a, b, wg)
-    for name, f in peers.items():
-        if name in res:
-            outs = [f(a, b) for a, b in zip(xg, rg)]
-            bwd[name] = (lambda o: lambda: torch.autograd.grad(o[i[0]], (xg[i[0]], rg[i[0]], wg), (dy(), ds()),
-                                                               retain_graph=True))(outs)
-    bres = timed(bwd, f"bwd {M}x{N} residual", rot)
+        bwd["torch.compile"] = inp.peer_backward(compiled_add, [0, 1], [2, 3])
+    if "liger" in res:
+        bwd["liger"] = inp.peer_backward(
+            lambda a, b, wg: LigerFusedAddRMSNormFunction.apply(a, b, wg, EPS, 0.0, "llama"), [0, 1], [2, 3])
+    bres = timed(bwd, f"bwd {M}x{N} residual", inp.rot)
     return res, 4 * M * N * 2, bres, 4 * M * N * 2
 
 
@@ -178,7 +180,7 @@ def main():
     lines = [f"# RMSNorm benchmark\n\n{header()}, copy bandwidth {bw:.0f} GB/s (read + write)\n"]
     fwd_rows, bwd_rows = [], []
     for M, N in shapes:
-        res, fb, bres, bb = bench_shape(M, N, bw)
+        res, fb, bres, bb = bench_shape(M, N)
         ours = res["headloss"]
         peers = {k: v for k, v in res.items() if not k.startswith("headloss")}
         best = min(peers, key=peers.get) if peers else None
