@@ -1,6 +1,8 @@
 """RMSNorm forward and backward, headloss against PyTorch (eager, F.rms_norm, torch.compile) and
 Liger, side by side in one run (bf16, llama casting, weight). Bandwidth counts x read + y
-written (forward) and x, dy read + dx written (backward); % is of the measured copy bandwidth.
+written (forward) and x, dy read + dx written (backward); % is of the measured copy bandwidth (2 GB
+buffers), and "same-bytes copy" is a copy moving the call's own bytes, timed the same way: what a
+plain copy reaches at that size (the backward's copy reads half its bytes, the kernel two thirds).
 --residual: the fused residual add instead (s = x + r normalised; forward x, r read + y, s written;
 backward dy, s and the gradient of s read + dx written), against Liger's fused add."""
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import headloss  # noqa: E402
-from common import compile_per_shape, copy_bandwidth_gbs, header, median_ms, table  # noqa: E402
+from common import compile_per_shape, copy_bandwidth_gbs, copy_ms, header, median_ms, table  # noqa: E402
 
 SHAPES = [(262144, 128), (131072, 256), (32768, 4096), (8192, 16384), (4096, 4096),
           (65536, 2048), (1024, 4096)]
@@ -179,6 +181,12 @@ def main():
     bw = copy_bandwidth_gbs()
     lines = [f"# RMSNorm benchmark\n\n{header()}, copy bandwidth {bw:.0f} GB/s (read + write)\n"]
     fwd_rows, bwd_rows = [], []
+
+    def same(ms, nbytes):
+        """A copy moving the call's bytes: its time, and the call's speed as % of the copy's."""
+        c = copy_ms(nbytes, sets_for(nbytes))
+        return f"{c * 1e3:.1f} ({100 * c / ms:.0f}%)"
+
     for M, N in shapes:
         res, fb, bres, bb = bench_shape(M, N)
         ours = res["headloss"]
@@ -186,7 +194,7 @@ def main():
         best = min(peers, key=peers.get) if peers else None
         gbs = lambda ms: fb / ms / 1e6  # noqa: E731
         fwd_rows.append([f"{M}x{N}", f"{ours * 1e3:.1f}", f"{gbs(ours):.0f} ({100 * gbs(ours) / bw:.0f}%)",
-                         f"{res['headloss+rstd'] * 1e3:.1f}"] +
+                         same(ours, fb), f"{res['headloss+rstd'] * 1e3:.1f}"] +
                         [f"{gbs(res[k]):.0f}" if k in res else "-" for k in
                          ["torch eager", "F.rms_norm", "torch.compile", "liger"]] +
                         [f"{peers[best] / ours:.2f}x ({best})" if best else "-"])
@@ -196,18 +204,21 @@ def main():
         bgbs = lambda ms: bb / ms / 1e6  # noqa: E731
         bpeers = {k: v for k, v in bres.items() if k != "headloss"}
         bbest = min(bpeers, key=bpeers.get) if bpeers else None
-        bwd_rows.append([f"{M}x{N}", f"{bours * 1e3:.1f}", f"{bgbs(bours):.0f} ({100 * bgbs(bours) / bw:.0f}%)"] +
+        bwd_rows.append([f"{M}x{N}", f"{bours * 1e3:.1f}", f"{bgbs(bours):.0f} ({100 * bgbs(bours) / bw:.0f}%)",
+                         same(bours, bb)] +
                         [f"{bgbs(bres[k]):.0f}" if k in bres else "-" for k in ["torch.compile", "liger"]] +
                         [f"{bpeers[bbest] / bours:.2f}x ({bbest})" if bbest else "-"])
     what = ", fused residual add" if RESIDUAL else ""
     lines.append(f"## Forward (bf16, weight, llama casting{what}, no rstd store unless noted)\n")
-    lines.append(table(fwd_rows, ["M x N", "headloss us", "headloss GB/s (% copy)", "headloss+rstd us",
+    lines.append(table(fwd_rows, ["M x N", "headloss us", "headloss GB/s (% copy)",
+                                  "same-bytes copy us (headloss %)", "headloss+rstd us",
                                   "eager GB/s", "F.rms_norm GB/s", "compile GB/s", "liger GB/s",
                                   "best peer / headloss"]))
     if bwd_rows:
         lines.append("\n## Backward (dx and dw; bytes: " +
                      ("s, dy, ds read + dx written)\n" if RESIDUAL else "x, dy read + dx written)\n"))
-        lines.append(table(bwd_rows, ["M x N", "headloss us", "headloss GB/s (% copy)", "compile GB/s",
+        lines.append(table(bwd_rows, ["M x N", "headloss us", "headloss GB/s (% copy)",
+                                      "same-bytes copy us (headloss %)", "compile GB/s",
                                       "liger GB/s", "best peer / headloss"]))
     text = "\n".join(lines) + "\n"
     print(text)
