@@ -330,8 +330,12 @@ def test_cuda_varlen_unchecked(case, gdn_kernel):
 
 
 def test_cuda_fp32_state_and_fused_cumsum():
+    """fp32 states, the reverse cumsum fused in. 40 (chunk, value head) pairs: dg's norm comes mostly
+    from each chunk's last-token term, so with the 8 pairs of B=1, T=200, H=1, HV=2 it varied enough
+    that its relative error passed 3e-3 in 8 of 300 fresh draws (H100, max 4.8e-3; here max 1.5e-3
+    in 100, dq, dk, dw unchanged)."""
     torch = _torch()
-    x = make(np.random.default_rng(), 1, 200, 1, 2, 128, 128, gate="log", dw=True, h_f32=True)
+    x = make(np.random.default_rng(), 2, 300, 2, 4, 128, 128, gate="log", dw=True, h_f32=True)
     d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
     got = hg.gdn_bwd_dqkwg(d(x["q"]), d(x["k"]), d(x["v"]), d(x["do"]), d(x["h"], torch.float32),
                            d(x["dh"], torch.float32), scale=0.1, g=d(x["g"], torch.float32), dv=d(x["dv"]),
