@@ -183,7 +183,10 @@ def main():
     fwd_rows, bwd_rows = [], []
 
     def same(ms, nbytes):
-        """A copy moving the call's bytes: its time, and the call's speed as % of the copy's."""
+        """A copy moving the call's bytes: its time, and the call's speed as % of the copy's (not
+        timed with --flush-l2, whose calls start from a clean L2)."""
+        if FLUSH_L2:
+            return "-"
         c = copy_ms(nbytes, sets_for(nbytes))
         return f"{c * 1e3:.1f} ({100 * c / ms:.0f}%)"
 
