@@ -192,14 +192,7 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_rows(const FwdParams p) {
       const Pack<Tx, VEC> s = load_pack<Tx, VEC>(src + row * ss_stride + col);
       float wf[VEC];
       weight_pack<Tx, VEC>(p.w, p.wdt, p.offset, p.none_mode, p.w_vec, col, p.cols, wf);
-      Pack<Ty, VEC> y;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        float v = to_float(s.v[e]) * rr;
-        if (p.round_mid) v = round_to<Tx>(v);
-        y.v[e] = from_float<Ty>(v * wf[e]);
-      }
-      store_pack(static_cast<Ty *>(p.y) + row * p.ys + col, y);
+      store_y<Tx, Ty, VEC>(p, row, col, s, rr, wf);
     }
   }
 }
