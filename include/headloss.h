@@ -38,10 +38,10 @@ extern "C" {
 /* ------------------------------------------------------------------------------------------------ */
 
 #define HL_VERSION_MAJOR 0
-#define HL_VERSION_MINOR 1
+#define HL_VERSION_MINOR 2
 #define HL_VERSION_PATCH 0
 /* HL_VERSION_MAJOR * 10000 + HL_VERSION_MINOR * 100 + HL_VERSION_PATCH */
-#define HL_VERSION 100
+#define HL_VERSION 200
 
 typedef enum {
   HL_STATUS_SUCCESS = 0,
@@ -366,6 +366,14 @@ typedef struct {
   int64_t vocab_start;
   int64_t vocab_global;
   int ranks;
+  /* The fused linear form (see below); all zero for the logits form. */
+  int64_t hidden;                       /* H > 0: the plan takes hidden states and a weight */
+  hl_dtype_t weight_dtype;              /* F32, F16 or BF16: hidden, weight and the teacher's */
+  int64_t teacher_hidden;               /* Ht > 0: a teacher of its own hidden states + weight */
+  hl_loss_grad_mode_t grad_hidden_mode; /* NONE, WRITE or ACCUMULATE */
+  hl_dtype_t grad_hidden_dtype;         /* F32 or weight_dtype (NONE: weight_dtype) */
+  hl_loss_grad_mode_t grad_weight_mode; /* NONE, WRITE or ACCUMULATE */
+  hl_dtype_t grad_weight_dtype;         /* F32 or weight_dtype (NONE: weight_dtype) */
 } hl_loss_plan_desc_t;
 
 /* Indices of hl_loss_args_t.scalars. A metric whose inputs were not passed is 0. */
@@ -420,14 +428,74 @@ typedef struct {
   float *token_logp;  /* optional [rows]: z_hat_y - lse; 0 if ignored */
   float *token_entropy; /* optional [rows] */
   float *token_lse;     /* optional [rows] */
+  /* The fused linear form: these instead of logits and grad (which stay NULL). */
+  const void *hidden;          /* [rows, hidden] */
+  int64_t hidden_stride;
+  const void *weight;          /* [vocab, hidden]: the head's rows (nn.Linear.weight), a shard's */
+  int64_t weight_stride;
+  const void *teacher_hidden;  /* [rows, teacher_hidden], with teacher_weight: distillation */
+  int64_t teacher_hidden_stride;
+  const void *teacher_weight;  /* [vocab, teacher_hidden] */
+  int64_t teacher_weight_stride;
+  void *grad_hidden;           /* [rows, hidden] in grad_hidden_dtype; with grad_hidden_mode */
+  int64_t grad_hidden_stride;
+  void *grad_weight;           /* [vocab, hidden] in grad_weight_dtype; with grad_weight_mode */
+  int64_t grad_weight_stride;
 } hl_loss_args_t;
 
-/* Validates the description once and picks a specialised kernel. */
+/*
+ * The fused linear form (desc.hidden = H > 0): the plan takes the hidden states X [rows, H] and
+ * the head's weight W [vocab, H] (vocabulary rows, as nn.Linear.weight) instead of logits; the
+ * logits z = X W^T exist only a chunk of rows at a time, in the workspace: nothing of rows x vocab
+ * elements is allocated. Every term, metric and per-token output is the one above, on those
+ * logits. With G [rows, vocab] the gradient the logits form would write (w.r.t. the raw logits):
+ *   grad_hidden = G W     [rows, H]     (desc.grad_hidden_mode: NONE, WRITE or ACCUMULATE)
+ *   grad_weight = G^T X   [vocab, H]    (desc.grad_weight_mode: likewise)
+ * each in F32 or weight_dtype; desc.grad_mode must be NONE (no logits gradient is stored) and
+ * logits_dtype NONE or weight_dtype. With WRITE, grad_weight is written whole, zeros for rows = 0.
+ * Distillation takes teacher logits [rows, vocab] as in the logits form, or, with
+ * desc.teacher_hidden = Ht > 0, a teacher of its own: teacher_hidden [rows, Ht] and teacher_weight
+ * [vocab, Ht] in weight_dtype (no gradient), whose logits are formed chunk by chunk the same way.
+ *
+ * Precision. CUDA: the products run on cuBLASLt, loaded at plan creation ($HL_CUBLASLT_LIBRARY,
+ * else libcublasLt.so.13), with fp32 accumulation and deterministic algorithms chosen once per
+ * shape. Between the products a chunk's logits are stored in weight_dtype (rounded once from fp32,
+ * as a 16-bit matmul's output is), the loss math runs on them in fp32, and G is rounded once to
+ * weight_dtype, the products' operand type. grad_weight sums over rows chunk by chunk: in F32 the
+ * sum stays fp32; in weight_dtype it is rounded once a chunk. So results depend on the chunking
+ * (the workspace passed), never on the run. CPU: everything in fp64 with one rounding at each
+ * store, no rounding between the products: the reference.
+ *
+ * Workspace. The CUDA linear form runs chunks of as many rows as the workspace holds: any size
+ * from min_bytes (hl_loss_plan_get_workspace_sizes) works, and up to fast_bytes more is faster
+ * (fewer passes over grad_weight).
+ *
+ * Tensor parallelism: W sharded by vocabulary rows (vocab = the shard's rows, vocab_start etc. as
+ * for logits); the same stats / gather / finish protocol, one all-gather for the loss. Give stats
+ * and finish the same workspace (hl_loss_plan_execute_stats_ws): when it holds every row's logits
+ * (fast_bytes of a sharded plan), finish reuses them (three products in all); otherwise finish
+ * forms them again (four). grad_hidden is then this rank's part, G_shard W_shard (added to the
+ * buffer with ACCUMULATE): the sum over ranks is the gradient, one all-reduce, the collective every
+ * tensor-parallel linear layer has. hl_loss_plan_execute_nccl does it: after the finish, an
+ * in-place all-reduce of grad_hidden (which must be packed); with ACCUMULATE rank 0 adds its part
+ * to what its buffer holds and the other ranks overwrite theirs, so every rank ends with the old
+ * value plus the sum where the ranks' buffers held the same (replicated) values. Collectives a
+ * step: 1 all-gather (rows x 32 or 64 bytes a rank) + 1 all-reduce of grad_hidden.
+ */
+
+/* Validates the description once and picks a specialised kernel (the fused linear form on CUDA
+ * also loads cuBLASLt here: NOT_SUPPORTED with the reason where it cannot). */
 HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_plan_t *plan);
-/* Workspace for executing on `rows` rows: 0 on the CPU backend; on CUDA it holds per-row records
- * and, for a plan with ranks > 1, the gathered statistics of hl_loss_plan_execute_nccl. */
+/* Workspace bounds for executing on `rows` rows: *min_bytes, the least any execution accepts, and
+ * *fast_bytes, the size it runs fastest with (either pointer may be NULL). 0 on the CPU backend.
+ * On CUDA the workspace holds per-row records and, for a plan with ranks > 1, the gathered
+ * statistics of hl_loss_plan_execute_nccl; the logits form needs one size (min = fast), the fused
+ * linear form also its chunks of logits. */
+HL_API hl_status_t hl_loss_plan_get_workspace_sizes(hl_loss_plan_t plan, int64_t rows,
+                                                    size_t *min_bytes, size_t *fast_bytes);
+/* fast_bytes of hl_loss_plan_get_workspace_sizes. */
 HL_API hl_status_t hl_loss_plan_get_workspace_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes);
-/* workspace: device memory (CUDA), 16-byte aligned, at least the size asked for; NULL if 0. */
+/* workspace: device memory (CUDA), 16-byte aligned, at least min_bytes; NULL if 0. */
 HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_t *args,
                                         void *workspace, size_t workspace_bytes, hl_stream_t stream);
 HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan);
@@ -457,11 +525,17 @@ HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan);
  * finish refuses (INVALID_VALUE, nothing written) blocks that disagree with the plan or the rows,
  * a buffer smaller than ranks blocks, and shards that do not tile [0, vocab_global); on CUDA it
  * reads the headers with one stream synchronisation (with the label check), which
- * HL_LOSS_UNCHECKED skips. The finish's workspace is hl_loss_plan_get_workspace_size's.
+ * HL_LOSS_UNCHECKED skips. The finish's workspace is as for hl_loss_plan_execute.
  */
 HL_API hl_status_t hl_loss_plan_get_stats_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes);
 HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss_args_t *args,
                                               void *stats, size_t stats_bytes, hl_stream_t stream);
+/* The statistics step with a workspace: what the fused linear form needs on CUDA (its chunks of
+ * logits; pass the finish the same workspace, unchanged in between). With no workspace it is
+ * hl_loss_plan_execute_stats. */
+HL_API hl_status_t hl_loss_plan_execute_stats_ws(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                                 void *stats, size_t stats_bytes, void *workspace,
+                                                 size_t workspace_bytes, hl_stream_t stream);
 HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_loss_args_t *args,
                                                const void *gathered, size_t gathered_bytes,
                                                void *workspace, size_t workspace_bytes,

@@ -4,8 +4,9 @@
 # logs and tables in $OUT. Steps: tools/device.sh [build] [test] [sanitize] [bench-NAME ...]
 # (default: all; bench-NAME runs bench/bench_NAME.py; `bench` runs every benchmark).
 # HL_TESTS="tests/python/test_x.py ..." limits the test step to those files, HL_SANITIZE="rms gdn"
-# the sanitizer step to those families (rms, loss, tp, gdn). HL_COMMIT=<hash>
-# names the commit in the benchmark tables (the device's copy of the tree has no current .git).
+# the sanitizer step to those families (rms, loss, tp, gdn), HL_BENCH_ARGS="..." adds arguments to
+# every bench-NAME script. HL_COMMIT=<hash> names the commit in the benchmark tables (the device's
+# copy of the tree has no current .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/headloss-out}
@@ -74,7 +75,7 @@ for s in "${steps[@]}"; do
   esac
   for n in $names; do
     echo "== bench $n"
-    timeout 300 python3 "bench/bench_$n.py" --out "$OUT/bench_$n.md" 2>&1 | tail -40 || status=1
+    timeout 300 python3 "bench/bench_$n.py" --out "$OUT/bench_$n.md" ${HL_BENCH_ARGS:-} 2>&1 | tail -40 || status=1
   done
   if [[ $s == bench || $s == bench-rmsnorm ]]; then
     build-device/bench/rmsnorm_latency | tee "$OUT/rmsnorm_latency.txt"

@@ -13,6 +13,8 @@
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
 #include "common/grid_dependency.cuh"
+#include "loss/gemm.h"
+#include "loss/launch.h"
 #include "loss/loss.h"
 #include "loss/params.cuh"
 #include "loss/sums.cuh"
@@ -226,9 +228,10 @@ static size_t gathered_at(int64_t rows) {
   return partials_at(rows) + size_t(reduce_ctas(rows)) * kSumStride * sizeof(float);
 }
 
-// The kernel arguments every phase shares.
+// The kernel arguments every phase shares, for rows [row0, row0 + a.rows) of a call of `total`
+// rows (a's per-row pointers are those rows').
 static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const hl_loss_args_t &a,
-                          void *workspace) {
+                          void *workspace, int64_t row0, int64_t total) {
   const hl_loss_plan_desc_t &d = p.desc;
   Params k{};
   k.logits = a.logits, k.teacher = a.teacher_logits, k.labels = a.labels, k.grad = a.grad;
@@ -240,7 +243,7 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
     char *w = static_cast<char *>(workspace);
     k.prep = reinterpret_cast<PrepOut *>(w);
     k.counters = reinterpret_cast<unsigned *>(w + kPrepBytes);
-    k.records = a.scalars ? reinterpret_cast<float *>(w + kRecordsAt) : nullptr;
+    k.records = a.scalars ? reinterpret_cast<float *>(w + kRecordsAt) + row0 * kRecStride : nullptr;
   }
   k.has_ratio = a.labels && a.old_logprobs, k.has_adv = a.advantages != nullptr;
   k.rows = a.rows, k.vocab = d.vocab;
@@ -250,8 +253,9 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
   k.grad_f32 = d.grad_dtype == HL_DTYPE_F32 && d.logits_dtype != HL_DTYPE_F32;
   k.accumulate = d.grad_mode == HL_LOSS_GRAD_ACCUMULATE, k.keep_row = c.keep_row;
   k.col0 = d.vocab_start;
-  k.block_bytes = int64_t(block_bytes(p, a.rows));
+  k.block_bytes = int64_t(block_bytes(p, total));
   k.ranks = d.ranks;
+  k.row0 = row0;
   return k;
 }
 
@@ -291,13 +295,17 @@ static hl_status_t launch_small(void (*kernel)(Exp...), int threads, int64_t cta
 
 // The prep kernel (D, first bad label), then unless the plan is unchecked one synchronisation
 // that checks the labels and, for a finish, the gathered blocks' headers.
-static hl_status_t prep_and_check(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                                  const Params &k, const void *gathered, cudaStream_t stream) {
-  PrepOut *prep = k.prep;
+}  // namespace cuda
+
+hl_status_t cuda::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                             const void *gathered, void *workspace, cudaStream_t stream) {
+  char *w = static_cast<char *>(workspace);
+  PrepOut *prep = reinterpret_cast<PrepOut *>(w);
   const hl_loss_plan_desc_t &d = p.desc;
   const bool l64 = d.labels_dtype == HL_DTYPE_I64;
   const PrepArgs pa{a.labels, a.weights, a.rows, d.vocab_global, d.ignore_index, a.divisor,
-                    a.grad_scale, l64, d.use_ignore_index != 0, k.counters};
+                    a.grad_scale, l64, d.use_ignore_index != 0,
+                    reinterpret_cast<unsigned *>(w + kPrepBytes)};
   const int cluster = prep_cluster(p, a.rows);
   HL_TRY(launch_small(prep_kernel, kPrepThreads, cluster, cluster, stream, pa, prep));
   if ((d.flags & HL_LOSS_UNCHECKED) || (!a.labels && !gathered)) return HL_STATUS_SUCCESS;
@@ -320,31 +328,62 @@ static hl_status_t prep_and_check(const char *fn, const hl_loss_plan_st &p, cons
   return gathered ? check_blocks(fn, p, a.rows, headers.data()) : HL_STATUS_SUCCESS;
 }
 
-// prep, rows (kWhole or kFinish), reduce.
-static hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                            Phase phase, const void *gathered, void *workspace, cudaStream_t stream) {
-  if (a.rows == 0) {
-    if (a.scalars) HL_CUDA_TRY(cudaMemsetAsync(a.scalars, 0, HL_LOSS_NUM_SCALARS * sizeof(float), stream));
-    return HL_STATUS_SUCCESS;
-  }
+hl_status_t cuda::rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase,
+                           int64_t row0, int64_t total, const void *gathered, void *block,
+                           void *workspace, cudaStream_t stream, bool after_prep) {
   const CudaLaunch &c = pick_launch(p, a, phase);
-  Params k = make_params(p, c, a, workspace);
+  Params k = make_params(p, c, a, workspace, row0, total);
   k.gathered = static_cast<const char *>(gathered);
-  HL_TRY(prep_and_check(fn, p, a, k, gathered, stream));
-  HL_TRY(launch_rows(c, k, stream, p.cuda.early_start));
-  if (!a.scalars) return HL_STATUS_SUCCESS;
-  float *partials = reinterpret_cast<float *>(static_cast<char *>(workspace) + partials_at(a.rows));
-  return launch_small(reduce_kernel, kReduceThreads, reduce_ctas(a.rows), 1, stream, k.records, a.rows,
-                      partials, k.counters + kTicket, k.prep, k.has_ratio, k.has_adv,
-                      unsigned(p.desc.terms), a.scalars);
+  if (block) {
+    k.block = static_cast<char *>(block);
+    const BlockHeader h = make_header(p, total);
+    static_assert(sizeof h == sizeof k.header, "the header is 8 int64 fields");
+    std::memcpy(k.header, &h, sizeof h);
+  }
+  // The row counters are the prep kernel's to zero; a later chunk's launch zeroes them again.
+  if (phase != kStats && !after_prep)
+    HL_CUDA_TRY(cudaMemsetAsync(k.counters, 0, kMaxCluster * sizeof(unsigned), stream));
+  return launch_rows(c, k, stream, after_prep && p.cuda.early_start);
 }
 
+hl_status_t cuda::rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,
+                           cudaStream_t stream) {
+  if (!a.scalars) return HL_STATUS_SUCCESS;
+  char *w = static_cast<char *>(workspace);
+  const float *records = reinterpret_cast<const float *>(w + kRecordsAt);
+  float *partials = reinterpret_cast<float *>(w + partials_at(a.rows));
+  unsigned *counters = reinterpret_cast<unsigned *>(w + kPrepBytes);
+  return launch_small(reduce_kernel, kReduceThreads, reduce_ctas(a.rows), 1, stream, records, a.rows,
+                      partials, counters + kTicket, reinterpret_cast<const PrepOut *>(w),
+                      a.labels && a.old_logprobs, a.advantages != nullptr, unsigned(p.desc.terms),
+                      a.scalars);
+}
+
+namespace cuda {
+namespace {
+
+// prep, rows (kWhole or kFinish), reduce.
+hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase,
+                     const void *gathered, void *workspace, cudaStream_t stream) {
+  if (a.rows == 0) return zero_scalars(a, stream);
+  HL_TRY(rows_begin(fn, p, a, gathered, workspace, stream));
+  HL_TRY(rows_run(p, a, phase, 0, a.rows, gathered, nullptr, workspace, stream, true));
+  return rows_end(p, a, workspace, stream);
+}
+
+}  // namespace
 }  // namespace cuda
+
+hl_status_t cuda::zero_scalars(const hl_loss_args_t &a, cudaStream_t stream) {
+  if (a.scalars) HL_CUDA_TRY(cudaMemsetAsync(a.scalars, 0, HL_LOSS_NUM_SCALARS * sizeof(float), stream));
+  return HL_STATUS_SUCCESS;
+}
 
 hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   using namespace cuda;
   const hl_loss_plan_desc_t &d = p.desc;
-  const bool grad = d.grad_mode != HL_LOSS_GRAD_NONE;
+  const bool grad = p.dlogits;
+  if (p.linear) HL_TRY(make_gemms(fn, d.weight_dtype, &p.gemms));
   int dev = 0, optin = 0;
   HL_CUDA_TRY(cudaGetDevice(&dev));
   HL_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
@@ -403,8 +442,13 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   return HL_STATUS_SUCCESS;
 }
 
-size_t cuda_workspace_bytes(const hl_loss_plan_st &p, int64_t rows) {
+size_t cuda_base_workspace(const hl_loss_plan_st &p, int64_t rows) {
   return cuda::gathered_at(rows) + size_t(p.desc.ranks) * block_bytes(p, rows);
+}
+
+void cuda_workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes) {
+  if (p.linear) return cuda::linear_workspace(p, rows, min_bytes, fast_bytes);
+  *min_bytes = *fast_bytes = cuda_base_workspace(p, rows);
 }
 
 void *cuda_gathered(const hl_loss_plan_st &, int64_t rows, void *workspace) {
@@ -412,30 +456,30 @@ void *cuda_gathered(const hl_loss_plan_st &, int64_t rows, void *workspace) {
 }
 
 hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                         void *workspace, hl_stream_t stream) {
-  return cuda::run_loss(fn, p, a, kWhole, nullptr, workspace, static_cast<cudaStream_t>(stream));
+                         void *workspace, size_t workspace_bytes, hl_stream_t stream) {
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (p.linear) return cuda::linear_run(fn, p, a, kWhole, nullptr, nullptr, workspace, workspace_bytes, s);
+  return cuda::run_loss(fn, p, a, kWhole, nullptr, workspace, s);
 }
 
 hl_status_t cuda_finish(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                        const void *gathered, void *workspace, hl_stream_t stream) {
-  return cuda::run_loss(fn, p, a, kFinish, gathered, workspace, static_cast<cudaStream_t>(stream));
+                        const void *gathered, void *workspace, size_t workspace_bytes,
+                        hl_stream_t stream) {
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (p.linear) return cuda::linear_run(fn, p, a, kFinish, nullptr, gathered, workspace, workspace_bytes, s);
+  return cuda::run_loss(fn, p, a, kFinish, gathered, workspace, s);
 }
 
-hl_status_t cuda_stats(const char *, const hl_loss_plan_st &p, const hl_loss_args_t &a, void *block,
-                       hl_stream_t stream) {
-  using namespace cuda;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const BlockHeader h = make_header(p, a.rows);
+hl_status_t cuda_stats(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a, void *block,
+                       void *workspace, size_t workspace_bytes, hl_stream_t stream) {
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (a.rows == 0) {  // the header alone (a pageable copy: staged before this returns)
+    const BlockHeader h = make_header(p, a.rows);
     HL_CUDA_TRY(cudaMemcpyAsync(block, &h, sizeof h, cudaMemcpyHostToDevice, s));
     return HL_STATUS_SUCCESS;
   }
-  const CudaLaunch &c = pick_launch(p, a, kStats);
-  Params k = make_params(p, c, a, nullptr);
-  k.block = static_cast<char *>(block);
-  static_assert(sizeof h == sizeof k.header, "the header is 8 int64 fields");
-  std::memcpy(k.header, &h, sizeof h);
-  return launch_rows(c, k, s, false);
+  if (p.linear) return cuda::linear_run(fn, p, a, kStats, block, nullptr, workspace, workspace_bytes, s);
+  return cuda::rows_run(p, a, kStats, 0, a.rows, nullptr, block, nullptr, s, false);
 }
 
 }  // namespace hl::loss

@@ -48,6 +48,9 @@ struct Params {
   const char *gathered;
   int64_t block_bytes;
   int ranks;
+  // The fused linear form runs a call's rows in chunks: row r of a chunk is row row0 + r of the
+  // call's blocks (the other per-row pointers are the chunk's own).
+  int64_t row0;
 };
 
 // The row kernel for a phase (Phase) and a plan's features; one explicit instantiation per

@@ -299,7 +299,7 @@ __device__ RowStats<float> gathered_stats(const Params &p, int64_t r) {
   RowStats<float> all = empty_stats<float>();
   for (int c = lane; c < p.ranks; c += 32) {
     const uint2 *rec = reinterpret_cast<const uint2 *>(p.gathered + c * p.block_bytes + 64 +
-                                                       r * kRecordBytes<DISTILL>);
+                                                       (p.row0 + r) * kRecordBytes<DISTILL>);
     RowStats<float> s = empty_stats<float>();
     uint2 *dst = reinterpret_cast<uint2 *>(&s);
 #pragma unroll
@@ -309,12 +309,13 @@ __device__ RowStats<float> gathered_stats(const Params &p, int64_t r) {
   return warp_tree_merge<DISTILL>(all, p.ranks < 32 ? p.ranks : 32, p.o.inv_ts);
 }
 
-// Row r's record into this rank's block; block 0 also writes the block's header.
+// Row r's record into this rank's block; block 0 also writes the block's header (again for each
+// chunk of rows of the fused linear form: the same bytes).
 template <int DISTILL>
 __device__ void write_record(const Params &p, int64_t r, RowStats<float> st) {
   constexpr int W = kRecordBytes<DISTILL> / 8;
   if (st.amax != INT64_MAX) st.amax += p.col0;  // a global column
-  uint2 *rec = reinterpret_cast<uint2 *>(p.block + 64 + r * kRecordBytes<DISTILL>);
+  uint2 *rec = reinterpret_cast<uint2 *>(p.block + 64 + (p.row0 + r) * kRecordBytes<DISTILL>);
   const uint2 *src = reinterpret_cast<const uint2 *>(&st);
 #pragma unroll
   for (int k = 0; k < W; ++k) rec[k] = src[k];

@@ -88,9 +88,11 @@ class ArrayView:
         if len(self.shape) == 0:
             raise ValueError(f"{name} must have at least one dimension")
         cols = self.shape[-1]
+        rows = math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
+        if rows == 0 or cols == 0:  # no elements: strides mean nothing (NumPy reports 0)
+            return rows, cols, cols
         if cols > 1 and self.strides[-1] != 1:
             raise ValueError(f"{name}: the last dimension must be contiguous (stride {self.strides[-1]})")
-        rows = math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
         lead = [(n, s) for n, s in zip(self.shape[:-1], self.strides[:-1]) if n != 1]
         row_stride = lead[-1][1] if lead else cols
         expected = row_stride

@@ -3,7 +3,8 @@ one combined gradient from one pass over the logits (see headloss.h, "Fused LM-h
 
 `LossPlan(vocab, dtype, ...)` validates the options once; `plan(logits, labels, ...)` runs it on
 NumPy arrays (CPU backend) or PyTorch / CuPy device arrays (CUDA backend, current stream).
-`fused_loss(...)` does both with a cached plan.
+`fused_loss(...)` does both with a cached plan. `LinearLossPlan(vocab, hidden, dtype, ...)` is the
+fused linear form: `plan(hidden, weight, labels, ...)`, the logits never whole in memory.
 """
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ class _Desc(ctypes.Structure):
                 ("teacher_temperature", c_float), ("student_temperature", c_float),
                 ("eps_low", c_float), ("eps_high", c_float), ("use_ignore_index", c_int),
                 ("ignore_index", c_i64), ("grad_mode", c_int), ("grad_dtype", c_int),
-                ("vocab_start", c_i64), ("vocab_global", c_i64), ("ranks", c_int)]
+                ("vocab_start", c_i64), ("vocab_global", c_i64), ("ranks", c_int),
+                ("hidden", c_i64), ("weight_dtype", c_int), ("teacher_hidden", c_i64),
+                ("grad_hidden_mode", c_int), ("grad_hidden_dtype", c_int),
+                ("grad_weight_mode", c_int), ("grad_weight_dtype", c_int)]
 
 
 class _Args(ctypes.Structure):
@@ -48,15 +52,21 @@ class _Args(ctypes.Structure):
                 ("old_logprobs", c_ptr), ("ref_logprobs", c_ptr), ("divisor", ctypes.c_double),
                 ("grad_scale", c_float), ("grad", c_ptr), ("grad_stride", c_i64), ("scalars", c_ptr),
                 ("token_loss", c_ptr), ("token_logp", c_ptr), ("token_entropy", c_ptr),
-                ("token_lse", c_ptr)]
+                ("token_lse", c_ptr), ("hidden", c_ptr), ("hidden_stride", c_i64), ("weight", c_ptr),
+                ("weight_stride", c_i64), ("teacher_hidden", c_ptr), ("teacher_hidden_stride", c_i64),
+                ("teacher_weight", c_ptr), ("teacher_weight_stride", c_i64), ("grad_hidden", c_ptr),
+                ("grad_hidden_stride", c_i64), ("grad_weight", c_ptr), ("grad_weight_stride", c_i64)]
 
 
 _create = declare("hl_loss_plan_create", ctypes.POINTER(_Desc), ctypes.POINTER(c_ptr))
 _ws_size = declare("hl_loss_plan_get_workspace_size", c_ptr, c_i64, ctypes.POINTER(ctypes.c_size_t))
+_ws_sizes = declare("hl_loss_plan_get_workspace_sizes", c_ptr, c_i64, ctypes.POINTER(ctypes.c_size_t),
+                    ctypes.POINTER(ctypes.c_size_t))
 _execute = declare("hl_loss_plan_execute", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t, c_ptr)
 _destroy = declare("hl_loss_plan_destroy", c_ptr)
 _stats_size = declare("hl_loss_plan_get_stats_size", c_ptr, c_i64, ctypes.POINTER(ctypes.c_size_t))
-_stats = declare("hl_loss_plan_execute_stats", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t, c_ptr)
+_stats = declare("hl_loss_plan_execute_stats_ws", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t,
+                 c_ptr, ctypes.c_size_t, c_ptr)
 _finish = declare("hl_loss_plan_execute_finish", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t,
                   c_ptr, ctypes.c_size_t, c_ptr)
 _nccl = declare("hl_loss_plan_execute_nccl", c_ptr, ctypes.POINTER(_Args), c_ptr, c_ptr, ctypes.c_size_t,
@@ -94,10 +104,11 @@ class LossPlan:
                  softcap=0.0, teacher_temperature=0.0, student_temperature=0.0, eps_low=0.0,
                  eps_high=0.0, ignore_index: Optional[int] = None, grad: Optional[str] = "write",
                  grad_dtype=None, check: bool = True, vocab_start: int = 0,
-                 vocab_global: int = 0, ranks: int = 0):
+                 vocab_global: int = 0, ranks: int = 0, _linear: Optional[dict] = None):
         bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
         d = _Desc(ctypes.sizeof(_Desc), BACKEND_CUDA if device == "cuda" else BACKEND_CPU, vocab,
-                  dtype_code(dtype), DTYPE_NONE if labels_dtype is None else dtype_code(labels_dtype),
+                  DTYPE_NONE if dtype is None else dtype_code(dtype),
+                  DTYPE_NONE if labels_dtype is None else dtype_code(labels_dtype),
                   bits, 0 if check else UNCHECKED, ce_weight, z_weight,
                   entropy_weight, distill_weight, grpo_weight, kl_ref_beta, label_smoothing,
                   logit_scale, softcap, teacher_temperature, student_temperature, eps_low, eps_high)
@@ -106,6 +117,8 @@ class LossPlan:
         d.grad_mode = GRAD_MODES[grad]
         d.grad_dtype = DTYPE_NONE if grad_dtype is None else dtype_code(grad_dtype)
         d.vocab_start, d.vocab_global, d.ranks = vocab_start, vocab_global, ranks
+        for k, v in (_linear or {}).items():
+            setattr(d, k, v)
         self.vocab, self.terms, self.desc = vocab, bits, d
         self._handle = c_ptr()
         _check(_create(ctypes.byref(d), ctypes.byref(self._handle)))
@@ -122,9 +135,14 @@ class LossPlan:
         return self.desc.grad_mode
 
     def workspace_bytes(self, rows: int) -> int:
-        n = ctypes.c_size_t(0)
-        _check(_ws_size(self._handle, rows, ctypes.byref(n)))
-        return n.value
+        """The workspace size a call on `rows` rows runs fastest with."""
+        return self.workspace_sizes(rows)[1]
+
+    def workspace_sizes(self, rows: int) -> tuple:
+        """(min_bytes, fast_bytes) of the workspace for `rows` rows (hl_loss_plan_get_workspace_sizes)."""
+        lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        _check(_ws_sizes(self._handle, rows, ctypes.byref(lo), ctypes.byref(hi)))
+        return lo.value, hi.value
 
     def __call__(self, logits, labels=None, *, weights=None, teacher_logits=None, advantages=None,
                  old_logprobs=None, ref_logprobs=None, divisor: float = 0.0, grad_scale: float = 0.0,
@@ -140,13 +158,21 @@ class LossPlan:
         _check(_execute(self._handle, ctypes.byref(a), wp, nbytes, lv.stream))
         return out
 
-    def _workspace(self, lv, rows):
-        """(array, pointer, bytes) of a fresh workspace on lv's device (None, None, 0 if none)."""
-        nbytes = self.workspace_bytes(rows)
-        if not nbytes:
-            return None, None, 0
-        ws = empty(lv, ((nbytes + 15) // 16 * 4,), DTYPE_F32)
-        return ws, view(ws, "workspace").ptr, nbytes
+    def workspace(self, like, rows: int, nbytes: Optional[int] = None):
+        """A workspace array for `rows` rows on `like`'s device (fast_bytes unless nbytes), to pass
+        as workspace= (the fused linear form's statistics and finish steps share one)."""
+        nbytes = self.workspace_bytes(rows) if nbytes is None else nbytes
+        return empty(view(like, "like"), ((nbytes + 15) // 16 * 4,), DTYPE_F32) if nbytes else None
+
+    def _workspace(self, lv, rows, ws=None):
+        """(array, pointer, bytes) of the given or a fresh workspace (None, None, 0 if none)."""
+        if ws is None:
+            nbytes = self.workspace_bytes(rows)
+            if not nbytes:
+                return None, None, 0
+            ws = empty(lv, ((nbytes + 15) // 16 * 4,), DTYPE_F32)
+        wv = view(ws, "workspace")
+        return ws, wv.ptr, int(np.prod(wv.shape)) * _ITEMSIZE[wv.dtype]
 
     def stats_bytes(self, rows: int) -> int:
         """Bytes of one rank's block of statistics for `rows` rows."""
@@ -160,9 +186,13 @@ class LossPlan:
         cupy / NCCL, ...)."""
         a, lv, _ = self._args(logits, labels, None, teacher_logits, None, None, None, 0.0, 0.0,
                               None, False, False, None, None, outputs=False)
+        return self._stats_call(a, lv, None)
+
+    def _stats_call(self, a, lv, workspace):
         block = empty(lv, (self.stats_bytes(a.rows) // 8,), DTYPE_I64)
+        ws, wp, nbytes = (None, None, 0) if workspace is None else self._workspace(lv, a.rows, workspace)
         _check(_stats(self._handle, ctypes.byref(a), view(block, "stats").ptr, self.stats_bytes(a.rows),
-                     lv.stream))
+                      wp, nbytes, lv.stream))
         return block
 
     def finish(self, gathered, logits, labels=None, **kwargs) -> LossOutput:
@@ -236,6 +266,136 @@ class LossPlan:
         if toks[0] is not None:
             a.token_loss, a.token_logp, a.token_entropy, a.token_lse = (view(t, "token").ptr for t in toks)
         return a, lv, LossOutput(scalars, grad if self.grad_mode else None, *toks)
+
+
+class LinearLossOutput(NamedTuple):
+    scalars: Any                      # fp32 [len(SCALARS)] array on the inputs' device
+    grad_hidden: Optional[Any]        # [rows, hidden], with grad_hidden
+    grad_weight: Optional[Any]        # [vocab, hidden], with grad_weight
+    token_loss: Optional[Any] = None
+    token_logp: Optional[Any] = None
+    token_entropy: Optional[Any] = None
+    token_lse: Optional[Any] = None
+
+    as_dict = LossOutput.as_dict
+
+
+class LinearLossPlan(LossPlan):
+    """The fused linear form of the plan (headloss.h, "The fused linear form"): hidden states
+    [rows, hidden] and the head's weight [vocab, hidden] (nn.Linear.weight; a shard's rows under
+    tensor parallelism) instead of logits, which exist only a chunk of rows at a time in the
+    workspace. Every term, metric and option of LossPlan applies to the logits hidden @ weight.T.
+
+    dtype: the dtype of hidden and weight (and of the logits between the products on CUDA).
+    grad_hidden / grad_weight: "write", "accumulate" or None; grad_*_dtype: None (the weight's) or
+    "float32". teacher_hidden > 0: distillation from a teacher given as its own hidden states and
+    weight (teacher_hidden= / teacher_weight= at call time) instead of teacher_logits."""
+
+    def __init__(self, vocab: int, hidden: int, dtype, *, grad_hidden: Optional[str] = "write",
+                 grad_weight: Optional[str] = "write", grad_hidden_dtype=None, grad_weight_dtype=None,
+                 teacher_hidden: int = 0, **options):
+        for k in ("grad", "grad_dtype"):
+            if k in options:
+                raise TypeError(f"{k} is the logits form's; use grad_hidden / grad_weight")
+        code = lambda dt: DTYPE_NONE if dt is None else dtype_code(dt)  # noqa: E731
+        linear = dict(hidden=hidden, weight_dtype=dtype_code(dtype), teacher_hidden=teacher_hidden,
+                      grad_hidden_mode=GRAD_MODES[grad_hidden], grad_hidden_dtype=code(grad_hidden_dtype),
+                      grad_weight_mode=GRAD_MODES[grad_weight], grad_weight_dtype=code(grad_weight_dtype))
+        super().__init__(vocab, None, grad=None, _linear=linear, **options)
+        self.hidden = hidden
+
+    def __call__(self, hidden, weight, labels=None, *, grad_hidden=None, grad_weight=None,
+                 workspace=None, **kwargs) -> LinearLossOutput:
+        """Runs the plan. grad_hidden / grad_weight: existing arrays to write (or accumulate into);
+        allocated here otherwise. workspace: an array of at least workspace_sizes(rows)[0] bytes
+        (default: a fresh one of fast_bytes). Other keywords as LossPlan.__call__, plus
+        teacher_hidden / teacher_weight."""
+        a, lv, out = self._linear_args(hidden, weight, labels, kwargs, grad_hidden, grad_weight)
+        ws, wp, nbytes = self._workspace(lv, a.rows, workspace)
+        _check(_execute(self._handle, ctypes.byref(a), wp, nbytes, lv.stream))
+        return out
+
+    def stats(self, hidden, weight, labels=None, *, teacher_hidden=None, teacher_weight=None,
+              teacher_logits=None, workspace=None):
+        """Step 1 of the sharded loss (see LossPlan.stats). Pass the same workspace to finish():
+        when it holds every row's logits (fast_bytes of a sharded plan) finish reuses them."""
+        kw = dict(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_logits=teacher_logits)
+        a, lv, _ = self._linear_args(hidden, weight, labels, kw, None, None, outputs=False)
+        if workspace is None and lv.backend == BACKEND_CUDA:
+            workspace = self.workspace(hidden, a.rows, self.workspace_sizes(a.rows)[0])
+        return self._stats_call(a, lv, workspace)
+
+    def finish(self, gathered, hidden, weight, labels=None, *, grad_hidden=None, grad_weight=None,
+               workspace=None, **kwargs) -> LinearLossOutput:
+        """Step 3: as LossPlan.finish; grad_hidden is this rank's part (sum it over the ranks)."""
+        a, lv, out = self._linear_args(hidden, weight, labels, kwargs, grad_hidden, grad_weight)
+        gv = view(gathered, "gathered")
+        gbytes = int(np.prod(gv.shape)) * _ITEMSIZE.get(gv.dtype, 0)
+        ws, wp, nbytes = self._workspace(lv, a.rows, workspace)
+        _check(_finish(self._handle, ctypes.byref(a), gv.ptr, gbytes, wp, nbytes, lv.stream))
+        return out
+
+    def nccl(self, comm, hidden, weight, labels=None, *, grad_hidden=None, grad_weight=None,
+             workspace=None, **kwargs) -> LinearLossOutput:
+        """The three steps and the all-reduce of grad_hidden on an NCCL communicator."""
+        a, lv, out = self._linear_args(hidden, weight, labels, kwargs, grad_hidden, grad_weight)
+        ws, wp, nbytes = self._workspace(lv, a.rows, workspace)
+        _check(_nccl(self._handle, ctypes.byref(a), int(comm), wp, nbytes, lv.stream))
+        return out
+
+    def _linear_args(self, hidden, weight, labels, kwargs, grad_hidden, grad_weight, outputs=True):
+        kwargs = dict(kwargs)
+        th, tw = kwargs.pop("teacher_hidden", None), kwargs.pop("teacher_weight", None)
+        names = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
+        opt = {k: kwargs.pop(k, None) for k in names}
+        divisor, grad_scale = kwargs.pop("divisor", 0.0), kwargs.pop("grad_scale", 0.0)
+        token_outputs, scalars, tokens = (kwargs.pop("token_outputs", False), kwargs.pop("scalars", None),
+                                          kwargs.pop("tokens", None))
+        if kwargs:
+            raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
+        hv, wv = view(hidden, "hidden"), view(weight, "weight")
+        rows, cols, hs = hv.rows_view("hidden")
+        vocab, wcols, ws = wv.rows_view("weight")
+        if cols != self.hidden or wcols != self.hidden:
+            raise ValueError(f"hidden has {cols} and weight {wcols} columns; the plan's hidden is {self.hidden}")
+        if vocab != self.vocab:
+            raise ValueError(f"weight has {vocab} rows; the plan's vocab is {self.vocab}")
+        opt.update(labels=labels, teacher_hidden=th, teacher_weight=tw)
+        views = {k: (None if x is None else view(x, k)) for k, x in opt.items()}
+        same_place([hv, wv] + list(views.values()), "loss plan")
+        a = _Args(ctypes.sizeof(_Args), rows)
+        a.hidden, a.hidden_stride, a.weight, a.weight_stride = hv.ptr, hs, wv.ptr, ws
+        for k, v in views.items():
+            if v is not None:
+                setattr(a, k, v.ptr)
+        for k, field in (("teacher_logits", "teacher_stride"), ("teacher_hidden", "teacher_hidden_stride"),
+                         ("teacher_weight", "teacher_weight_stride")):
+            if views[k] is not None:
+                setattr(a, field, views[k].rows_view(k)[2])
+        a.divisor, a.grad_scale = divisor, grad_scale
+        if not outputs:
+            return a, hv, None
+        d = self.desc
+        grads = []
+        for mode, dt, given, shape, ptr, stride in (
+                (d.grad_hidden_mode, d.grad_hidden_dtype, grad_hidden, (rows, cols), "grad_hidden", "grad_hidden_stride"),
+                (d.grad_weight_mode, d.grad_weight_dtype, grad_weight, (vocab, cols), "grad_weight", "grad_weight_stride")):
+            g = None
+            if mode:
+                g = given if given is not None else empty(hv, shape, dt or hv.dtype)
+                gv = view(g, ptr)
+                setattr(a, ptr, gv.ptr)
+                setattr(a, stride, gv.rows_view(ptr)[2])
+            grads.append(g)
+        if scalars is None:
+            scalars = empty(hv, (len(SCALARS),), DTYPE_F32)
+        a.scalars = view(scalars, "scalars").ptr
+        toks = list(tokens) if tokens is not None else [None] * 4
+        if token_outputs and tokens is None:
+            toks = [empty(hv, (rows,), DTYPE_F32) for _ in range(4)]
+        if toks[0] is not None:
+            a.token_loss, a.token_logp, a.token_entropy, a.token_lse = (view(t, "token").ptr for t in toks)
+        return a, hv, LinearLossOutput(scalars, *grads, *toks)
 
 
 @lru_cache(maxsize=64)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -32,8 +33,66 @@ hl_status_t positive_or_default(const char *fn, const char *arg, float v, float 
   return HL_STATUS_SUCCESS;
 }
 
+hl_status_t check_grad_mode(const char *fn, const char *arg, hl_loss_grad_mode_t m) {
+  if (m != HL_LOSS_GRAD_NONE && m != HL_LOSS_GRAD_WRITE && m != HL_LOSS_GRAD_ACCUMULATE)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: %s is %d; use HL_LOSS_GRAD_NONE, _WRITE or "
+                "_ACCUMULATE", fn, arg, int(m));
+  return HL_STATUS_SUCCESS;
+}
+
+// A gradient's dtype: F32 or `own` (NONE: own); NONE without a gradient.
+hl_status_t resolve_grad_dtype(const char *fn, const char *arg, hl_loss_grad_mode_t m, hl_dtype_t own,
+                               hl_dtype_t &dt) {
+  if (m == HL_LOSS_GRAD_NONE) {
+    dt = HL_DTYPE_NONE;
+    return HL_STATUS_SUCCESS;
+  }
+  if (dt == HL_DTYPE_NONE) dt = own;
+  if (dt != own && dt != HL_DTYPE_F32)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: %s is %s; use F32%s%s", fn, arg, dtype_name(dt),
+                own == HL_DTYPE_F32 ? "" : " or ", own == HL_DTYPE_F32 ? "" : dtype_name(own));
+  return HL_STATUS_SUCCESS;
+}
+
+// The fused linear form's fields (hidden > 0), or their absence; resolves logits_dtype to
+// weight_dtype (the logits' dtype between the products).
+hl_status_t validate_linear_desc(const char *fn, hl_loss_plan_desc_t &d) {
+  if (d.hidden < 0)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: hidden is %lld; must be >= 0 (0: the logits form)",
+                fn, (long long)d.hidden);
+  if (d.hidden == 0) {
+    if (d.weight_dtype || d.teacher_hidden || d.grad_hidden_mode || d.grad_hidden_dtype ||
+        d.grad_weight_mode || d.grad_weight_dtype)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: weight_dtype, teacher_hidden and the grad_hidden / "
+                  "grad_weight fields belong to the fused linear form, but hidden is 0 (the logits "
+                  "form)", fn);
+    return HL_STATUS_SUCCESS;
+  }
+  HL_TRY(check_float_dtype(fn, "weight_dtype", d.weight_dtype));
+  if (d.logits_dtype == HL_DTYPE_NONE) d.logits_dtype = d.weight_dtype;
+  if (d.logits_dtype != d.weight_dtype)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: logits_dtype is %s; the fused linear form holds its "
+                "logits in weight_dtype (%s): pass NONE or that", fn, dtype_name(d.logits_dtype),
+                dtype_name(d.weight_dtype));
+  if (d.grad_mode != HL_LOSS_GRAD_NONE || d.grad_dtype != HL_DTYPE_NONE)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: grad_mode / grad_dtype are the logits form's; the "
+                "fused linear form has grad_hidden_mode and grad_weight_mode", fn);
+  HL_TRY(check_grad_mode(fn, "grad_hidden_mode", d.grad_hidden_mode));
+  HL_TRY(check_grad_mode(fn, "grad_weight_mode", d.grad_weight_mode));
+  HL_TRY(resolve_grad_dtype(fn, "grad_hidden_dtype", d.grad_hidden_mode, d.weight_dtype, d.grad_hidden_dtype));
+  HL_TRY(resolve_grad_dtype(fn, "grad_weight_dtype", d.grad_weight_mode, d.weight_dtype, d.grad_weight_dtype));
+  if (d.teacher_hidden < 0)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_hidden is %lld; must be >= 0 (0: teacher "
+                "logits)", fn, (long long)d.teacher_hidden);
+  if (d.teacher_hidden > 0 && !(d.terms & (HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV)))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_hidden is %lld but the plan has no "
+                "distillation term", fn, (long long)d.teacher_hidden);
+  return HL_STATUS_SUCCESS;
+}
+
 hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   HL_TRY(check_backend(fn, d.backend));
+  HL_TRY(validate_linear_desc(fn, d));
   if (d.vocab < 1)
     return fail(HL_STATUS_INVALID_VALUE, "%s: vocab is %lld; must be >= 1", fn, (long long)d.vocab);
   HL_TRY(check_float_dtype(fn, "logits_dtype", d.logits_dtype));
@@ -70,18 +129,8 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   if (d.softcap < 0.0f)
     return fail(HL_STATUS_INVALID_VALUE, "%s: softcap is %g; must be >= 0 (0: no cap)", fn,
                 double(d.softcap));
-  if (d.grad_mode != HL_LOSS_GRAD_NONE && d.grad_mode != HL_LOSS_GRAD_WRITE &&
-      d.grad_mode != HL_LOSS_GRAD_ACCUMULATE)
-    return fail(HL_STATUS_INVALID_VALUE, "%s: grad_mode is %d; use HL_LOSS_GRAD_NONE, _WRITE or "
-                "_ACCUMULATE", fn, int(d.grad_mode));
-  if (d.grad_mode == HL_LOSS_GRAD_NONE) {
-    d.grad_dtype = HL_DTYPE_NONE;
-  } else {
-    if (d.grad_dtype == HL_DTYPE_NONE) d.grad_dtype = d.logits_dtype;
-    if (d.grad_dtype != d.logits_dtype && d.grad_dtype != HL_DTYPE_F32)
-      return fail(HL_STATUS_INVALID_VALUE, "%s: grad_dtype is %s; use F32 or logits_dtype (%s)", fn,
-                  dtype_name(d.grad_dtype), dtype_name(d.logits_dtype));
-  }
+  HL_TRY(check_grad_mode(fn, "grad_mode", d.grad_mode));
+  HL_TRY(resolve_grad_dtype(fn, "grad_dtype", d.grad_mode, d.logits_dtype, d.grad_dtype));
   if (d.vocab_global == 0 && d.vocab_start == 0) d.vocab_global = d.vocab;  // not sharded
   if (d.vocab_start < 0 || d.vocab_global < d.vocab || d.vocab_start > d.vocab_global - d.vocab)
     return fail(HL_STATUS_INVALID_VALUE,
@@ -129,6 +178,71 @@ hl_status_t require(const char *fn, const char *name, const void *p, const char 
   return HL_STATUS_SUCCESS;
 }
 
+// Every matrix a call passes (strides resolved), for the pointer and aliasing checks.
+std::vector<Buffer> arg_buffers(const hl_loss_plan_st &p, const hl_loss_args_t &a) {
+  const hl_loss_plan_desc_t &d = p.desc;
+  const int64_t V = d.vocab, H = d.hidden, Ht = d.teacher_hidden, N = a.rows;
+  const hl_dtype_t wd = d.weight_dtype, f32 = HL_DTYPE_F32;
+  return {
+      {"logits", a.logits, N, V, a.logits_stride, d.logits_dtype, false},
+      {"hidden", a.hidden, N, H, a.hidden_stride, wd, false},
+      {"weight", a.weight, V, H, a.weight_stride, wd, false},
+      {"labels", a.labels, N, 1, 1, d.labels_dtype, false},
+      {"weights", a.weights, N, 1, 1, f32, false},
+      {"teacher_logits", a.teacher_logits, N, V, a.teacher_stride, d.logits_dtype, false},
+      {"teacher_hidden", a.teacher_hidden, N, Ht, a.teacher_hidden_stride, wd, false},
+      {"teacher_weight", a.teacher_weight, V, Ht, a.teacher_weight_stride, wd, false},
+      {"advantages", a.advantages, N, 1, 1, f32, false},
+      {"old_logprobs", a.old_logprobs, N, 1, 1, f32, false},
+      {"ref_logprobs", a.ref_logprobs, N, 1, 1, f32, false},
+      {"grad", a.grad, N, V, a.grad_stride, d.grad_dtype, true},
+      {"grad_hidden", a.grad_hidden, N, H, a.grad_hidden_stride, d.grad_hidden_dtype, true},
+      {"grad_weight", a.grad_weight, V, H, a.grad_weight_stride, d.grad_weight_dtype, true},
+      {"scalars", a.scalars, 1, HL_LOSS_NUM_SCALARS, HL_LOSS_NUM_SCALARS, f32, true},
+      {"token_loss", a.token_loss, N, 1, 1, f32, true},
+      {"token_logp", a.token_logp, N, 1, 1, f32, true},
+      {"token_entropy", a.token_entropy, N, 1, 1, f32, true},
+      {"token_lse", a.token_lse, N, 1, 1, f32, true},
+  };
+}
+
+// Pointers of the form the plan does not take must be NULL.
+hl_status_t check_form(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a) {
+  struct Arg { const char *name; const void *ptr; };
+  const Arg logits_form[] = {{"logits", a.logits}, {"grad", a.grad}};
+  const Arg linear_form[] = {{"hidden", a.hidden}, {"weight", a.weight},
+                             {"teacher_hidden", a.teacher_hidden}, {"teacher_weight", a.teacher_weight},
+                             {"grad_hidden", a.grad_hidden}, {"grad_weight", a.grad_weight}};
+  const auto none_set = [&](const auto &args) -> hl_status_t {
+    for (const Arg &x : args)
+      if (x.ptr)
+        return fail(HL_STATUS_INVALID_VALUE, "%s: %s is set, but the plan is the %s form (hidden = "
+                    "%lld)", fn, x.name, p.linear ? "fused linear" : "logits", (long long)p.desc.hidden);
+    return HL_STATUS_SUCCESS;
+  };
+  HL_TRY(p.linear ? none_set(logits_form) : none_set(linear_form));
+  if (p.linear) {
+    const bool fused_teacher = p.desc.teacher_hidden > 0;
+    if (fused_teacher && a.teacher_logits)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_logits is set, but the plan's teacher comes "
+                  "as teacher_hidden and teacher_weight", fn);
+    if (!fused_teacher && (a.teacher_hidden || a.teacher_weight))
+      return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_hidden / teacher_weight are set, but the "
+                  "plan's teacher_hidden is 0 (its teacher comes as teacher_logits)", fn);
+  }
+  return HL_STATUS_SUCCESS;
+}
+
+// An output the plan's mode asks for (required, except in the statistics step), or must not get.
+hl_status_t check_output(const char *fn, const char *name, const void *ptr,
+                         hl_loss_grad_mode_t mode, const char *mode_name, Phase phase) {
+  if (mode == HL_LOSS_GRAD_NONE && ptr)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: %s is set but the plan's %s is NONE", fn, name, mode_name);
+  if (mode != HL_LOSS_GRAD_NONE && phase != kStats && !ptr)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: %s is NULL; the plan's %s needs it", fn, name, mode_name);
+  return HL_STATUS_SUCCESS;
+}
+
 hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args_t &a, Phase phase) {
   const hl_loss_plan_desc_t &d = p.desc;
   const hl_backend_t be = d.backend;
@@ -139,27 +253,48 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
   HL_TRY(check_finite(fn, "grad_scale", a.grad_scale));
   if (a.labels && d.labels_dtype == HL_DTYPE_NONE)
     return fail(HL_STATUS_INVALID_VALUE, "%s: labels is set but the plan's labels_dtype is NONE", fn);
-  if (a.teacher_logits && p.opt.distill == kDistillNone)
+  if ((a.teacher_logits || a.teacher_hidden) && p.opt.distill == kDistillNone)
     return fail(HL_STATUS_INVALID_VALUE,
-                "%s: teacher_logits is set but the plan has no distillation term", fn);
-  const bool grad = d.grad_mode != HL_LOSS_GRAD_NONE;
-  if (!grad && a.grad)
-    return fail(HL_STATUS_INVALID_VALUE, "%s: grad is set but the plan's grad_mode is NONE", fn);
-  if (a.rows == 0) return HL_STATUS_SUCCESS;
-  HL_TRY(check_not_null(fn, "logits", a.logits));
+                "%s: a teacher is set but the plan has no distillation term", fn);
+  HL_TRY(check_form(fn, p, a));
+  HL_TRY(check_output(fn, "grad", a.grad, d.grad_mode, "grad_mode", phase));
+  HL_TRY(check_output(fn, "grad_hidden", a.grad_hidden, d.grad_hidden_mode, "grad_hidden_mode", phase));
+  HL_TRY(check_output(fn, "grad_weight", a.grad_weight, d.grad_weight_mode, "grad_weight_mode", phase));
+  const int64_t V = d.vocab, H = d.hidden, Ht = d.teacher_hidden, N = a.rows;
+  // grad_weight is written even for no rows (the empty sum).
+  if (a.grad_weight) {
+    HL_TRY(resolve_stride(fn, "grad_weight", a.grad_weight_stride, H, &a.grad_weight_stride));
+    HL_TRY(check_pointer(fn, be, "grad_weight", a.grad_weight, d.grad_weight_dtype));
+  }
+  if (N == 0) return HL_STATUS_SUCCESS;
+  const bool distill = p.opt.distill != kDistillNone, fused_teacher = p.linear && Ht > 0;
+  if (p.linear) {
+    HL_TRY(require(fn, "hidden", a.hidden, "the fused linear form"));
+    HL_TRY(require(fn, "weight", a.weight, "the fused linear form"));
+    HL_TRY(resolve_stride(fn, "hidden", a.hidden_stride, H, &a.hidden_stride));
+    HL_TRY(resolve_stride(fn, "weight", a.weight_stride, H, &a.weight_stride));
+    if (a.grad_hidden) HL_TRY(resolve_stride(fn, "grad_hidden", a.grad_hidden_stride, H, &a.grad_hidden_stride));
+  } else {
+    HL_TRY(check_not_null(fn, "logits", a.logits));
+    HL_TRY(resolve_stride(fn, "logits", a.logits_stride, V, &a.logits_stride));
+    if (a.grad) HL_TRY(resolve_stride(fn, "grad", a.grad_stride, V, &a.grad_stride));
+  }
   if (p.needs_labels) HL_TRY(require(fn, "labels", a.labels, "CE, GRPO or GRPO_KL_REF"));
-  if (p.opt.distill != kDistillNone) HL_TRY(require(fn, "teacher_logits", a.teacher_logits, "distillation"));
+  if (distill && fused_teacher) {
+    HL_TRY(require(fn, "teacher_hidden", a.teacher_hidden, "distillation from a fused teacher"));
+    HL_TRY(require(fn, "teacher_weight", a.teacher_weight, "distillation from a fused teacher"));
+    HL_TRY(resolve_stride(fn, "teacher_hidden", a.teacher_hidden_stride, Ht, &a.teacher_hidden_stride));
+    HL_TRY(resolve_stride(fn, "teacher_weight", a.teacher_weight_stride, Ht, &a.teacher_weight_stride));
+  } else if (distill) {
+    HL_TRY(require(fn, "teacher_logits", a.teacher_logits, "distillation"));
+    HL_TRY(resolve_stride(fn, "teacher_logits", a.teacher_stride, V, &a.teacher_stride));
+  }
   if ((d.terms & HL_LOSS_GRPO) && phase != kStats) {
     HL_TRY(require(fn, "advantages", a.advantages, "GRPO"));
     HL_TRY(require(fn, "old_logprobs", a.old_logprobs, "GRPO"));
   }
   if ((d.terms & HL_LOSS_GRPO_KL_REF) && phase != kStats)
     HL_TRY(require(fn, "ref_logprobs", a.ref_logprobs, "GRPO_KL_REF"));
-  if (grad && phase != kStats) HL_TRY(require(fn, "grad", a.grad, "a plan with a gradient"));
-  const int64_t V = d.vocab;
-  HL_TRY(resolve_stride(fn, "logits", a.logits_stride, V, &a.logits_stride));
-  if (a.teacher_logits) HL_TRY(resolve_stride(fn, "teacher_logits", a.teacher_stride, V, &a.teacher_stride));
-  if (a.grad) HL_TRY(resolve_stride(fn, "grad", a.grad_stride, V, &a.grad_stride));
   if (a.grad && a.grad == a.logits) {
     if (d.grad_dtype != d.logits_dtype || a.grad_stride != a.logits_stride)
       return fail(HL_STATUS_INVALID_VALUE, "%s: grad is the logits (in place) but its dtype or "
@@ -168,33 +303,9 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
       return fail(HL_STATUS_INVALID_VALUE, "%s: grad is the logits (in place): it cannot be "
                   "accumulated into; use HL_LOSS_GRAD_WRITE", fn);
   }
-  struct P { const char *name; const void *ptr; hl_dtype_t dt; };
-  const P ptrs[] = {
-      {"logits", a.logits, d.logits_dtype}, {"labels", a.labels, d.labels_dtype},
-      {"weights", a.weights, HL_DTYPE_F32}, {"teacher_logits", a.teacher_logits, d.logits_dtype},
-      {"advantages", a.advantages, HL_DTYPE_F32}, {"old_logprobs", a.old_logprobs, HL_DTYPE_F32},
-      {"ref_logprobs", a.ref_logprobs, HL_DTYPE_F32}, {"grad", a.grad, d.grad_dtype},
-      {"scalars", a.scalars, HL_DTYPE_F32}, {"token_loss", a.token_loss, HL_DTYPE_F32},
-      {"token_logp", a.token_logp, HL_DTYPE_F32}, {"token_entropy", a.token_entropy, HL_DTYPE_F32},
-      {"token_lse", a.token_lse, HL_DTYPE_F32}};
-  for (const P &q : ptrs) HL_TRY(check_pointer(fn, be, q.name, q.ptr, q.dt));
-  const int64_t N = a.rows;
-  const Buffer bufs[] = {
-      {"logits", a.logits, N, V, a.logits_stride, d.logits_dtype, false},
-      {"labels", a.labels, N, 1, 1, d.labels_dtype, false},
-      {"weights", a.weights, N, 1, 1, HL_DTYPE_F32, false},
-      {"teacher_logits", a.teacher_logits, N, V, a.teacher_stride, d.logits_dtype, false},
-      {"advantages", a.advantages, N, 1, 1, HL_DTYPE_F32, false},
-      {"old_logprobs", a.old_logprobs, N, 1, 1, HL_DTYPE_F32, false},
-      {"ref_logprobs", a.ref_logprobs, N, 1, 1, HL_DTYPE_F32, false},
-      {"grad", a.grad, N, V, a.grad_stride, d.grad_dtype, true},
-      {"scalars", a.scalars, 1, HL_LOSS_NUM_SCALARS, HL_LOSS_NUM_SCALARS, HL_DTYPE_F32, true},
-      {"token_loss", a.token_loss, N, 1, 1, HL_DTYPE_F32, true},
-      {"token_logp", a.token_logp, N, 1, 1, HL_DTYPE_F32, true},
-      {"token_entropy", a.token_entropy, N, 1, 1, HL_DTYPE_F32, true},
-      {"token_lse", a.token_lse, N, 1, 1, HL_DTYPE_F32, true},
-  };
-  return check_aliasing(fn, bufs, int(sizeof bufs / sizeof bufs[0]));
+  const std::vector<Buffer> bufs = arg_buffers(p, a);
+  for (const Buffer &b : bufs) HL_TRY(check_pointer(fn, be, b.name, b.ptr, b.dtype));
+  return check_aliasing(fn, bufs.data(), int(bufs.size()));
 }
 
 // Host labels: the first one that is out of range and not ignored.
@@ -211,16 +322,21 @@ hl_status_t check_host_labels(const char *fn, const hl_loss_plan_st &p, const hl
   return HL_STATUS_SUCCESS;
 }
 
+void workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes) {
+  *min_bytes = *fast_bytes = 0;
+#if HL_HAVE_CUDA
+  if (p.desc.backend == HL_BACKEND_CUDA) cuda_workspace_sizes(p, rows, min_bytes, fast_bytes);
+#endif
+}
+
 // The workspace of a call: large enough, aligned, in the backend's memory.
 hl_status_t check_workspace(const char *fn, const hl_loss_plan_st &p, int64_t rows, void *ws,
                             size_t bytes) {
-  size_t need = 0;
-#if HL_HAVE_CUDA
-  if (p.desc.backend == HL_BACKEND_CUDA) need = cuda_workspace_bytes(p, rows);
-#endif
+  size_t need = 0, fast = 0;
+  workspace_sizes(p, rows, &need, &fast);
   if (bytes < need)
-    return fail(HL_STATUS_INSUFFICIENT_WORKSPACE, "%s: workspace_bytes is %zu; %lld rows need %zu",
-                fn, bytes, (long long)rows, need);
+    return fail(HL_STATUS_INSUFFICIENT_WORKSPACE, "%s: workspace_bytes is %zu; %lld rows need %zu "
+                "(hl_loss_plan_get_workspace_sizes)", fn, bytes, (long long)rows, need);
   if (!need) return HL_STATUS_SUCCESS;
   HL_TRY(check_not_null(fn, "workspace", ws));
   if (reinterpret_cast<uintptr_t>(ws) % 16)
@@ -249,18 +365,7 @@ hl_status_t check_block_buffer(const char *fn, const char *name, const void *buf
   if (reinterpret_cast<uintptr_t>(buf) % 8)
     return fail(HL_STATUS_MISALIGNED, "%s: %s (%p) must be 8-byte aligned", fn, name, buf);
   HL_TRY(check_location(fn, name, buf, p.desc.backend));
-  const hl_loss_plan_desc_t &d = p.desc;
-  const Buffer others[] = {
-      {"logits", a.logits, a.rows, d.vocab, a.logits_stride, d.logits_dtype, false},
-      {"labels", a.labels, a.rows, 1, 1, d.labels_dtype, false},
-      {"teacher_logits", a.teacher_logits, a.rows, d.vocab, a.teacher_stride, d.logits_dtype, false},
-      {"grad", a.grad, a.rows, d.vocab, a.grad_stride, d.grad_dtype, false},
-      {"scalars", a.scalars, 1, HL_LOSS_NUM_SCALARS, HL_LOSS_NUM_SCALARS, HL_DTYPE_F32, false},
-      {"token_loss", a.token_loss, a.rows, 1, 1, HL_DTYPE_F32, false},
-      {"token_logp", a.token_logp, a.rows, 1, 1, HL_DTYPE_F32, false},
-      {"token_entropy", a.token_entropy, a.rows, 1, 1, HL_DTYPE_F32, false},
-      {"token_lse", a.token_lse, a.rows, 1, 1, HL_DTYPE_F32, false}};
-  for (const Buffer &b : others)
+  for (const Buffer &b : arg_buffers(p, a))
     if (overlaps(buf, need, b.ptr, span_bytes(b.rows, b.cols, b.stride, b.dtype)))
       return fail(HL_STATUS_INVALID_VALUE, "%s: %s overlaps %s", fn, name, b.name);
   return HL_STATUS_SUCCESS;
@@ -358,37 +463,39 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
     HL_TRY(read_descriptor(fn, desc, &d));
     Options o{};
     HL_TRY(validate_desc(fn, d, o));
-    auto *p = new hl_loss_plan_st{};
+    auto p = std::make_unique<hl_loss_plan_st>();
     p->desc = d;
     p->opt = o;
     p->needs_labels = (d.terms & kLabelTerms) != 0;
+    p->linear = d.hidden > 0;
+    p->dlogits = p->linear ? d.grad_hidden_mode != HL_LOSS_GRAD_NONE || d.grad_weight_mode != HL_LOSS_GRAD_NONE
+                           : d.grad_mode != HL_LOSS_GRAD_NONE;
     p->fingerprint = fingerprint(d);
 #if HL_HAVE_CUDA
-    if (d.backend == HL_BACKEND_CUDA) {
-      const hl_status_t s = cuda_plan(fn, *p);
-      if (s != HL_STATUS_SUCCESS) {
-        delete p;
-        return s;
-      }
-    }
+    if (d.backend == HL_BACKEND_CUDA) HL_TRY(cuda_plan(fn, *p));
 #endif
-    *plan = p;
+    *plan = p.release();
+    return HL_STATUS_SUCCESS;
+  });
+}
+
+HL_API hl_status_t hl_loss_plan_get_workspace_sizes(hl_loss_plan_t plan, int64_t rows,
+                                                    size_t *min_bytes, size_t *fast_bytes) {
+  static const char *fn = "hl_loss_plan_get_workspace_sizes";
+  return guarded(fn, [&]() -> hl_status_t {
+    HL_TRY(check_not_null(fn, "plan", plan));
+    HL_TRY(check_positive(fn, "rows", rows));
+    size_t lo = 0, hi = 0;
+    workspace_sizes(*plan, rows, &lo, &hi);
+    if (min_bytes) *min_bytes = lo;
+    if (fast_bytes) *fast_bytes = hi;
     return HL_STATUS_SUCCESS;
   });
 }
 
 HL_API hl_status_t hl_loss_plan_get_workspace_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes) {
-  static const char *fn = "hl_loss_plan_get_workspace_size";
-  return guarded(fn, [&]() -> hl_status_t {
-    HL_TRY(check_not_null(fn, "plan", plan));
-    HL_TRY(check_not_null(fn, "bytes", bytes));
-    HL_TRY(check_positive(fn, "rows", rows));
-    *bytes = 0;
-#if HL_HAVE_CUDA
-    if (plan->desc.backend == HL_BACKEND_CUDA) *bytes = cuda_workspace_bytes(*plan, rows);
-#endif
-    return HL_STATUS_SUCCESS;
-  });
+  HL_TRY(check_not_null("hl_loss_plan_get_workspace_size", "bytes", bytes));
+  return hl_loss_plan_get_workspace_sizes(plan, rows, nullptr, bytes);
 }
 
 HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_t *args,
@@ -405,7 +512,8 @@ HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_
     HL_TRY(validate_args(fn, *plan, a, kWhole));
     HL_TRY(check_workspace(fn, *plan, a.rows, workspace, workspace_bytes));
 #if HL_HAVE_CUDA
-    if (plan->desc.backend == HL_BACKEND_CUDA) return cuda_execute(fn, *plan, a, workspace, stream);
+    if (plan->desc.backend == HL_BACKEND_CUDA)
+      return cuda_execute(fn, *plan, a, workspace, workspace_bytes, stream);
 #endif
     (void)stream;
     HL_TRY(check_host_labels(fn, *plan, a));
@@ -424,17 +532,28 @@ HL_API hl_status_t hl_loss_plan_get_stats_size(hl_loss_plan_t plan, int64_t rows
   });
 }
 
-HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss_args_t *args,
-                                              void *stats, size_t stats_bytes, hl_stream_t stream) {
+HL_API hl_status_t hl_loss_plan_execute_stats_ws(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                                 void *stats, size_t stats_bytes, void *workspace,
+                                                 size_t workspace_bytes, hl_stream_t stream) {
   static const char *fn = "hl_loss_plan_execute_stats";
   return guarded(fn, [&]() -> hl_status_t {
     hl_loss_args_t a;
     HL_TRY(split_args(fn, plan, args, kStats, &a));
     HL_TRY(check_block_buffer(fn, "stats", stats, stats_bytes, 1, a, *plan));
 #if HL_HAVE_CUDA
-    if (plan->desc.backend == HL_BACKEND_CUDA) return cuda_stats(fn, *plan, a, stats, stream);
+    if (plan->desc.backend == HL_BACKEND_CUDA) {
+      if (plan->linear) {
+        if (!workspace && a.rows)
+          return fail(HL_STATUS_INSUFFICIENT_WORKSPACE, "%s: the fused linear form forms its logits "
+                      "in a workspace: use hl_loss_plan_execute_stats_ws", fn);
+        HL_TRY(check_workspace(fn, *plan, a.rows, workspace, workspace_bytes));
+        if (overlaps(workspace, workspace_bytes, stats, stats_bytes))
+          return fail(HL_STATUS_INVALID_VALUE, "%s: workspace overlaps stats", fn);
+      }
+      return cuda_stats(fn, *plan, a, stats, workspace, workspace_bytes, stream);
+    }
 #endif
-    (void)stream;
+    (void)stream, (void)workspace, (void)workspace_bytes;
     const BlockHeader h = make_header(*plan, a.rows);
     std::vector<CpuStats> st(size_t(a.rows));
     cpu_stats(*plan, a, st.data());
@@ -442,6 +561,11 @@ HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss
     if (a.rows) std::memcpy(static_cast<char *>(stats) + sizeof h, st.data(), st.size() * sizeof(CpuStats));
     return HL_STATUS_SUCCESS;
   });
+}
+
+HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                              void *stats, size_t stats_bytes, hl_stream_t stream) {
+  return hl_loss_plan_execute_stats_ws(plan, args, stats, stats_bytes, nullptr, 0, stream);
 }
 
 HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_loss_args_t *args,
@@ -458,7 +582,7 @@ HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_los
     if (plan->desc.backend == HL_BACKEND_CUDA) {
       if (overlaps(workspace, workspace_bytes, gathered, gathered_bytes))
         return fail(HL_STATUS_INVALID_VALUE, "%s: workspace overlaps gathered", fn);
-      return cuda_finish(fn, *plan, a, gathered, workspace, stream);
+      return cuda_finish(fn, *plan, a, gathered, workspace, workspace_bytes, stream);
     }
 #endif
     (void)stream;
@@ -477,9 +601,13 @@ HL_API hl_status_t hl_loss_plan_execute_nccl(hl_loss_plan_t plan, const hl_loss_
     if (plan->desc.backend != HL_BACKEND_CUDA)
       return fail(HL_STATUS_NOT_SUPPORTED, "%s: NCCL needs a CUDA plan; on the CPU backend use "
                   "hl_loss_plan_execute_stats, your gather, and hl_loss_plan_execute_finish", fn);
+    if (a.grad_hidden && a.rows > 1 && a.grad_hidden_stride != plan->desc.hidden)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: grad_hidden_stride is %lld; the all-reduce of "
+                  "grad_hidden needs it packed (%lld)", fn, (long long)a.grad_hidden_stride,
+                  (long long)plan->desc.hidden);
     HL_TRY(check_workspace(fn, *plan, a.rows, workspace, workspace_bytes));
 #if HL_HAVE_CUDA
-    return nccl_execute(fn, *plan, a, nccl_comm, workspace, stream);
+    return nccl_execute(fn, *plan, a, nccl_comm, workspace, workspace_bytes, stream);
 #else
     (void)stream;
     return fail(HL_STATUS_INTERNAL_ERROR, "%s: a CUDA plan in a build without CUDA", fn);

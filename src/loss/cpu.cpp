@@ -2,6 +2,8 @@
 // taken directly (max first, then the sums), the row math is row_math.h's, in double. Two passes
 // over each row: its statistics (for one shard: the tensor-parallel split's first step), then
 // from the merged statistics the losses, metrics and the gradient.
+// The fused linear form forms each row's logits in fp64 from hidden and weight, in both passes
+// (nothing of rows x vocab is held), and folds the gradient row into grad_hidden and grad_weight.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -14,18 +16,116 @@ namespace {
 
 using cpu::load;
 
-// Row i's z_hat over this shard's columns, and teacher / tau_t (when there is a teacher).
-void load_row(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i, std::vector<double> &z,
-              std::vector<double> &v) {
-  const Options &o = p.opt;
-  const hl_loss_plan_desc_t &d = p.desc;
-  for (size_t j = 0; j < z.size(); ++j) {
-    const double x = o.scale * load(a.logits, d.logits_dtype, i * a.logits_stride + int64_t(j));
-    z[j] = o.cap > 0 ? o.cap * std::tanh(x / o.cap) : x;
-  }
-  for (size_t j = 0; j < v.size(); ++j)
-    v[j] = o.inv_tt * load(a.teacher_logits, d.logits_dtype, i * a.teacher_stride + int64_t(j));
+// A [rows, cols] matrix of the caller's, read as double.
+struct Mat {
+  const void *p;
+  int64_t stride;
+  hl_dtype_t dt;
+  double at(int64_t i, int64_t j) const { return load(p, dt, i * stride + j); }
+};
+
+// A weight [vocab, cols] in fp64 (read once a call, since every row uses all of it).
+std::vector<double> to_f64(const Mat &m, int64_t rows, int64_t cols) {
+  std::vector<double> w(size_t(rows * cols));
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t k = 0; k < cols; ++k) w[size_t(i * cols + k)] = m.at(i, k);
+  return w;
 }
+
+// z[j] = sum_k x[i, k] w[j, k] for the shard's rows j of w (fp64).
+void matvec(const Mat &x, int64_t i, const std::vector<double> &w, int64_t cols,
+            std::vector<double> &xr, std::vector<double> &z) {
+  xr.resize(size_t(cols));
+  for (int64_t k = 0; k < cols; ++k) xr[size_t(k)] = x.at(i, k);
+  for (size_t j = 0; j < z.size(); ++j) {
+    const double *wj = w.data() + j * size_t(cols);
+    double acc = 0;
+    for (int64_t k = 0; k < cols; ++k) acc += xr[size_t(k)] * wj[k];
+    z[j] = acc;
+  }
+}
+
+// The rows of one call: row i's z_hat and teacher / tau_t over this shard's columns (from the
+// logits, or from hidden states and weights), and where its gradient goes.
+class Rows {
+ public:
+  Rows(const hl_loss_plan_st &p, const hl_loss_args_t &a, bool grads) : p_(p), a_(a) {
+    const hl_loss_plan_desc_t &d = p.desc;
+    const int64_t V = d.vocab;
+    if (!p.linear) return;
+    const hl_dtype_t wd = d.weight_dtype;
+    w_ = to_f64({a.weight, a.weight_stride, wd}, V, d.hidden);
+    if (d.teacher_hidden && a.teacher_weight)
+      wt_ = to_f64({a.teacher_weight, a.teacher_weight_stride, wd}, V, d.teacher_hidden);
+    if (grads && a.grad_weight) dw_.assign(size_t(V * d.hidden), 0.0);
+  }
+
+  void load_row(int64_t i, std::vector<double> &z, std::vector<double> &v) {
+    const Options &o = p_.opt;
+    const hl_loss_plan_desc_t &d = p_.desc;
+    if (p_.linear) matvec({a_.hidden, a_.hidden_stride, d.weight_dtype}, i, w_, d.hidden, xr_, z);
+    else
+      for (size_t j = 0; j < z.size(); ++j) z[j] = load(a_.logits, d.logits_dtype, i * a_.logits_stride + int64_t(j));
+    for (double &x : z) {
+      x *= o.scale;
+      x = o.cap > 0 ? o.cap * std::tanh(x / o.cap) : x;
+    }
+    if (v.empty()) return;
+    if (p_.linear && d.teacher_hidden)
+      matvec({a_.teacher_hidden, a_.teacher_hidden_stride, d.weight_dtype}, i, wt_, d.teacher_hidden, xr_, v);
+    else
+      for (size_t j = 0; j < v.size(); ++j)
+        v[j] = load(a_.teacher_logits, d.logits_dtype, i * a_.teacher_stride + int64_t(j));
+    for (double &x : v) x *= o.inv_tt;
+  }
+
+  // Row i's gradient w.r.t. its raw logits (this shard's columns): into grad (logits form), or
+  // grad_hidden's row i = g W and grad_weight += g^T x_i (linear form; grad_weight at finish()).
+  void put_grad(int64_t i, const std::vector<double> &g) {
+    const hl_loss_plan_desc_t &d = p_.desc;
+    if (!p_.linear) {
+      for (size_t j = 0; j < g.size(); ++j) store(a_.grad, d.grad_dtype, d.grad_mode, i * a_.grad_stride + int64_t(j), g[j]);
+      return;
+    }
+    const int64_t H = d.hidden;
+    if (a_.grad_hidden) {
+      std::vector<double> gh(size_t(H), 0.0);
+      for (size_t j = 0; j < g.size(); ++j) {
+        const double *wj = w_.data() + j * size_t(H);
+        for (int64_t k = 0; k < H; ++k) gh[size_t(k)] += g[j] * wj[k];
+      }
+      for (int64_t k = 0; k < H; ++k)
+        store(a_.grad_hidden, d.grad_hidden_dtype, d.grad_hidden_mode, i * a_.grad_hidden_stride + k, gh[size_t(k)]);
+    }
+    if (!dw_.empty()) {
+      const Mat x{a_.hidden, a_.hidden_stride, d.weight_dtype};
+      xr_.resize(size_t(H));
+      for (int64_t k = 0; k < H; ++k) xr_[size_t(k)] = x.at(i, k);
+      for (size_t j = 0; j < g.size(); ++j)
+        for (int64_t k = 0; k < H; ++k) dw_[j * size_t(H) + size_t(k)] += g[j] * xr_[size_t(k)];
+    }
+  }
+
+  // Stores grad_weight (written whole with WRITE: zeros where no row contributed).
+  void finish() {
+    if (dw_.empty()) return;
+    const hl_loss_plan_desc_t &d = p_.desc;
+    for (int64_t j = 0; j < d.vocab; ++j)
+      for (int64_t k = 0; k < d.hidden; ++k)
+        store(a_.grad_weight, d.grad_weight_dtype, d.grad_weight_mode, j * a_.grad_weight_stride + k,
+              dw_[size_t(j * d.hidden + k)]);
+  }
+
+ private:
+  static void store(void *dst, hl_dtype_t dt, hl_loss_grad_mode_t mode, int64_t at, double g) {
+    if (mode == HL_LOSS_GRAD_ACCUMULATE) g += load(dst, dt, at);
+    cpu::store(dst, dt, at, g);
+  }
+
+  const hl_loss_plan_st &p_;
+  const hl_loss_args_t &a_;
+  std::vector<double> w_, wt_, dw_, xr_;
+};
 
 // The statistics of one row's shard; label and argmax in shard-local columns, amax reported
 // globally (+ first).
@@ -64,23 +164,21 @@ RowInputs<double> row_inputs(const hl_loss_plan_st &p, const hl_loss_args_t &a, 
                              d.ignore_index);
 }
 
+bool has_teacher(const hl_loss_args_t &a) { return a.teacher_logits || a.teacher_hidden; }
+
+// The gradient of one row w.r.t. its raw logits, from its z_hat, teacher and coefficients.
 template <int DISTILL>
-void write_grad(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i,
-                const std::vector<double> &z, const std::vector<double> &v,
-                const RowResult<double> &r, int64_t label) {
-  const Options &o = p.opt;
-  const hl_dtype_t gdt = p.desc.grad_dtype;
+void grad_row(const Options &o, const std::vector<double> &z, const std::vector<double> &v,
+              const RowResult<double> &r, int64_t label, std::vector<double> &g) {
   const auto ex = [](double x) { return std::exp(x); };
   for (size_t j = 0; j < z.size(); ++j) {
-    double g = grad_elem<DISTILL>(r, o, z[j], DISTILL ? v[j] : 0.0, std::exp(z[j] - r.lse), ex);
-    if (int64_t(j) == label) g += r.cy;
+    double gj = grad_elem<DISTILL>(r, o, z[j], DISTILL ? v[j] : 0.0, std::exp(z[j] - r.lse), ex);
+    if (int64_t(j) == label) gj += r.cy;
     if (o.cap > 0) {
       const double t = z[j] / o.cap;
-      g *= 1.0 - t * t;
+      gj *= 1.0 - t * t;
     }
-    const int64_t at = i * a.grad_stride + int64_t(j);
-    if (p.desc.grad_mode == HL_LOSS_GRAD_ACCUMULATE) g += load(a.grad, gdt, at);
-    cpu::store(a.grad, gdt, at, g);
+    g[j] = gj;
   }
 }
 
@@ -88,9 +186,10 @@ void write_grad(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i,
 
 void cpu_stats(const hl_loss_plan_st &p, const hl_loss_args_t &a, CpuStats *out) {
   const int64_t first = p.desc.vocab_start;
-  std::vector<double> z(size_t(p.desc.vocab)), v(a.teacher_logits ? z.size() : 0);
+  Rows rows(p, a, false);
+  std::vector<double> z(size_t(p.desc.vocab)), v(has_teacher(a) ? z.size() : 0);
   for (int64_t i = 0; i < a.rows; ++i) {
-    load_row(p, a, i, z, v);
+    rows.load_row(i, z, v);
     out[i] = row_stats(z, v, row_inputs(p, a, i).label - first, first, p.opt);
   }
 }
@@ -106,17 +205,21 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
   const double kd = D > 0 ? double(a.grad_scale == 0.0f ? 1.0f : a.grad_scale) / D : 0.0;
 
   const int64_t first = p.desc.vocab_start;
-  std::vector<double> z(size_t(p.desc.vocab)), v(a.teacher_logits ? z.size() : 0), sum(kRecFields, 0.0);
+  const bool grads = a.grad || a.grad_hidden || a.grad_weight;
+  Rows rows(p, a, grads);
+  std::vector<double> z(size_t(p.desc.vocab)), v(has_teacher(a) ? z.size() : 0), g(z.size());
+  std::vector<double> sum(kRecFields, 0.0);
   double rmin = INFINITY, rmax = -INFINITY, amin = INFINITY, amax = -INFINITY;
   for (int64_t i = 0; i < a.rows; ++i) {
     const RowInputs<double> in = row_inputs(p, a, i);
     const RowResult<double> r = finish_row(merged[i], in, o, kd);
-    if (a.grad) {
-      load_row(p, a, i, z, v);
+    if (grads) {
+      rows.load_row(i, z, v);
       const int64_t label = in.label - first;  // outside [0, vocab) when another shard owns it
-      if (o.distill == kDistillFwd) write_grad<kDistillFwd>(p, a, i, z, v, r, label);
-      else if (o.distill == kDistillRev) write_grad<kDistillRev>(p, a, i, z, v, r, label);
-      else write_grad<kDistillNone>(p, a, i, z, v, r, label);
+      if (o.distill == kDistillFwd) grad_row<kDistillFwd>(o, z, v, r, label, g);
+      else if (o.distill == kDistillRev) grad_row<kDistillRev>(o, z, v, r, label, g);
+      else grad_row<kDistillNone>(o, z, v, r, label, g);
+      rows.put_grad(i, g);
     }
     if (a.token_loss) a.token_loss[i] = float(r.token_loss);
     if (a.token_logp) a.token_logp[i] = float(r.logp);
@@ -129,6 +232,7 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
       amin = std::min(amin, r.rec[R_ADV]), amax = std::max(amax, r.rec[R_ADV]);
     }
   }
+  rows.finish();
   if (a.scalars)
     finish_scalars<double>(sum.data(), rmin, rmax, amin, amax, D, a.labels && a.old_logprobs,
                            a.advantages != nullptr, o.terms, a.scalars);

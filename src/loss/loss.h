@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "headloss.h"
 #include "row_math.h"
@@ -28,14 +29,19 @@ struct CudaChoice {
   bool early_start = false;  // the row kernel may overlap the prep kernel (sm_90)
 };
 
+struct Gemms;  // the fused linear form's cuBLASLt state (kernels/loss/linear.cu)
+
 }  // namespace hl::loss
 
 struct hl_loss_plan_st {
-  hl_loss_plan_desc_t desc;  // validated; grad_dtype, vocab_global and ranks resolved
+  hl_loss_plan_desc_t desc;  // validated; dtypes, vocab_global and ranks resolved
   hl::loss::Options opt;     // opt.vocab is the global vocabulary
   bool needs_labels;         // CE, GRPO or GRPO_KL_REF is on
+  bool linear;               // the fused linear form (desc.hidden > 0)
+  bool dlogits;              // a gradient w.r.t. the logits is formed (stored, or multiplied on)
   uint64_t fingerprint;      // of every field the ranks of a sharded plan must share
   hl::loss::CudaChoice cuda;
+  std::shared_ptr<hl::loss::Gemms> gemms;  // CUDA linear form: released with the plan
 };
 
 namespace hl::loss {
@@ -62,6 +68,7 @@ BlockHeader make_header(const hl_loss_plan_st &p, int64_t rows);
 hl_status_t check_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows,
                          const BlockHeader *headers);
 
+// Both forms: the fused linear form's logits are formed row by row in fp64 (cpu.cpp).
 // Every row at once (one shard that is the whole vocabulary).
 hl_status_t cpu_execute(const hl_loss_plan_st &p, const hl_loss_args_t &a);
 // The statistics of every row over this shard's columns.
@@ -72,22 +79,27 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
 #if HL_HAVE_CUDA
 hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p);
 // The prep kernel's output, the counters, the per-row records and the reduce kernel's partials
-// (kernels/loss/sums.cuh), then room for `ranks` gathered blocks (hl_loss_plan_execute_nccl).
-size_t cuda_workspace_bytes(const hl_loss_plan_st &p, int64_t rows);
+// (kernels/loss/sums.cuh), then room for `ranks` gathered blocks (hl_loss_plan_execute_nccl): the
+// logits form's workspace, and the start of the fused linear form's.
+size_t cuda_base_workspace(const hl_loss_plan_st &p, int64_t rows);
+// hl_loss_plan_get_workspace_sizes on CUDA.
+void cuda_workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes);
 // Where the gathered blocks live in a workspace.
 void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace);
 hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                         void *workspace, hl_stream_t stream);
+                         void *workspace, size_t workspace_bytes, hl_stream_t stream);
 // This rank's block (header and records) into device memory.
 hl_status_t cuda_stats(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                       void *block, hl_stream_t stream);
+                       void *block, void *workspace, size_t workspace_bytes, hl_stream_t stream);
 // Merges the gathered blocks (device memory) and runs the rest of the loss; checks the headers
 // (check_blocks) and labels with one synchronisation unless the plan is HL_LOSS_UNCHECKED.
 hl_status_t cuda_finish(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                        const void *gathered, void *workspace, hl_stream_t stream);
-// stats, one in-place ncclAllGather of the blocks in the workspace, finish.
+                        const void *gathered, void *workspace, size_t workspace_bytes,
+                        hl_stream_t stream);
+// stats, one in-place ncclAllGather of the blocks in the workspace, finish; for the fused linear
+// form then an in-place ncclAllReduce of grad_hidden.
 hl_status_t nccl_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                         void *comm, void *workspace, hl_stream_t stream);
+                         void *comm, void *workspace, size_t workspace_bytes, hl_stream_t stream);
 #endif
 
 }  // namespace hl::loss

@@ -1,0 +1,206 @@
+"""Benchmark of the fused linear + loss plan (logits never in memory) against its peers on one GPU,
+side by side in one run, with the floor measured in the same run: the three cuBLAS products of the
+same shapes (logits = X W^T, dX = G W, dW = G^T X; torch.matmul into preallocated outputs).
+
+Rows: N x H x V, bf16 hidden and weight, forward + backward (the loss, grad_hidden, grad_weight).
+Columns: the floor; headloss CE (bf16 grads, the workspace at fast_bytes) and its ratio to the
+floor; headloss with every term and metric (CE + z + entropy + GRPO + KL-ref, token outputs) and
+its ratio to CE alone; headloss CE with an fp32 grad_weight; PyTorch eager (matmul + CE), Liger's
+fused linear CE and Cut Cross-Entropy (each when importable); peak device memory above the inputs
+(gradients included, as autograd allocates them for the peers). Inputs: "random" (logits of std 1,
+a near-uniform softmax) and "peaked" (std 4: most of each row's mass on a few tokens), since
+CCE's gradient filtering runs faster on peaked rows. --sweep also times headloss at chunks of
+512..4096 rows (the workspace passed).
+
+Usage: python3 bench/bench_linear_loss.py [--out table.md] [--shapes 8192x4096x128256,...]
+       [--inputs random,peaked] [--sweep] [--iters 5]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import headloss  # noqa: E402
+from common import header, median_ms  # noqa: E402
+from headloss import loss as hloss  # noqa: E402
+
+SHAPES = "8192x4096x128256,32768x4096x128256,16384x8192x151936,4096x2048x262144"
+ALL_TERMS = ("ce", "z", "entropy", "grpo", "kl_ref")
+ALL_OPTS = dict(z_weight=1e-4, entropy_weight=-1e-2, kl_ref_beta=0.04)
+
+
+class Direct:
+    """One linear plan with its arguments and outputs built once: the timed call is the C call."""
+
+    def __init__(self, x, w, labels, terms, *, extra=None, chunk=None, gw_dtype=None, tokens=False, **opts):
+        N, H = x.shape
+        V = w.shape[0]
+        self.plan = hloss.LinearLossPlan(V, H, "bfloat16", terms=terms, device="cuda", check=False,
+                                         grad_weight_dtype=gw_dtype, **opts)
+        self.gh = torch.empty_like(x)
+        self.gw = torch.empty(V, H, device="cuda", dtype=gw_dtype or torch.bfloat16)
+        self.scalars = torch.empty(len(hloss.SCALARS), device="cuda")
+        a = hloss._Args(ctypes.sizeof(hloss._Args), N)
+        a.hidden, a.hidden_stride, a.weight, a.weight_stride = x.data_ptr(), H, w.data_ptr(), H
+        a.labels = labels.data_ptr()
+        for k, t in (extra or {}).items():
+            setattr(a, k, t.data_ptr())
+        a.grad_hidden, a.grad_hidden_stride = self.gh.data_ptr(), H
+        a.grad_weight, a.grad_weight_stride = self.gw.data_ptr(), H
+        a.scalars = self.scalars.data_ptr()
+        self.toks = [torch.empty(N, device="cuda") for _ in range(4)] if tokens else []
+        if tokens:
+            a.token_loss, a.token_logp, a.token_entropy, a.token_lse = (t.data_ptr() for t in self.toks)
+        self.args = a
+        lo, hi = self.plan.workspace_sizes(N)
+        row = (V * 2 + 15) // 16 * 16
+        self.nbytes = hi if chunk is None else lo + (min(chunk, N) - 1) * row  # lo holds one row
+        self.ws = torch.empty(self.nbytes // 4 + 4, device="cuda")
+        self.stream = torch.cuda.current_stream().cuda_stream
+
+    def __call__(self):
+        hloss._check(hloss._execute(self.plan._handle, ctypes.byref(self.args), self.ws.data_ptr(),
+                                    self.nbytes, self.stream))
+
+
+def peak_extra_gib(fn) -> float:
+    """Peak device memory of one fn() above what was allocated before it (GiB)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def peers():
+    out = {}
+    out["torch eager"] = lambda x, w, y: torch.nn.functional.cross_entropy((x @ w.T).float(), y)
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+        liger = LigerFusedLinearCrossEntropyLoss()
+        out["Liger FLCE"] = lambda x, w, y: liger(w, x, y)
+    except Exception as e:  # noqa: BLE001
+        print(f"# Liger unavailable: {type(e).__name__}: {e}", flush=True)
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+        out["CCE"] = lambda x, w, y: linear_cross_entropy(x, w, y)
+    except Exception as e:  # noqa: BLE001
+        print(f"# CCE unavailable: {type(e).__name__}: {e}", flush=True)
+    return out
+
+
+def fwd_bwd(fn, x, w, y):
+    def run():
+        x.grad = w.grad = None
+        fn(x, w, y).backward()
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--inputs", default="random,peaked")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    it = dict(warmup=2, iters=args.iters)
+    peer_fns = {} if args.no_peers else peers()
+    head = (["N x H x V", "inputs", "3 products (floor)", "headloss CE", "vs floor", "all terms + metrics",
+             "vs CE", "CE, fp32 grad_weight"] + [f"{k}" for k in peer_fns] +
+            ["memory: headloss / " + " / ".join(peer_fns) + " (GiB)"])
+    lines = [header() + f"; headloss {headloss.version()}; bf16 hidden and weight; forward + backward; "
+             "median of CUDA-event timings (ms)", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    print("\n".join(lines), flush=True)
+    sweep_lines = []
+    for shape in args.shapes.split(","):
+        N, H, V = map(int, shape.split("x"))
+        for kind in args.inputs.split(","):
+            std = 1.0 if kind == "random" else 4.0
+            x = torch.randn(N, H, device="cuda").to(torch.bfloat16)
+            w = (torch.randn(V, H, device="cuda") * (std / H ** 0.5)).to(torch.bfloat16)
+            y = torch.randint(0, V, (N,), device="cuda")
+            y[::17] = -100
+            # The floor: the three products, bf16 in and out, fp32 accumulation.
+            z = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
+            g = torch.randn(N, V, device="cuda").to(torch.bfloat16)
+            dx, dw = torch.empty_like(x), torch.empty_like(w)
+
+            def products():
+                torch.matmul(x, w.T, out=z)
+                torch.matmul(g, w, out=dx)
+                torch.matmul(g.T, x, out=dw)
+            t_floor = median_ms(products, **it)
+            del z, g, dx, dw
+            torch.cuda.empty_cache()
+            ce = Direct(x, w, y, ("ce",))
+            t_ce = median_ms(ce, **it)
+            del ce
+            adv = torch.randn(N, device="cuda")
+            old = -torch.rand(N, device="cuda") * 8 - 4
+            ref = -torch.rand(N, device="cuda") * 8 - 4
+            full = Direct(x, w, y, ALL_TERMS, extra={"advantages": adv, "old_logprobs": old, "ref_logprobs": ref},
+                          tokens=True, **ALL_OPTS)
+            t_full = median_ms(full, **it)
+            del full
+            f32 = Direct(x, w, y, ("ce",), gw_dtype=torch.float32)
+            t_f32 = median_ms(f32, **it)
+            del f32
+            torch.cuda.empty_cache()
+            plan = hloss.LinearLossPlan(V, H, "bfloat16", terms=("ce",), device="cuda", check=False)
+            mem = [peak_extra_gib(lambda: plan(x, w, y))]
+            t_peers = []
+            for name, fn in peer_fns.items():
+                xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+                try:
+                    run = fwd_bwd(fn, xr, wr, y)
+                    t_peers.append(median_ms(run, **it))
+                    mem.append(peak_extra_gib(run))
+                except torch.OutOfMemoryError:
+                    t_peers.append(None)
+                    mem.append(None)
+                del xr, wr
+                torch.cuda.empty_cache()
+            f = lambda t: "n/a" if t is None else f"{t:.2f}"  # noqa: E731
+            row = [f"{N} x {H} x {V}", kind, f"{t_floor:.2f}", f"{t_ce:.2f}", f"{t_ce / t_floor:.3f}x",
+                   f"{t_full:.2f}", f"{t_full / t_ce:.3f}x", f"{t_f32:.2f}"] + [f(t) for t in t_peers]
+            row.append(" / ".join("n/a" if m is None else f"{m:.2f}" for m in mem))
+            lines.append("| " + " | ".join(row) + " |")
+            print(lines[-1], flush=True)
+            if args.sweep and kind == args.inputs.split(",")[0]:
+                for chunk in (512, 1024, 2048, 4096, N):
+                    for gw in (None, torch.float32):
+                        d = Direct(x, w, y, ("ce",), chunk=chunk, gw_dtype=gw)
+                        t = median_ms(d, **it)
+                        sweep_lines.append(f"| {N} x {H} x {V} | {min(chunk, N)} | "
+                                           f"{'fp32' if gw else 'bf16'} | {d.nbytes / 2**20:.0f} | {t:.2f} | "
+                                           f"{t / t_floor:.3f}x |")
+                        print(sweep_lines[-1], flush=True)
+                        del d
+                        torch.cuda.empty_cache()
+            del x, w, y
+            torch.cuda.empty_cache()
+    lines += ["", "vs floor: headloss CE over the three products' time. vs CE: every term and metric over CE "
+              "alone. Memory: peak above the inputs during one forward + backward (gradients included; "
+              "headloss's workspace at fast_bytes). CCE runs with its default gradient filter "
+              "(filter_eps='high'). Labels unchecked (HL_LOSS_UNCHECKED), as the peers do."]
+    if sweep_lines:
+        lines += ["", "Chunk sweep (headloss CE; rows a chunk set by the workspace passed):", "",
+                  "| N x H x V | rows a chunk | grad_weight | workspace (MiB) | ms | vs floor |",
+                  "|---|---|---|---|---|---|"] + sweep_lines
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+// The loss plan's CUDA steps, shared by the logits form (launch.cu) and the fused linear form
+// (linear.cu), which runs a call's rows in chunks between rows_begin and rows_end.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "loss/loss.h"
+
+namespace hl::loss::cuda {
+
+// The prep kernel over all of a call's rows (a.rows > 0): D and zeroed counters; then, unless the
+// plan is unchecked, one synchronisation that checks the labels and the gathered blocks' headers.
+hl_status_t rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                       const void *gathered, void *workspace, cudaStream_t stream);
+// The row kernel of `phase` over rows [row0, row0 + a.rows) of a call of `total` rows, whose
+// per-row pointers in `a` are already those rows'. block: kStats' output; gathered: kFinish's
+// input (every row's). after_prep: the prep kernel ran just before (it zeroed the counters, and
+// the row kernel may start early).
+hl_status_t rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase, int64_t row0,
+                     int64_t total, const void *gathered, void *block, void *workspace,
+                     cudaStream_t stream, bool after_prep);
+// The reduce kernel: the scalars from the records of all of a call's rows (when a.scalars).
+hl_status_t rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,
+                     cudaStream_t stream);
+hl_status_t zero_scalars(const hl_loss_args_t &a, cudaStream_t stream);
+
+// The fused linear form (linear.cu).
+void linear_workspace(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes);
+hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                       Phase phase, void *block, const void *gathered, void *workspace,
+                       size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace hl::loss::cuda

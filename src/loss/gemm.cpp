@@ -1,0 +1,198 @@
+// cuBLASLt, loaded at run time; the product shapes' algorithms, chosen once per plan.
+#if HL_HAVE_CUDA
+#include "gemm.h"
+
+#include <cublasLt.h>
+
+#include <mutex>
+#include <vector>
+
+#include "../common.h"
+#include "../dynlib.h"
+
+namespace hl::loss {
+namespace {
+
+// The cuBLASLt entry points used (cublasLt.h's declarations give their types).
+struct Lt {
+  decltype(&cublasLtCreate) create = nullptr;
+  decltype(&cublasLtDestroy) destroy = nullptr;
+  decltype(&cublasLtGetStatusString) status_string = nullptr;
+  decltype(&cublasLtMatmulDescCreate) desc_create = nullptr;
+  decltype(&cublasLtMatmulDescDestroy) desc_destroy = nullptr;
+  decltype(&cublasLtMatmulDescSetAttribute) desc_set = nullptr;
+  decltype(&cublasLtMatrixLayoutCreate) layout_create = nullptr;
+  decltype(&cublasLtMatrixLayoutDestroy) layout_destroy = nullptr;
+  decltype(&cublasLtMatmulPreferenceCreate) pref_create = nullptr;
+  decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy = nullptr;
+  decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
+  decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
+  decltype(&cublasLtMatmul) matmul = nullptr;
+  DynlibError err;
+};
+
+const Lt &lt() {
+  static const Lt loaded = [] {
+    Lt l;
+    const char *names[] = {"libcublasLt.so.13", "libcublasLt.so"};
+    void *lib = open_library("HL_CUBLASLT_LIBRARY", names, 2, l.err);
+    if (lib && !(bind(lib, "cublasLtCreate", l.create, l.err) &&
+                 bind(lib, "cublasLtDestroy", l.destroy, l.err) &&
+                 bind(lib, "cublasLtGetStatusString", l.status_string, l.err) &&
+                 bind(lib, "cublasLtMatmulDescCreate", l.desc_create, l.err) &&
+                 bind(lib, "cublasLtMatmulDescDestroy", l.desc_destroy, l.err) &&
+                 bind(lib, "cublasLtMatmulDescSetAttribute", l.desc_set, l.err) &&
+                 bind(lib, "cublasLtMatrixLayoutCreate", l.layout_create, l.err) &&
+                 bind(lib, "cublasLtMatrixLayoutDestroy", l.layout_destroy, l.err) &&
+                 bind(lib, "cublasLtMatmulPreferenceCreate", l.pref_create, l.err) &&
+                 bind(lib, "cublasLtMatmulPreferenceDestroy", l.pref_destroy, l.err) &&
+                 bind(lib, "cublasLtMatmulPreferenceSetAttribute", l.pref_set, l.err) &&
+                 bind(lib, "cublasLtMatmulAlgoGetHeuristic", l.heuristic, l.err) &&
+                 bind(lib, "cublasLtMatmul", l.matmul, l.err)))
+      l.matmul = nullptr;
+    return l;
+  }();
+  return loaded;
+}
+
+cudaDataType_t cuda_type(hl_dtype_t dt) {
+  return dt == HL_DTYPE_F32 ? CUDA_R_32F : dt == HL_DTYPE_F16 ? CUDA_R_16F : CUDA_R_16BF;
+}
+
+// The largest power of two (up to 256) dividing a pointer: the alignment cuBLASLt may assume.
+uint32_t alignment(const void *p) {
+  const uintptr_t u = reinterpret_cast<uintptr_t>(p) | 256;
+  return uint32_t(u & (~u + 1));
+}
+
+// What the algorithm of a product depends on.
+struct Shape {
+  bool ta, tb;
+  int64_t m, n, k, lda, ldb, ldd;
+  hl_dtype_t d_dtype;
+  uint32_t align_a, align_b, align_d;
+  bool operator==(const Shape &o) const {
+    return ta == o.ta && tb == o.tb && m == o.m && n == o.n && k == o.k && lda == o.lda &&
+           ldb == o.ldb && ldd == o.ldd && d_dtype == o.d_dtype && align_a == o.align_a &&
+           align_b == o.align_b && align_d == o.align_d;
+  }
+};
+
+// A shape's descriptors and algorithm, made once.
+struct Prepared {
+  Shape shape;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  ~Prepared() {
+    const Lt &l = lt();
+    for (cublasLtMatrixLayout_t x : {a, b, d})
+      if (x) l.layout_destroy(x);
+    if (desc) l.desc_destroy(desc);
+  }
+};
+
+}  // namespace
+
+struct Gemms {
+  cublasLtHandle_t handle = nullptr;
+  hl_dtype_t operand = HL_DTYPE_NONE;
+  int device = 0;
+  std::mutex mu;                                // plans may run from several threads
+  std::vector<std::unique_ptr<Prepared>> cache;  // a handful of shapes a plan
+
+  ~Gemms() {
+    cache.clear();
+    if (handle) lt().destroy(handle);
+  }
+};
+
+#define HL_LT_TRY(call)                                                                           \
+  do {                                                                                            \
+    const cublasStatus_t hl_lt_s_ = (call);                                                       \
+    if (hl_lt_s_ != CUBLAS_STATUS_SUCCESS)                                                        \
+      return fail(HL_STATUS_CUDA_ERROR, "%s: cuBLASLt: %s failed: %s (%d)", fn, #call,            \
+                  lt().status_string(hl_lt_s_), int(hl_lt_s_));                                   \
+  } while (0)
+
+namespace {
+
+// The descriptors of a shape and its algorithm: the heuristic's first deterministic answer.
+hl_status_t prepare(const char *fn, Gemms &g, const Shape &s, Prepared &p) {
+  const Lt &l = lt();
+  p.shape = s;
+  const cudaDataType_t in = cuda_type(g.operand), out = cuda_type(s.d_dtype);
+  HL_LT_TRY(l.desc_create(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = s.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = s.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  HL_LT_TRY(l.desc_set(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  HL_LT_TRY(l.desc_set(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  HL_LT_TRY(l.layout_create(&p.a, in, uint64_t(s.ta ? s.k : s.m), uint64_t(s.ta ? s.m : s.k), s.lda));
+  HL_LT_TRY(l.layout_create(&p.b, in, uint64_t(s.tb ? s.n : s.k), uint64_t(s.tb ? s.k : s.n), s.ldb));
+  HL_LT_TRY(l.layout_create(&p.d, out, uint64_t(s.m), uint64_t(s.n), s.ldd));
+  cublasLtMatmulPreference_t pref = nullptr;
+  HL_LT_TRY(l.pref_create(&pref));
+  struct Release {
+    cublasLtMatmulPreference_t p;
+    ~Release() { lt().pref_destroy(p); }
+  } release{pref};
+  const size_t ws = kGemmWorkspace;
+  // Split-K only with fp32 partials in the workspace (not summed in place in a 16-bit output).
+  const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes));
+  HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &s.align_a, sizeof s.align_a));
+  HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &s.align_b, sizeof s.align_b));
+  HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &s.align_d, sizeof s.align_d));
+  HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &s.align_d, sizeof s.align_d));
+  cublasLtMatmulHeuristicResult_t r{};
+  int found = 0;
+  HL_LT_TRY(l.heuristic(g.handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &r, &found));
+  if (found < 1)
+    return fail(HL_STATUS_NOT_SUPPORTED, "%s: cuBLASLt has no algorithm for a %lld x %lld x %lld "
+                "product (%s operands)", fn, (long long)s.m, (long long)s.n, (long long)s.k,
+                dtype_name(g.operand));
+  p.algo = r.algo;
+  return HL_STATUS_SUCCESS;
+}
+
+}  // namespace
+
+hl_status_t make_gemms(const char *fn, hl_dtype_t operand, std::shared_ptr<Gemms> *out) {
+  const Lt &l = lt();
+  if (!l.matmul) return fail(HL_STATUS_NOT_SUPPORTED, "%s: the fused linear form needs cuBLASLt: %s", fn, l.err.why);
+  auto g = std::make_shared<Gemms>();
+  g->operand = operand;
+  if (cudaGetDevice(&g->device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fail(HL_STATUS_CUDA_ERROR, "%s: cudaGetDevice failed", fn);
+  }
+  HL_LT_TRY(l.create(&g->handle));
+  *out = std::move(g);
+  return HL_STATUS_SUCCESS;
+}
+
+int gemms_device(const Gemms &g) { return g.device; }
+
+hl_status_t run_gemm(const char *fn, Gemms &g, const GemmCall &c, void *workspace, cudaStream_t stream) {
+  const Shape s{c.ta, c.tb, c.m, c.n, c.k, c.lda, c.ldb, c.ldd, c.d_dtype,
+                alignment(c.a), alignment(c.b), alignment(c.d)};
+  const Prepared *p = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g.mu);
+    for (const auto &e : g.cache)
+      if (e->shape == s) p = e.get();
+    if (!p) {
+      auto e = std::make_unique<Prepared>();
+      HL_TRY(prepare(fn, g, s, *e));
+      g.cache.push_back(std::move(e));
+      p = g.cache.back().get();
+    }
+  }
+  const float one = 1.0f, beta = c.accumulate ? 1.0f : 0.0f;
+  HL_LT_TRY(lt().matmul(g.handle, p->desc, &one, c.a, p->a, c.b, p->b, &beta, c.d, p->d, c.d, p->d,
+                        &p->algo, workspace, kGemmWorkspace, stream));
+  return HL_STATUS_SUCCESS;
+}
+
+}  // namespace hl::loss
+#endif  // HL_HAVE_CUDA

@@ -1,0 +1,45 @@
+// The fused linear form's matrix products on cuBLASLt, loaded at run time (dynlib.h). One Gemms
+// object per plan: its handle, and the algorithm of each product shape chosen once (the heuristic's
+// first answer among deterministic ones: split-K only with fp32 partials in the workspace).
+#pragma once
+
+#if HL_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "headloss.h"
+
+namespace hl::loss {
+
+// D = op(A) op(B) (+ D), column-major as cuBLASLt sees it: op(A) is m x k, op(B) k x n, D m x n.
+// A and B share the plan's operand dtype; accumulation is fp32.
+struct GemmCall {
+  bool ta, tb;  // op(A) = A^T, op(B) = B^T
+  int64_t m, n, k;
+  const void *a;
+  int64_t lda;
+  const void *b;
+  int64_t ldb;
+  void *d;
+  int64_t ldd;
+  hl_dtype_t d_dtype;
+  bool accumulate;  // D += op(A) op(B), else D = op(A) op(B)
+};
+
+struct Gemms;
+
+// The state for one plan: loads cuBLASLt (NOT_SUPPORTED with the reason where it cannot) and makes
+// a handle on the current device.
+hl_status_t make_gemms(const char *fn, hl_dtype_t operand, std::shared_ptr<Gemms> *out);
+// The device the state was made on (its plan runs there only).
+int gemms_device(const Gemms &g);
+// Runs one product on `stream` with the cuBLASLt workspace given (kGemmWorkspace bytes).
+hl_status_t run_gemm(const char *fn, Gemms &g, const GemmCall &c, void *workspace, cudaStream_t stream);
+
+// The cuBLASLt workspace each product may use.
+constexpr size_t kGemmWorkspace = size_t(32) << 20;
+
+}  // namespace hl::loss
+#endif

@@ -1,0 +1,393 @@
+"""The fused linear form of the loss plan (hidden states and the head's weight in, the logits never
+whole in memory) against an fp64 reference of matmul + loss: every term alone and combined, every
+dtype, ragged sizes, strides, gradient modes, a fused teacher, chunking, tensor-parallel shards,
+bad input. CPU backend always; CUDA when a GPU and PyTorch are present, also against the logits
+form on the same (16-bit) logits. Outputs are NaN-poisoned before each run."""
+import zlib
+
+import numpy as np
+import pytest
+
+import headloss
+from headloss.loss import SCALARS, LinearLossPlan, LossPlan
+from ref_loss import reference
+from test_loss import CASES, GRAD_TOL, NP_DTYPES, be, rel, run_ref  # noqa: F401  (be: fixture)
+
+# The CUDA path rounds the logits to the 16-bit dtype between the products: against the fp64
+# reference its scalars carry that rounding (bf16: 2^-9 of each logit).
+SCALAR_RTOL = {"cpu": 2e-6, "float32": 2e-4, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def make(rng, N, H, V, dtype, case, *, Ht=0, labels="int64", scale=2.5):
+    """Inputs of a CASES entry in the linear form: hidden [N, H], weight [V, H] with logits of
+    std ~scale; a teacher as logits or (Ht > 0) as its own hidden states and weight."""
+    terms, opts, flags = CASES[case]
+    flags = dict(flags)
+    np_dt = NP_DTYPES[dtype]
+    inp = {"hidden": rng.standard_normal((N, H)).astype(np_dt),
+           "weight": (rng.standard_normal((V, H)) * scale / np.sqrt(H)).astype(np_dt)}
+    lab = flags.pop("labels", labels)
+    if lab:
+        y = rng.integers(0, V, N)
+        y[::5] = -100
+        y[1] = 7
+        inp["labels"] = y.astype(lab)
+    if flags.get("weights"):
+        inp["weights"] = rng.uniform(0.25, 2.0, N).astype(np.float32)
+    if flags.get("teacher"):
+        if Ht:
+            inp["teacher_hidden"] = rng.standard_normal((N, Ht)).astype(np_dt)
+            inp["teacher_weight"] = (rng.standard_normal((V, Ht)) * scale / np.sqrt(Ht)).astype(np_dt)
+        else:
+            inp["teacher_logits"] = (rng.standard_normal((N, V)) * scale).astype(np_dt)
+    if flags.get("grpo"):
+        inp["advantages"] = rng.standard_normal(N).astype(np.float32)
+        inp["old_logprobs"] = (-rng.uniform(1, 8, N)).astype(np.float32)
+    if flags.get("ref"):
+        inp["ref_logprobs"] = (-rng.uniform(5, 9, N)).astype(np.float32)
+    return terms, opts, inp
+
+
+def f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def reference_linear(inp, terms, opts, **kw):
+    """(scalars, tokens, grad_hidden, grad_weight): fp64 logits = X W^T, the loss reference, then
+    G W and G^T X."""
+    X, W = f64(inp["hidden"]), f64(inp["weight"])
+    ref_inp = {k: v for k, v in inp.items() if k not in ("hidden", "weight", "teacher_hidden", "teacher_weight")}
+    ref_inp["logits"] = X @ W.T
+    if "teacher_hidden" in inp:
+        ref_inp["teacher_logits"] = f64(inp["teacher_hidden"]) @ f64(inp["teacher_weight"]).T
+    sc, toks, G = run_ref(ref_inp, terms, opts, **kw)
+    return sc, toks, G @ W, G.T @ X
+
+
+def run_linear(be, inp, terms, opts, *, grad_hidden="write", grad_weight="write", gh_dtype=None,
+               gw_dtype=None, init=None, divisor=0.0, grad_scale=0.0, workspace_bytes=None,
+               strided=False):
+    """Runs the plan with poisoned outputs; returns (scalars, tokens, grad_hidden, grad_weight) in
+    fp64 NumPy. strided: every matrix is a column slice of a wider one (row stride > columns)."""
+    dtype = str(inp["hidden"].dtype)
+    N, H = inp["hidden"].shape
+    V = inp["weight"].shape[0]
+    Ht = inp["teacher_hidden"].shape[1] if "teacher_hidden" in inp else 0
+    plan = LinearLossPlan(V, H, dtype, terms=terms, device=be.name,
+                          labels_dtype=str(inp["labels"].dtype) if "labels" in inp else None,
+                          grad_hidden=grad_hidden, grad_weight=grad_weight,
+                          grad_hidden_dtype=gh_dtype, grad_weight_dtype=gw_dtype, teacher_hidden=Ht, **opts)
+
+    def put(x):
+        if strided and x.ndim == 2:
+            wide = np.zeros((x.shape[0], x.shape[1] + 5), x.dtype)
+            wide[:, :x.shape[1]] = x
+            return be.to_dev(wide)[:, :x.shape[1]]
+        return be.to_dev(x)
+
+    def out(shape, dt, mode, start):
+        if mode is None:
+            return None
+        if mode == "accumulate":
+            return put(start.astype(NP_DTYPES[dt]))
+        full = be.full((shape[0], shape[1] + (5 if strided else 0)), dt)
+        return full[:, :shape[1]] if strided else full
+
+    init = init or {}
+    gh = out((N, H), gh_dtype or dtype, grad_hidden, init.get("gh"))
+    gw = out((V, H), gw_dtype or dtype, grad_weight, init.get("gw"))
+    dev = {k: put(v) for k, v in inp.items()}
+    scalars = be.full((len(SCALARS),), "float32")
+    tokens = [be.full((N,), "float32") for _ in range(4)]
+    ws = None
+    if workspace_bytes is not None and be.name == "cuda":
+        ws = plan.workspace(dev["hidden"], N, workspace_bytes)
+    res = plan(dev.pop("hidden"), dev.pop("weight"), dev.pop("labels", None), grad_hidden=gh, grad_weight=gw,
+               scalars=scalars, tokens=tokens, divisor=divisor, grad_scale=grad_scale, workspace=ws, **dev)
+    sc = dict(zip(SCALARS, be.to_np(res.scalars)))
+    toks = dict(zip(("loss", "logp", "entropy", "lse"), (be.to_np(t) for t in tokens)))
+    conv = lambda g: None if g is None else be.to_np(g)  # noqa: E731
+    return sc, toks, conv(res.grad_hidden), conv(res.grad_weight)
+
+
+def check(be, got, want, dtype, *, gh_dtype=None, gw_dtype=None, init=None, gtol=None):
+    sc, toks, gh, gw = got
+    rsc, rtoks, rgh, rgw = want
+    rtol = SCALAR_RTOL["cpu" if be.name == "cpu" else dtype]
+    for k in SCALARS:
+        w = rsc.get(k, 0.0)
+        assert np.isfinite(sc[k]), f"scalar {k} is {sc[k]}"
+        assert abs(sc[k] - w) <= rtol * (1 + abs(w)), f"scalar {k}: {sc[k]} vs {w}"
+    for k in rtoks:
+        assert rel(toks[k], rtoks[k]) < (1e-6 if be.name == "cpu" else 10 * rtol), f"token {k}"
+    init = init or {}
+    for name, g, r, dt, start in (("grad_hidden", gh, rgh, gh_dtype, init.get("gh")),
+                                  ("grad_weight", gw, rgw, gw_dtype, init.get("gw"))):
+        if g is None:
+            continue
+        if start is not None:
+            r = r + start.astype(np.float64)
+        assert np.all(np.isfinite(g)), f"{name} has non-finite (unwritten?) entries"
+        tol = gtol or GRAD_TOL[dt or dtype] * (1 if be.name == "cpu" else 3)
+        if be.name == "cuda" and (dt or dtype) == "float32":
+            tol = 1e-4
+        assert rel(g, r) < tol, f"{name}: {rel(g, r)}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_terms(be, case, dtype):
+    """Every term alone and combined, ragged sizes (H and V not multiples of any tile)."""
+    rng = np.random.default_rng(zlib.crc32(f"lin-{case}-{dtype}".encode()))
+    terms, opts, inp = make(rng, 29, 72, 301, dtype, case, labels="int32" if dtype == "float16" else "int64")
+    check(be, run_linear(be, inp, terms, opts), reference_linear(inp, terms, opts), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_teacher(be, dtype):
+    """Distillation from a teacher given as its own hidden states (another width) and weight."""
+    rng = np.random.default_rng(11)
+    terms, opts, inp = make(rng, 27, 40, 263, dtype, "all", Ht=56)
+    check(be, run_linear(be, inp, terms, opts), reference_linear(inp, terms, opts), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["f32_grads", "accumulate", "hidden_only", "weight_only", "eval",
+                                  "divisor", "strided", "odd_hidden"])
+def test_modes(be, mode, dtype):
+    rng = np.random.default_rng(zlib.crc32(f"mode-{mode}-{dtype}".encode()))
+    H = 37 if mode == "odd_hidden" else 64
+    terms, opts, inp = make(rng, 21, H, 257, dtype, "all")
+    kw, init = {}, None
+    if mode == "f32_grads":
+        kw = dict(gh_dtype="float32", gw_dtype="float32")
+    elif mode == "accumulate":
+        init = {"gh": rng.standard_normal((21, H)) * 1e-2, "gw": rng.standard_normal((257, H)) * 1e-2}
+        kw = dict(grad_hidden="accumulate", grad_weight="accumulate", gw_dtype="float32", init=init)
+    elif mode == "hidden_only":
+        kw = dict(grad_weight=None)
+    elif mode == "weight_only":
+        kw = dict(grad_hidden=None)
+    elif mode == "eval":
+        kw = dict(grad_hidden=None, grad_weight=None)
+    elif mode == "divisor":
+        kw = dict(divisor=50.0, grad_scale=0.5)
+    elif mode == "strided":
+        kw = dict(strided=True)
+    ref_kw = dict(divisor=50.0, grad_scale=0.5) if mode == "divisor" else {}
+    got = run_linear(be, inp, terms, opts, **kw)
+    if mode in ("hidden_only", "eval"):
+        assert got[3] is None
+    if mode in ("weight_only", "eval"):
+        assert got[2] is None
+    check(be, got, reference_linear(inp, terms, opts, **ref_kw), dtype, gh_dtype=kw.get("gh_dtype"),
+          gw_dtype=kw.get("gw_dtype"), init=init)
+
+
+def test_no_rows(be):
+    """rows = 0: grad_weight is written whole (zeros, the empty sum), the scalars are zero."""
+    V, H = 50, 16
+    plan = LinearLossPlan(V, H, "float32", terms=("ce",), device=be.name)
+    gw = be.full((V, H), "float32")
+    scalars = be.full((len(SCALARS),), "float32")
+    x = be.to_dev(np.zeros((0, H), np.float32))
+    w = be.to_dev(np.ones((V, H), np.float32))
+    y = be.to_dev(np.zeros(0, np.int64))
+    out = plan(x, w, y, grad_weight=gw, scalars=scalars)
+    assert np.all(be.to_np(out.grad_weight) == 0)
+    assert np.all(be.to_np(out.scalars) == 0)
+
+
+def shard_plans(be, R, V, H, dtype, terms, opts, labels_dtype, **kw):
+    bounds = np.linspace(0, V, R + 1).astype(int)
+    return bounds, [LinearLossPlan(int(bounds[r + 1] - bounds[r]), H, dtype, terms=terms, device=be.name,
+                                   labels_dtype=labels_dtype, vocab_start=int(bounds[r]), vocab_global=V,
+                                   ranks=R, **kw, **opts) for r in range(R)]
+
+
+@pytest.mark.parametrize("R", [2, 3, 4])
+@pytest.mark.parametrize("keep", [True, False])
+def test_sharded_equals_unsharded(be, R, keep):
+    """The weight sharded by vocabulary rows over R ranks (run one after another here): stats,
+    the blocks concatenated (the all-gather), finish; the ranks' grad_hidden parts summed (the
+    all-reduce) and grad_weight shards stacked equal the unsharded result. keep: the workspace
+    holds every row's logits, so finish reuses them (CUDA); else finish forms them again."""
+    if be.name == "cpu" and not keep:
+        pytest.skip("the CPU backend keeps no logits: one case covers it")
+    dtype = "float32" if be.name == "cpu" else "bfloat16"
+    rng = np.random.default_rng(R)
+    terms, opts, inp = make(rng, 23, 48, 211, dtype, "all", Ht=32)
+    X, W = inp["hidden"], inp["weight"]
+    bounds, plans = shard_plans(be, R, 211, 48, dtype, terms, opts, "int64", teacher_hidden=32)
+    dev = {k: be.to_dev(v) for k, v in inp.items() if k not in ("hidden", "weight", "teacher_weight")}
+    x, y = be.to_dev(X), dev.pop("labels")
+    th = dev.pop("teacher_hidden")
+    ws, blocks = [], []
+    for r, p in enumerate(plans):
+        lo, hi = bounds[r], bounds[r + 1]
+        w, tw = be.to_dev(np.ascontiguousarray(W[lo:hi])), be.to_dev(np.ascontiguousarray(inp["teacher_weight"][lo:hi]))
+        wsr = None
+        if be.name == "cuda":
+            lo_b, hi_b = p.workspace_sizes(23)
+            wsr = p.workspace(x, 23, hi_b if keep else lo_b)
+        ws.append((w, tw, wsr))
+        blocks.append(p.stats(x, w, y, teacher_hidden=th, teacher_weight=tw, workspace=wsr))
+    if be.name == "cuda":
+        gathered = be.torch.cat([b.view(-1) for b in blocks])
+    else:
+        gathered = np.concatenate(blocks)
+    gh_sum, gws, scal = 0.0, [], []
+    for r, p in enumerate(plans):
+        w, tw, wsr = ws[r]
+        out = p.finish(gathered, x, w, y, teacher_hidden=th, teacher_weight=tw, workspace=wsr,
+                       grad_hidden=be.full((23, 48), dtype), grad_weight=be.full((int(bounds[r + 1] - bounds[r]), 48), dtype),
+                       **dev)
+        gh_sum = gh_sum + be.to_np(out.grad_hidden)
+        gws.append(be.to_np(out.grad_weight))
+        scal.append(be.to_np(out.scalars))
+    for s in scal[1:]:
+        assert np.array_equal(s, scal[0]), "the ranks' scalars differ"
+    sc = dict(zip(SCALARS, scal[0]))
+    check(be, (sc, {}, gh_sum, np.concatenate(gws)), (reference_linear(inp, terms, opts)[0], {},
+          *reference_linear(inp, terms, opts)[2:]), dtype)
+
+
+# ---- bad input: a status and a message, nothing written ------------------------------------------
+
+def _plan(**kw):
+    base = dict(terms=("ce",), device="cpu")
+    base.update(kw)
+    return LinearLossPlan(40, 16, "float32", **base)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(grad="write"), "grad is the logits form's"),
+])
+def test_bad_python_options(kw, msg):
+    with pytest.raises(TypeError, match=msg):
+        _plan(**kw)
+
+
+@pytest.mark.parametrize("desc, msg", [
+    (dict(hidden=-1), "hidden is -1"),
+    (dict(weight_dtype=9), "weight_dtype is"),
+    (dict(logits_dtype=1, weight_dtype=3), "logits_dtype is F32"),
+    (dict(grad_mode=1), "grad_mode / grad_dtype are the logits form's"),
+    (dict(grad_hidden_mode=7), "grad_hidden_mode is 7"),
+    (dict(grad_weight_dtype=2), "grad_weight_dtype is F16; use F32"),
+    (dict(teacher_hidden=8), "no distillation term"),
+    (dict(hidden=0, weight_dtype=1), "belong to the fused linear form"),
+])
+def test_bad_descriptions(desc, msg):
+    from headloss.loss import _Desc  # the raw descriptor: options the Python class would refuse
+    import ctypes
+    from headloss.loss import _check, _create
+    d = _Desc(ctypes.sizeof(_Desc), 1, 40, 0, 5, 1, 0, 1.0)
+    d.hidden, d.weight_dtype, d.grad_hidden_mode, d.grad_weight_mode = 16, 1, 1, 1
+    for k, v in desc.items():
+        setattr(d, k, v)
+    h = ctypes.c_void_p()
+    with pytest.raises(headloss.HeadlossError, match=msg) as e:
+        _check(_create(ctypes.byref(d), ctypes.byref(h)))
+    assert e.value.status == 1
+
+
+def _bad_call(mutate, msg, status=1):
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((6, 16)).astype(np.float32)
+    W = rng.standard_normal((40, 16)).astype(np.float32)
+    y = np.arange(6, dtype=np.int64)
+    gh = np.full((6, 16), -7.0, np.float32)
+    gw = np.full((40, 16), -7.0, np.float32)
+    sc = np.full(len(SCALARS), -7.0, np.float32)
+    args = dict(hidden=X, weight=W, labels=y, grad_hidden=gh, grad_weight=gw, scalars=sc)
+    plan_kw = {}
+    mutate(args, plan_kw)
+    plan = _plan(**plan_kw)
+    with pytest.raises((headloss.HeadlossError, ValueError), match=msg):
+        plan(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
+    assert np.all(gh == -7.0) and np.all(gw == -7.0) and np.all(sc == -7.0), "a failed call wrote"
+
+
+def test_bad_label():
+    _bad_call(lambda a, k: a["labels"].__setitem__(2, 40), "labels\\[2\\] is 40")
+
+
+def test_outputs_overlap():
+    def m(a, k):
+        a["grad_hidden"] = a["grad_weight"][:6]
+    _bad_call(m, "overlaps")
+
+
+def test_teacher_without_distillation():
+    _bad_call(lambda a, k: a.update(teacher_logits=np.zeros((6, 40), np.float32)),
+              "a teacher is set but the plan has no distillation term")
+
+
+def test_weight_rows_disagree():
+    _bad_call(lambda a, k: a.update(weight=a["weight"][:39]), "weight has 39 rows")
+
+
+def test_logits_form_refuses_linear_args():
+    plan = LossPlan(40, "float32", terms=("ce",), device="cpu")
+    from headloss.loss import _Args, _check, _execute
+    import ctypes
+    z = np.zeros((2, 40), np.float32)
+    g = np.full((2, 40), -7.0, np.float32)
+    y = np.zeros(2, np.int64)
+    a = _Args(ctypes.sizeof(_Args), 2, z.ctypes.data, 40)
+    a.labels, a.grad, a.weight = y.ctypes.data, g.ctypes.data, z.ctypes.data
+    with pytest.raises(headloss.HeadlossError, match="weight is set, but the plan is the logits form"):
+        _check(_execute(plan._handle, ctypes.byref(a), None, 0, None))
+    assert np.all(g == -7.0)
+
+
+# ---- CUDA: chunking, the logits form on the same logits, determinism ------------------------------
+
+@pytest.fixture
+def cuda_be():
+    from test_loss import _cuda_backend
+    return _cuda_backend()
+
+
+def test_cuda_chunks_and_determinism(cuda_be):
+    """Chunks of 1, 7 and all rows each match the reference, and a call gives the same bits on
+    every run."""
+    be = cuda_be
+    rng = np.random.default_rng(5)
+    terms, opts, inp = make(rng, 45, 96, 1031, "bfloat16", "all")
+    plan = LinearLossPlan(1031, 96, "bfloat16", terms=terms, device="cuda", **opts)
+    lo, hi = plan.workspace_sizes(45)
+    row = (hi - lo) // (2048 if 45 > 2048 else 44)  # bytes a row (fast holds all 45 rows here)
+    want = reference_linear(inp, terms, opts)
+    results = []
+    for nbytes in (lo, lo + 6 * row, hi, hi):
+        got = run_linear(be, inp, terms, opts, gw_dtype="float32", workspace_bytes=nbytes)
+        check(be, got, want, "bfloat16", gw_dtype="float32")
+        results.append(got)
+    for a, b in zip(results[-1], results[-2]):
+        same = a == b if isinstance(a, dict) else np.array_equal(a, b)
+        assert same, "two runs of the same call differ"
+
+
+@pytest.mark.parametrize("case", ["ce", "all", "distill_fwd", "grpo_kl"])
+def test_cuda_equals_logits_form(cuda_be, case):
+    """On the GPU the linear form equals the logits form run on the same 16-bit logits (X W^T
+    rounded once, as cuBLAS stores them): the same loss math, then G W and G^T X."""
+    be = cuda_be
+    torch = be.torch
+    rng = np.random.default_rng(zlib.crc32(case.encode()))
+    terms, opts, inp = make(rng, 300, 256, 4099, "bfloat16", case)
+    got = run_linear(be, inp, terms, opts, gh_dtype="float32", gw_dtype="float32")
+    X, W = be.to_dev(inp["hidden"]), be.to_dev(inp["weight"])
+    logits = X @ W.T
+    rest = {k: be.to_dev(v) for k, v in inp.items() if k not in ("hidden", "weight", "labels")}
+    plan = LossPlan(4099, "bfloat16", terms=terms, device="cuda", grad_dtype="float32",
+                    labels_dtype=str(inp["labels"].dtype) if "labels" in inp else None, **opts)
+    out = plan(logits, be.to_dev(inp["labels"]) if "labels" in inp else None, token_outputs=True, **rest)
+    G = out.grad.to(torch.bfloat16).float()  # the linear form's G is rounded to bf16 too
+    sc_l = dict(zip(SCALARS, be.to_np(out.scalars)))
+    for k in SCALARS:
+        assert abs(got[0][k] - sc_l[k]) <= 1e-4 * (1 + abs(sc_l[k])), f"scalar {k}: {got[0][k]} vs {sc_l[k]}"
+    assert rel(got[2], be.to_np(G @ W.float())) < 2e-3
+    assert rel(got[3], be.to_np(G.T @ X.float())) < 2e-3
