@@ -68,8 +68,11 @@ class Direct:
                                     self.nbytes, self.stream))
 
 
-def peak_extra_gib(fn) -> float:
-    """Peak device memory of one fn() above what was allocated before it (GiB)."""
+def peak_extra_gib(fn, *clear) -> float:
+    """Peak device memory of one fn() above what was allocated before it (GiB); the tensors in
+    `clear` drop their .grad first (a previous call's gradients are not the baseline's)."""
+    for t in clear:
+        t.grad = None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -96,6 +99,26 @@ def peers():
     return out
 
 
+def profile(label, fn, reps: int = 3) -> list[str]:
+    """The CUDA kernels of `reps` calls of fn (after one warm-up): name, calls, total ms."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in p.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t / 1e3 / reps, e.count // reps, e.key))
+    rows.sort(reverse=True)
+    out = [f"{label}: {sum(r[0] for r in rows):.2f} ms a call in kernels"]
+    out += [f"  {t:8.3f} ms  x{n:<3d} {k[:110]}" for t, n, k in rows[:12]]
+    return out
+
+
 def fwd_bwd(fn, x, w, y):
     def run():
         x.grad = w.grad = None
@@ -111,6 +134,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="kernel times of the floor and headloss (first shape)")
     args = ap.parse_args()
     torch.manual_seed(0)
     it = dict(warmup=2, iters=args.iters)
@@ -122,7 +146,7 @@ def main():
              "median of CUDA-event timings (ms)", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     print("\n".join(lines), flush=True)
-    sweep_lines = []
+    sweep_lines, profile_lines = [], []
     for shape in args.shapes.split(","):
         N, H, V = map(int, shape.split("x"))
         for kind in args.inputs.split(","):
@@ -141,10 +165,15 @@ def main():
                 torch.matmul(g, w, out=dx)
                 torch.matmul(g.T, x, out=dw)
             t_floor = median_ms(products, **it)
+            prof_lines = profile("3 products", products) if args.profile and not profile_lines else []
             del z, g, dx, dw
             torch.cuda.empty_cache()
             ce = Direct(x, w, y, ("ce",))
             t_ce = median_ms(ce, **it)
+            if prof_lines:
+                prof_lines += profile("headloss CE", ce)
+                print("\n".join(prof_lines), flush=True)
+                profile_lines.extend(prof_lines)
             del ce
             adv = torch.randn(N, device="cuda")
             old = -torch.rand(N, device="cuda") * 8 - 4
@@ -165,7 +194,7 @@ def main():
                 try:
                     run = fwd_bwd(fn, xr, wr, y)
                     t_peers.append(median_ms(run, **it))
-                    mem.append(peak_extra_gib(run))
+                    mem.append(peak_extra_gib(run, xr, wr))
                 except torch.OutOfMemoryError:
                     t_peers.append(None)
                     mem.append(None)
@@ -198,6 +227,8 @@ def main():
         lines += ["", "Chunk sweep (headloss CE; rows a chunk set by the workspace passed):", "",
                   "| N x H x V | rows a chunk | grad_weight | workspace (MiB) | ms | vs floor |",
                   "|---|---|---|---|---|---|"] + sweep_lines
+    if profile_lines:
+        lines += ["", "Kernels (torch.profiler, first shape):", "", "```"] + profile_lines + ["```"]
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
 

@@ -233,12 +233,13 @@ hl_status_t check_form(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   return HL_STATUS_SUCCESS;
 }
 
-// An output the plan's mode asks for (required, except in the statistics step), or must not get.
-hl_status_t check_output(const char *fn, const char *name, const void *ptr,
+// An output the plan's mode asks for (required where it has elements, except in the statistics
+// step), or must not get.
+hl_status_t check_output(const char *fn, const char *name, const void *ptr, int64_t rows,
                          hl_loss_grad_mode_t mode, const char *mode_name, Phase phase) {
   if (mode == HL_LOSS_GRAD_NONE && ptr)
     return fail(HL_STATUS_INVALID_VALUE, "%s: %s is set but the plan's %s is NONE", fn, name, mode_name);
-  if (mode != HL_LOSS_GRAD_NONE && phase != kStats && !ptr)
+  if (mode != HL_LOSS_GRAD_NONE && phase != kStats && rows > 0 && !ptr)
     return fail(HL_STATUS_INVALID_VALUE, "%s: %s is NULL; the plan's %s needs it", fn, name, mode_name);
   return HL_STATUS_SUCCESS;
 }
@@ -257,11 +258,11 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
     return fail(HL_STATUS_INVALID_VALUE,
                 "%s: a teacher is set but the plan has no distillation term", fn);
   HL_TRY(check_form(fn, p, a));
-  HL_TRY(check_output(fn, "grad", a.grad, d.grad_mode, "grad_mode", phase));
-  HL_TRY(check_output(fn, "grad_hidden", a.grad_hidden, d.grad_hidden_mode, "grad_hidden_mode", phase));
-  HL_TRY(check_output(fn, "grad_weight", a.grad_weight, d.grad_weight_mode, "grad_weight_mode", phase));
+  HL_TRY(check_output(fn, "grad", a.grad, a.rows, d.grad_mode, "grad_mode", phase));
+  HL_TRY(check_output(fn, "grad_hidden", a.grad_hidden, a.rows, d.grad_hidden_mode, "grad_hidden_mode", phase));
+  // grad_weight has vocab rows whatever the call's rows (zeros for none: the empty sum).
+  HL_TRY(check_output(fn, "grad_weight", a.grad_weight, d.vocab, d.grad_weight_mode, "grad_weight_mode", phase));
   const int64_t V = d.vocab, H = d.hidden, Ht = d.teacher_hidden, N = a.rows;
-  // grad_weight is written even for no rows (the empty sum).
   if (a.grad_weight) {
     HL_TRY(resolve_stride(fn, "grad_weight", a.grad_weight_stride, H, &a.grad_weight_stride));
     HL_TRY(check_pointer(fn, be, "grad_weight", a.grad_weight, d.grad_weight_dtype));

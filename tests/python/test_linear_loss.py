@@ -116,8 +116,10 @@ def check(be, got, want, dtype, *, gh_dtype=None, gw_dtype=None, init=None, gtol
     rtol = SCALAR_RTOL["cpu" if be.name == "cpu" else dtype]
     for k in SCALARS:
         w = rsc.get(k, 0.0)
+        # exp(logp - old) turns the logits' rounding (CUDA, 16-bit) into a relative error of r
+        tol = rtol * (4 if k.startswith(("ratio", "k3")) and be.name == "cuda" else 1)
         assert np.isfinite(sc[k]), f"scalar {k} is {sc[k]}"
-        assert abs(sc[k] - w) <= rtol * (1 + abs(w)), f"scalar {k}: {sc[k]} vs {w}"
+        assert abs(sc[k] - w) <= tol * (1 + abs(w)), f"scalar {k}: {sc[k]} vs {w}"
     for k in rtoks:
         assert rel(toks[k], rtoks[k]) < (1e-6 if be.name == "cpu" else 10 * rtol), f"token {k}"
     init = init or {}
@@ -128,9 +130,9 @@ def check(be, got, want, dtype, *, gh_dtype=None, gw_dtype=None, init=None, gtol
         if start is not None:
             r = r + start.astype(np.float64)
         assert np.all(np.isfinite(g)), f"{name} has non-finite (unwritten?) entries"
-        tol = gtol or GRAD_TOL[dt or dtype] * (1 if be.name == "cpu" else 3)
-        if be.name == "cuda" and (dt or dtype) == "float32":
-            tol = 1e-4
+        # CUDA: G and the logits are in the input dtype between the products (fp32: ~1e-5)
+        tol = gtol or (GRAD_TOL[dt or dtype] if be.name == "cpu" else
+                       1e-4 if dtype == "float32" else 3 * GRAD_TOL[dtype])
         assert rel(g, r) < tol, f"{name}: {rel(g, r)}"
 
 
@@ -248,8 +250,14 @@ def test_sharded_equals_unsharded(be, R, keep):
     for s in scal[1:]:
         assert np.array_equal(s, scal[0]), "the ranks' scalars differ"
     sc = dict(zip(SCALARS, scal[0]))
-    check(be, (sc, {}, gh_sum, np.concatenate(gws)), (reference_linear(inp, terms, opts)[0], {},
-          *reference_linear(inp, terms, opts)[2:]), dtype)
+    got = (sc, {}, gh_sum, np.concatenate(gws))
+    ref = reference_linear(inp, terms, opts)
+    check(be, got, (ref[0], {}, *ref[2:]), dtype)
+    if be.name == "cuda":  # and against the unsharded run, which rounds the same logits
+        whole = run_linear(be, inp, terms, opts)
+        for k in SCALARS:
+            assert abs(sc[k] - whole[0][k]) <= 1e-4 * (1 + abs(whole[0][k])), f"scalar {k}"
+        assert rel(gh_sum, whole[2]) < 5e-3 and rel(got[3], whole[3]) < 5e-3
 
 
 # ---- bad input: a status and a message, nothing written ------------------------------------------
