@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import headloss  # noqa: E402
-from common import header, median_ms  # noqa: E402
+from common import header, interleaved_ms, median_ms  # noqa: E402
 from headloss import loss as hloss  # noqa: E402
 
 SHAPES = "8192x4096x128256,32768x4096x128256,16384x8192x151936,4096x2048x262144"
@@ -132,16 +132,17 @@ def main():
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--inputs", default="random,peaked")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel times of the floor and headloss (first shape)")
     args = ap.parse_args()
     torch.manual_seed(0)
     it = dict(warmup=2, iters=args.iters)
+    peer_it = dict(warmup=2, iters=max(3, args.iters // 2))
     peer_fns = {} if args.no_peers else peers()
     head = (["N x H x V", "inputs", "3 products (floor)", "headloss CE", "vs floor", "all terms + metrics",
              "vs CE", "CE, fp32 grad_weight"] + [f"{k}" for k in peer_fns] +
-            ["memory: headloss / " + " / ".join(peer_fns) + " (GiB)"])
+            ["memory: headloss / " + " / ".join(peer_fns) + " (GiB)", "headloss workspace (GiB)"])
     lines = [header() + f"; headloss {headloss.version()}; bf16 hidden and weight; forward + backward; "
              "median of CUDA-event timings (ms)", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
@@ -164,36 +165,30 @@ def main():
                 torch.matmul(x, w.T, out=z)
                 torch.matmul(g, w, out=dx)
                 torch.matmul(g.T, x, out=dw)
-            t_floor = median_ms(products, **it)
-            prof_lines = profile("3 products", products) if args.profile and not profile_lines else []
-            del z, g, dx, dw
-            torch.cuda.empty_cache()
             ce = Direct(x, w, y, ("ce",))
-            t_ce = median_ms(ce, **it)
-            if prof_lines:
-                prof_lines += profile("headloss CE", ce)
-                print("\n".join(prof_lines), flush=True)
-                profile_lines.extend(prof_lines)
-            del ce
             adv = torch.randn(N, device="cuda")
             old = -torch.rand(N, device="cuda") * 8 - 4
             ref = -torch.rand(N, device="cuda") * 8 - 4
             full = Direct(x, w, y, ALL_TERMS, extra={"advantages": adv, "old_logprobs": old, "ref_logprobs": ref},
                           tokens=True, **ALL_OPTS)
-            t_full = median_ms(full, **it)
-            del full
             f32 = Direct(x, w, y, ("ce",), gw_dtype=torch.float32)
-            t_f32 = median_ms(f32, **it)
-            del f32
+            # The floor and our variants in turns (the same clocks for all: see interleaved_ms).
+            t = interleaved_ms({"floor": products, "ce": ce, "full": full, "f32": f32}, **it)
+            t_floor, t_ce, t_full, t_f32 = t["floor"], t["ce"], t["full"], t["f32"]
+            if args.profile and not profile_lines:
+                profile_lines = profile("3 products", products) + profile("headloss CE", ce)
+                print("\n".join(profile_lines), flush=True)
+            del z, g, dx, dw, ce, full, f32
             torch.cuda.empty_cache()
             plan = hloss.LinearLossPlan(V, H, "bfloat16", terms=("ce",), device="cuda", check=False)
+            ws_gib = plan.workspace_bytes(N) / 2**30
             mem = [peak_extra_gib(lambda: plan(x, w, y))]
             t_peers = []
             for name, fn in peer_fns.items():
                 xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
                 try:
                     run = fwd_bwd(fn, xr, wr, y)
-                    t_peers.append(median_ms(run, **it))
+                    t_peers.append(median_ms(run, **peer_it))
                     mem.append(peak_extra_gib(run, xr, wr))
                 except torch.OutOfMemoryError:
                     t_peers.append(None)
@@ -204,24 +199,27 @@ def main():
             row = [f"{N} x {H} x {V}", kind, f"{t_floor:.2f}", f"{t_ce:.2f}", f"{t_ce / t_floor:.3f}x",
                    f"{t_full:.2f}", f"{t_full / t_ce:.3f}x", f"{t_f32:.2f}"] + [f(t) for t in t_peers]
             row.append(" / ".join("n/a" if m is None else f"{m:.2f}" for m in mem))
+            row.append(f"{ws_gib:.2f}")
             lines.append("| " + " | ".join(row) + " |")
             print(lines[-1], flush=True)
             if args.sweep and kind == args.inputs.split(",")[0]:
-                for chunk in (512, 1024, 2048, 4096, N):
-                    for gw in (None, torch.float32):
-                        d = Direct(x, w, y, ("ce",), chunk=chunk, gw_dtype=gw)
-                        t = median_ms(d, **it)
-                        sweep_lines.append(f"| {N} x {H} x {V} | {min(chunk, N)} | "
-                                           f"{'fp32' if gw else 'bf16'} | {d.nbytes / 2**20:.0f} | {t:.2f} | "
-                                           f"{t / t_floor:.3f}x |")
-                        print(sweep_lines[-1], flush=True)
-                        del d
-                        torch.cuda.empty_cache()
+                runs = {(c, gw): Direct(x, w, y, ("ce",), chunk=c, gw_dtype=gw)
+                        for c in (512, 1024, 2048, 4096, N) if c <= N for gw in (None, torch.float32)}
+                times = interleaved_ms(runs, **it)
+                for (c, gw), d in runs.items():
+                    sweep_lines.append(f"| {N} x {H} x {V} | {c} | {'fp32' if gw else 'bf16'} | "
+                                       f"{d.nbytes / 2**20:.0f} | {times[(c, gw)]:.2f} | "
+                                       f"{times[(c, gw)] / t_floor:.3f}x |")
+                    print(sweep_lines[-1], flush=True)
+                del runs, d
+                torch.cuda.empty_cache()
             del x, w, y
             torch.cuda.empty_cache()
-    lines += ["", "vs floor: headloss CE over the three products' time. vs CE: every term and metric over CE "
-              "alone. Memory: peak above the inputs during one forward + backward (gradients included; "
-              "headloss's workspace at fast_bytes). CCE runs with its default gradient filter "
+    lines += ["", "The floor and headloss's columns are timed in turns (each iteration runs each once: the same "
+              "clocks); the peers one after another. vs floor: headloss CE over the three products' time. vs CE: "
+              "every term and metric over CE alone. Memory: peak above the inputs during one forward + backward, "
+              "the gradients included (as autograd allocates them for the peers); headloss's workspace (the "
+              "last column, fast_bytes) is part of it. CCE runs with its default gradient filter "
               "(filter_eps='high'). Labels unchecked (HL_LOSS_UNCHECKED), as the peers do."]
     if sweep_lines:
         lines += ["", "Chunk sweep (headloss CE; rows a chunk set by the workspace passed):", "",

@@ -36,6 +36,27 @@ def median_ms(fn, *, warmup: int = 10, iters: int = 50, rotate=None) -> float:
     return times[len(times) // 2]
 
 
+def interleaved_ms(fns: dict, *, warmup: int = 2, iters: int = 10) -> dict:
+    """Median GPU time (ms) of each fn, timed as median_ms does but in turns: each iteration times
+    every fn once, so all see the same clocks. For calls that run long enough to heat the GPU
+    (tens of ms of matrix products), where one timed after another drifts by a few percent."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times = {k: [] for k in fns}
+    for _ in range(iters):
+        for k, fn in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(2_000_000)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times[k].append(a.elapsed_time(b))
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
 def compile_per_shape(fn):
     """torch.compile specialised to each shape (dynamic=False), as a training run compiles it: one
     compiled function over every shape went dynamic after the second (H100: the RMSNorm forward at

@@ -4,7 +4,6 @@
 
 #include <cublasLt.h>
 
-#include <cstdlib>
 #include <mutex>
 #include <vector>
 
@@ -140,8 +139,7 @@ hl_status_t prepare(const char *fn, Gemms &g, const Shape &s, Prepared &p) {
   // Split-K only with fp32 partials in the workspace (not summed in place in a 16-bit output).
   const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
   HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-  if (!std::getenv("HL_EXPERIMENT_NO_MASK"))  // EXPERIMENT (A/B of the mask): to be removed
-    HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes));
+  HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes));
   HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &s.align_a, sizeof s.align_a));
   HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &s.align_b, sizeof s.align_b));
   HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &s.align_d, sizeof s.align_d));
