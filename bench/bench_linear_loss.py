@@ -61,11 +61,10 @@ class Direct:
         row = (V * 2 + 15) // 16 * 16
         self.nbytes = hi if chunk is None else lo + (min(chunk, N) - 1) * row  # lo holds one row
         self.ws = torch.empty(self.nbytes // 4 + 4, device="cuda")
-        self.stream = torch.cuda.current_stream().cuda_stream
 
-    def __call__(self):
+    def __call__(self):  # on the current stream (a graph capture's, when capturing)
         hloss._check(hloss._execute(self.plan._handle, ctypes.byref(self.args), self.ws.data_ptr(),
-                                    self.nbytes, self.stream))
+                                    self.nbytes, torch.cuda.current_stream().cuda_stream))
 
 
 def peak_extra_gib(fn, *clear) -> float:
@@ -83,6 +82,8 @@ def peak_extra_gib(fn, *clear) -> float:
 
 
 def peers():
+    import os
+    os.environ.setdefault("CCE_AUTOTUNE", "1")  # CCE's own tuning (off by default): its best configs
     out = {}
     out["torch eager"] = lambda x, w, y: torch.nn.functional.cross_entropy((x @ w.T).float(), y)
     try:
@@ -119,6 +120,16 @@ def profile(label, fn, reps: int = 3) -> list[str]:
     return out
 
 
+def graphed(fn):
+    """fn captured into a CUDA graph (after a warm-up call); returns its replay."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def fwd_bwd(fn, x, w, y):
     def run():
         x.grad = w.grad = None
@@ -135,19 +146,21 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel times of the floor and headloss (first shape)")
+    ap.add_argument("--graphs", action="store_true", help="also time the floor and headloss CE from CUDA graphs")
     args = ap.parse_args()
     torch.manual_seed(0)
     it = dict(warmup=2, iters=args.iters)
     peer_it = dict(warmup=2, iters=max(3, args.iters // 2))
     peer_fns = {} if args.no_peers else peers()
-    head = (["N x H x V", "inputs", "3 products (floor)", "headloss CE", "vs floor", "all terms + metrics",
+    head = (["N x H x V", "inputs", "3 products (floor)", "+ a copy of the logits", "headloss CE", "vs floor",
+             "vs floor + copy", "all terms + metrics",
              "vs CE", "CE, fp32 grad_weight"] + [f"{k}" for k in peer_fns] +
             ["memory: headloss / " + " / ".join(peer_fns) + " (GiB)", "headloss workspace (GiB)"])
     lines = [header() + f"; headloss {headloss.version()}; bf16 hidden and weight; forward + backward; "
              "median of CUDA-event timings (ms)", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     print("\n".join(lines), flush=True)
-    sweep_lines, profile_lines = [], []
+    sweep_lines, profile_lines, graph_lines = [], [], []
     for shape in args.shapes.split(","):
         N, H, V = map(int, shape.split("x"))
         for kind in args.inputs.split(","):
@@ -165,6 +178,12 @@ def main():
                 torch.matmul(x, w.T, out=z)
                 torch.matmul(g, w, out=dx)
                 torch.matmul(g.T, x, out=dw)
+
+            def products_copy():  # a design's limit that runs the loss as its own pass over the logits
+                torch.matmul(x, w.T, out=z)
+                g.copy_(z)
+                torch.matmul(g, w, out=dx)
+                torch.matmul(g.T, x, out=dw)
             ce = Direct(x, w, y, ("ce",))
             adv = torch.randn(N, device="cuda")
             old = -torch.rand(N, device="cuda") * 8 - 4
@@ -173,8 +192,14 @@ def main():
                           tokens=True, **ALL_OPTS)
             f32 = Direct(x, w, y, ("ce",), gw_dtype=torch.float32)
             # The floor and our variants in turns (the same clocks for all: see interleaved_ms).
-            t = interleaved_ms({"floor": products, "ce": ce, "full": full, "f32": f32}, **it)
-            t_floor, t_ce, t_full, t_f32 = t["floor"], t["ce"], t["full"], t["f32"]
+            fns = {"floor": products, "copy": products_copy, "ce": ce, "full": full, "f32": f32}
+            if args.graphs:  # the same calls replayed from CUDA graphs: no host time in them
+                fns.update({k + " graph": graphed(fns[k]) for k in ("floor", "ce")})
+            t = interleaved_ms(fns, **it)
+            t_floor, t_copy, t_ce, t_full, t_f32 = t["floor"], t["copy"], t["ce"], t["full"], t["f32"]
+            if args.graphs:
+                graph_lines.append(f"| {N} x {H} x {V} | {kind} | {t['floor graph']:.2f} | {t['ce graph']:.2f} | "
+                                   f"{t['ce graph'] / t['floor graph']:.3f}x |")
             if args.profile and not profile_lines:
                 profile_lines = profile("3 products", products) + profile("headloss CE", ce)
                 print("\n".join(profile_lines), flush=True)
@@ -196,8 +221,8 @@ def main():
                 del xr, wr
                 torch.cuda.empty_cache()
             f = lambda t: "n/a" if t is None else f"{t:.2f}"  # noqa: E731
-            row = [f"{N} x {H} x {V}", kind, f"{t_floor:.2f}", f"{t_ce:.2f}", f"{t_ce / t_floor:.3f}x",
-                   f"{t_full:.2f}", f"{t_full / t_ce:.3f}x", f"{t_f32:.2f}"] + [f(t) for t in t_peers]
+            row = [f"{N} x {H} x {V}", kind, f"{t_floor:.2f}", f"{t_copy:.2f}", f"{t_ce:.2f}",
+                   f"{t_ce / t_floor:.3f}x", f"{t_ce / t_copy:.3f}x", f"{t_full:.2f}", f"{t_full / t_ce:.3f}x", f"{t_f32:.2f}"] + [f(t) for t in t_peers]
             row.append(" / ".join("n/a" if m is None else f"{m:.2f}" for m in mem))
             row.append(f"{ws_gib:.2f}")
             lines.append("| " + " | ".join(row) + " |")
@@ -220,11 +245,17 @@ def main():
               "every term and metric over CE alone. Memory: peak above the inputs during one forward + backward, "
               "the gradients included (as autograd allocates them for the peers); headloss's workspace (the "
               "last column, fast_bytes) is part of it. CCE runs with its default gradient filter "
-              "(filter_eps='high'). Labels unchecked (HL_LOSS_UNCHECKED), as the peers do."]
+              "(filter_eps='high') and its autotuning on (CCE_AUTOTUNE=1). '+ a copy of the logits': the three "
+              "products with a copy of the logits between them, the limit of any design that runs the loss as "
+              "its own pass over stored logits (headloss does). Labels unchecked (HL_LOSS_UNCHECKED), as the "
+              "peers do."]
     if sweep_lines:
         lines += ["", "Chunk sweep (headloss CE; rows a chunk set by the workspace passed):", "",
                   "| N x H x V | rows a chunk | grad_weight | workspace (MiB) | ms | vs floor |",
                   "|---|---|---|---|---|---|"] + sweep_lines
+    if graph_lines:
+        lines += ["", "From CUDA graphs (no host time between the kernels):", "",
+                  "| N x H x V | inputs | 3 products | headloss CE | vs floor |", "|---|---|---|---|---|"] + graph_lines
     if profile_lines:
         lines += ["", "Kernels (torch.profiler, first shape):", "", "```"] + profile_lines + ["```"]
     if args.out:
