@@ -77,15 +77,31 @@ _ITEMSIZE = {DTYPE_F32: 4, DTYPE_F16: 2, DTYPE_BF16: 2, DTYPE_I32: 4, DTYPE_I64:
 _PER_ROW_F32 = ("weights", "advantages", "old_logprobs", "ref_logprobs", "scalars", "token")
 
 
-def _expect_dtypes(views, expected=None) -> None:
-    """TypeError for an array whose dtype is not the one the plan reads it as: the library gets
-    bare pointers, so another dtype would be misread (or overrun). views: (name, view) pairs;
-    expected: name -> hl_dtype_t; the per-row fp32 inputs and outputs are always checked."""
+def _packed(v) -> bool:
+    acc = 1
+    for n, s in reversed(list(zip(v.shape, v.strides))):
+        if n == 0:
+            return True
+        if n != 1 and s != acc:
+            return False
+        acc *= n
+    return True
+
+
+def _check_arrays(views, expected=None) -> None:
+    """TypeError for an array whose dtype is not the one the plan reads it as, ValueError for a
+    per-row array that is not packed: the library gets bare pointers (and no stride for per-row
+    arrays), so either would be misread (or overrun). views: (name, view) pairs; expected:
+    name -> hl_dtype_t; the per-row fp32 inputs and outputs are always checked."""
     expected = expected or {}
     for name, v in views:
+        if v is None:
+            continue
         want = expected.get(name, DTYPE_F32 if name in _PER_ROW_F32 else DTYPE_NONE)
-        if v is not None and want != DTYPE_NONE and v.dtype != want:
+        if want != DTYPE_NONE and v.dtype != want:
             raise TypeError(f"{name} is {DTYPE_NAMES[v.dtype]}; the plan expects {DTYPE_NAMES[want]}")
+        if (name in _PER_ROW_F32 or name == "labels") and not _packed(v):
+            raise ValueError(f"{name} (shape {v.shape}, strides {v.strides}) must be contiguous")
 
 
 class LossOutput(NamedTuple):
@@ -255,7 +271,7 @@ class LossPlan:
                 ("ref_logprobs", ref_logprobs))}
         same_place([lv] + [v for v in opt.values()], "loss plan")
         d = self.desc
-        _expect_dtypes(dict(opt, logits=lv).items(), {"logits": d.logits_dtype, "teacher_logits": d.logits_dtype,
+        _check_arrays(dict(opt, logits=lv).items(), {"logits": d.logits_dtype, "teacher_logits": d.logits_dtype,
                                               "labels": d.labels_dtype})
         a = _Args(ctypes.sizeof(_Args), rows, lv.ptr, ls)
         for k, v in opt.items():
@@ -273,7 +289,7 @@ class LossPlan:
                 gdt = self.desc.grad_dtype or lv.dtype
                 grad = empty(lv, lv.shape, gdt)
             gv = view(grad, "grad")
-            _expect_dtypes([("grad", gv)], {"grad": d.grad_dtype or d.logits_dtype})
+            _check_arrays([("grad", gv)], {"grad": d.grad_dtype or d.logits_dtype})
             a.grad, a.grad_stride = gv.ptr, gv.rows_view("grad")[2]
         toks = _scalar_outputs(a, lv, lv.shape[:-1], token_outputs, scalars, tokens)
         return a, lv, LossOutput(toks[0], grad if self.grad_mode else None, *toks[1:])
@@ -376,7 +392,7 @@ class LinearLossPlan(LossPlan):
         same_place([hv, wv] + list(views.values()), "loss plan")
         d = self.desc
         wd = d.weight_dtype
-        _expect_dtypes(dict(views, hidden=hv, weight=wv).items(),
+        _check_arrays(dict(views, hidden=hv, weight=wv).items(),
                        dict(hidden=wd, weight=wd, teacher_hidden=wd, teacher_weight=wd, teacher_logits=wd,
                             labels=d.labels_dtype))
         a = _Args(ctypes.sizeof(_Args), rows)
@@ -399,7 +415,7 @@ class LinearLossPlan(LossPlan):
             if mode:
                 g = given if given is not None else empty(hv, shape, dt or wd)
                 gv = view(g, ptr)
-                _expect_dtypes([(ptr, gv)], {ptr: dt or wd})
+                _check_arrays([(ptr, gv)], {ptr: dt or wd})
                 setattr(a, ptr, gv.ptr)
                 setattr(a, stride, gv.rows_view(ptr)[2])
             grads.append(g)
@@ -416,7 +432,7 @@ def _scalar_outputs(a, like, token_shape, token_outputs, scalars, tokens) -> lis
     if token_outputs and tokens is None:
         toks = [empty(like, token_shape, DTYPE_F32) for _ in range(4)]
     tv = [None if t is None else view(t, "token") for t in toks]
-    _expect_dtypes([("scalars", sv)] + [("token", t) for t in tv])
+    _check_arrays([("scalars", sv)] + [("token", t) for t in tv])
     a.scalars = sv.ptr
     if tv[0] is not None:
         a.token_loss, a.token_logp, a.token_entropy, a.token_lse = (t.ptr for t in tv)
