@@ -6,6 +6,8 @@
     jax.grad(lambda z: hlj.fused_loss(z, labels)[0])(logits)
     # inside shard_map, logits sharded over the vocabulary along axis "tp":
     loss, metrics = hlj.sharded_fused_loss(logits_shard, labels, axis_name="tp", vocab_global=V)
+    # the fused linear form: hidden states and the head's weight, the logits never in memory
+    loss, metrics = hlj.linear_loss(hidden, weight, labels, terms=("ce", "z"), z_weight=1e-4)
 
 The calls go through a small adapter library, libheadloss_jax.so (src/jax/headloss_jax.cc, built
 by CMake when jax's FFI headers are found), registered with jax.ffi.register_ffi_target for the
@@ -18,11 +20,13 @@ shard, dtypes, backend, device) and cached for the life of the process; jit-comp
 them.
 The loss's forward pass computes the gradient at the same time (one pass over the logits) and saves
 it; the backward pass scales it by the cotangent. Differentiation is with respect to the logits
-(and, for RMSNorm, x, the weight and the residual).
+(the linear form: the hidden states and the weight, only those being differentiated; for RMSNorm,
+x, the weight and the residual).
 
 The vocabulary-sharded loss runs in three steps, one collective: loss_stats (each shard's block of
 statistics), an all-gather of the blocks, loss_finish; sharded_fused_loss does the three inside
-shard_map (jax.lax.all_gather) and is differentiable. See examples/jax_shard_map.py.
+shard_map (jax.lax.all_gather) and is differentiable; sharded_linear_loss the same for the weight
+sharded by vocabulary rows. See examples/jax_shard_map.py.
 """
 from __future__ import annotations
 
