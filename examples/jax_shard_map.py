@@ -6,6 +6,11 @@ a few dozen bytes per row) and finishes: the same loss and metrics on every devi
 device's slice of the gradient. The result is compared with headloss.jax.fused_loss on the whole
 logits (exit status 1 on a mismatch).
 
+The fused linear form the same way: each device holds [V / R, H] rows of the head's weight and the
+whole hidden states; headloss.jax.sharded_linear_loss never forms the logits, and its gradient
+w.r.t. the hidden states is summed over the devices with one jax.lax.psum. Compared with
+headloss.jax.linear_loss on the whole weight.
+
 Runs on all GPUs when there are several, else on 4 CPU devices (the CPU reference backend). After
 `make`: python examples/jax_shard_map.py
 """
@@ -47,6 +52,53 @@ def show(x) -> str:
     return f"norm {float(jnp.linalg.norm(x)):.7g}" if np.ndim(x) else f"{float(x):.7g}"
 
 
+def report(rows) -> bool:
+    """Prints (name, sharded, unsharded, tolerance) rows; True if every one is within tolerance."""
+    print(f"{'':12} {'sharded':>16} {'unsharded':>16} {'rel. diff':>10}")
+    ok = True
+    for name, got, want, tol in rows:
+        if np.ndim(want) == 0 and float(want) == 0 and float(got) == 0:
+            continue  # a metric of inputs not passed (GRPO, distillation)
+        d = rel(got, want)
+        ok &= d <= tol
+        verdict = "" if d <= tol else f"  > {tol:g}: MISMATCH"
+        print(f"{name:12} {show(got):>16} {show(want):>16} {d:10.2e}{verdict}")
+    return ok
+
+
+def metric_rows(loss, metrics, ref_loss, ref_metrics):
+    return [("loss", loss, ref_loss, 1e-5)] + [(k, metrics[k], ref_metrics[k], 1e-5) for k in metrics if k != "loss"]
+
+
+def linear(mesh, devices, labels) -> bool:
+    """The fused linear form: the weight sharded by vocabulary rows (labels: the logits form's, of
+    the same vocabulary)."""
+    ranks = len(devices)
+    N, H, V = labels.shape[0], 128, 1000 * ranks
+    rng = np.random.default_rng(1)
+    hidden = rng.standard_normal((N, H)).astype(np.float32)
+    weight = (rng.standard_normal((V, H)) * 3 / np.sqrt(H)).astype(np.float32)
+    x = jax.device_put(hidden, NamedSharding(mesh, P()))
+    w = jax.device_put(weight, NamedSharding(mesh, P("tp", None)))  # vocabulary-sharded rows
+    y = jax.device_put(labels, NamedSharding(mesh, P()))
+
+    def per_device(x, w_shard, y):
+        (loss, metrics), grads = jax.value_and_grad(
+            lambda x, w: hlj.sharded_linear_loss(x, w, y, axis_name="tp", vocab_global=V, **OPTIONS),
+            argnums=(0, 1), has_aux=True)(x, w_shard)
+        return loss, metrics, grads  # grads: (hidden's, summed over the devices; this shard's)
+
+    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("tp", None), P()),
+                                 out_specs=(P(), P(), (P(), P("tp", None)))))
+    loss, metrics, (gx, gw) = step(x, w, y)
+    whole = jax.jit(jax.value_and_grad(lambda x, w, y: hlj.linear_loss(x, w, y, **OPTIONS),
+                                       argnums=(0, 1), has_aux=True))
+    (ref_loss, ref_metrics), (rx, rw) = whole(*(jax.device_put(a, devices[0]) for a in (hidden, weight, labels)))
+    print(f"\nfused linear form: hidden [{N}, {H}], weight [{V}, {H}] sharded over the vocabulary")
+    return report(metric_rows(loss, metrics, ref_loss, ref_metrics) +
+                  [("grad hidden", gx, rx, 1e-4), ("grad weight", gw, rw, 1e-4)])
+
+
 def main() -> int:
     devices = mesh_devices()
     ranks = len(devices)
@@ -77,18 +129,8 @@ def main() -> int:
                                               jax.device_put(labels, devices[0]))
 
     print(f"{ranks} x {devices[0].platform} devices, logits [{N}, {V}] sharded over the vocabulary")
-    print(f"{'':12} {'sharded':>16} {'unsharded':>16} {'rel. diff':>10}")
-    ok = True
-    rows = [("loss", loss, ref_loss, 1e-5)]
-    rows += [(k, metrics[k], ref_metrics[k], 1e-5) for k in metrics if k != "loss"]
-    rows += [("gradient", grad, ref_grad, 1e-4)]
-    for name, got, want, tol in rows:
-        if np.ndim(want) == 0 and float(want) == 0 and float(got) == 0:
-            continue  # a metric of inputs not passed (GRPO, distillation)
-        d = rel(got, want)
-        ok &= d <= tol
-        verdict = "" if d <= tol else f"  > {tol:g}: MISMATCH"
-        print(f"{name:12} {show(got):>16} {show(want):>16} {d:10.2e}{verdict}")
+    ok = report(metric_rows(loss, metrics, ref_loss, ref_metrics) + [("gradient", grad, ref_grad, 1e-4)])
+    ok &= linear(mesh, devices, labels)
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

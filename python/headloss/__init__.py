@@ -5,16 +5,17 @@ and JAX on the GPU run on the CUDA backend, on the array's current stream. Error
 HeadlossError with the library's message.
 
 Framework front ends (imported on demand, so the package needs neither): headloss.torch_ops
-(PyTorch custom ops and the RMSNorm module, torch.compile-ready), headloss.torch_loss (the loss
-plan as an autograd function and module) and headloss.jax (XLA FFI custom calls for jax.jit).
+(PyTorch custom ops and the RMSNorm module, torch.compile-ready; linear_loss for the fused linear
+form), headloss.torch_loss (the loss plan as autograd functions and a module) and headloss.jax
+(XLA FFI custom calls for jax.jit).
 """
 from ._lib import HeadlossError, cuda_available, version
 from .rmsnorm import RMSNormGrads, RMSNormOutput, rmsnorm, rmsnorm_bwd, rmsnorm_fwd
 from .gdn import GDNGrads, gdn_bwd_dqkwg
-from .loss import LossOutput, LossPlan, fused_loss
+from .loss import LinearLossOutput, LinearLossPlan, LossOutput, LossPlan, fused_loss
 
 __version__ = version()
 __all__ = ["HeadlossError", "cuda_available", "version", "rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd",
            "RMSNormOutput", "RMSNormGrads"]
 __all__ += ["gdn_bwd_dqkwg", "GDNGrads"]
-__all__ += ["LossPlan", "LossOutput", "fused_loss"]
+__all__ += ["LossPlan", "LossOutput", "fused_loss", "LinearLossPlan", "LinearLossOutput"]

@@ -6,6 +6,8 @@
     jax.grad(lambda z: hlj.fused_loss(z, labels)[0])(logits)
     # inside shard_map, logits sharded over the vocabulary along axis "tp":
     loss, metrics = hlj.sharded_fused_loss(logits_shard, labels, axis_name="tp", vocab_global=V)
+    # the fused linear form: hidden states and the head's weight, the logits never in memory
+    loss, metrics = hlj.linear_loss(hidden, weight, labels, terms=("ce", "z"), z_weight=1e-4)
 
 The calls go through a small adapter library, libheadloss_jax.so (src/jax/headloss_jax.cc, built
 by CMake when jax's FFI headers are found), registered with jax.ffi.register_ffi_target for the
@@ -18,11 +20,13 @@ shard, dtypes, backend, device) and cached for the life of the process; jit-comp
 them.
 The loss's forward pass computes the gradient at the same time (one pass over the logits) and saves
 it; the backward pass scales it by the cotangent. Differentiation is with respect to the logits
-(and, for RMSNorm, x, the weight and the residual).
+(the linear form: the hidden states and the weight, only those being differentiated; for RMSNorm,
+x, the weight and the residual).
 
 The vocabulary-sharded loss runs in three steps, one collective: loss_stats (each shard's block of
 statistics), an all-gather of the blocks, loss_finish; sharded_fused_loss does the three inside
-shard_map (jax.lax.all_gather) and is differentiable. See examples/jax_shard_map.py.
+shard_map (jax.lax.all_gather) and is differentiable; sharded_linear_loss the same for the weight
+sharded by vocabulary rows. See examples/jax_shard_map.py.
 """
 from __future__ import annotations
 
@@ -36,17 +40,19 @@ from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from ._arrays import dtype_code
 from ._lib import _HERE, lib_path
 from .loss import SCALARS, TERMS, LossPlan
 
 __all__ = ["rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "fused_loss", "sharded_fused_loss", "loss_stats",
-           "loss_finish", "loss_plan_count", "adapter_path"]
+           "loss_finish", "linear_loss", "sharded_linear_loss", "loss_plan_count", "adapter_path"]
 
 _CAST = {"llama": 0, "gemma": 1, "none": 2}
 _GRAD_MODES = {None: 0, "none": 0, "write": 1}
 _OPTIONAL_INPUTS = ("labels", "weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
+_LINEAR_INPUTS = _OPTIONAL_INPUTS + ("teacher_hidden", "teacher_weight")
 
 
 def _find_adapter() -> Path:
@@ -205,13 +211,16 @@ class _Cfg(NamedTuple):
     """A loss call's static configuration (hashable: custom_vjp's nondiff argument)."""
     opts: Tuple[Tuple[str, Any], ...]  # the plan's attributes by name
     token_outputs: bool
-    grad_dtype: Optional[str]          # None: the logits' dtype
-    axis_name: Any = None              # sharded_fused_loss: the shard_map axis of the vocabulary
+    grad_dtype: Optional[str]          # the logits' (linear form: grad_weight's); None: the operand's
+    axis_name: Any = None              # sharded losses: the shard_map axis of the vocabulary
+    linear: bool = False               # the fused linear form: operands (hidden, weight)
+    dtypes: Tuple[str, ...] = ()       # the operands' dtypes (of their cotangents)
 
 
 def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_dtype, token_outputs,
             options, axis_name=None, **shard) -> _Cfg:
-    """Checks `fn`'s inputs and options; shard: vocab_global and ranks of a vocabulary shard."""
+    """Checks `fn`'s inputs and options; shard: vocab_global and ranks of a vocabulary shard.
+    logits: the operand, or for the linear form a stand-in of the logits' shape and dtype."""
     _check_float(logits, "logits")
     unknown = set(options) - _OPTIONS
     if unknown:
@@ -234,7 +243,8 @@ def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_d
     if ignore_index is not None:
         opts.update(use_ignore_index=1, ignore_index=int(ignore_index))
     return _Cfg(tuple(sorted(opts.items())), bool(token_outputs),
-                None if grad_dtype is None else jnp.dtype(grad_dtype).name, axis_name)
+                None if grad_dtype is None else jnp.dtype(grad_dtype).name, axis_name,
+                dtypes=(logits.dtype.name,))
 
 
 def _kwargs_config(fn: str, logits, labels, kwargs: dict, **shard):
@@ -247,9 +257,39 @@ def _kwargs_config(fn: str, logits, labels, kwargs: dict, **shard):
     return cfg, extras
 
 
+def _linear_config(fn: str, hidden, weight, labels, kwargs: dict, **shard):
+    """(cfg, extras) of the fused linear form from linear_loss's keyword arguments as a dict;
+    extras: _LINEAR_INPUTS."""
+    kw = dict(kwargs)
+    extras = (labels, *(kw.pop(k, None) for k in _LINEAR_INPUTS[1:]))
+    _check_float(hidden, "hidden")
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight has shape {weight.shape}; expected [vocab, {hidden.shape[-1]}]")
+    th, tw = extras[6], extras[7]
+    if (th is None) != (tw is None):
+        raise ValueError("teacher_hidden and teacher_weight go together")
+    if th is not None and (th.shape[:-1] != hidden.shape[:-1] or tw.shape != (weight.shape[0], th.shape[-1])):
+        raise ValueError(f"teacher_hidden {th.shape} and teacher_weight {tw.shape} must be "
+                         f"{hidden.shape[:-1]} + [Ht] and [{weight.shape[0]}, Ht]")
+    for name, x in (("weight", weight), ("teacher_hidden", th), ("teacher_weight", tw)):
+        if x is not None and x.dtype != hidden.dtype:
+            raise TypeError(f"{name} is {x.dtype}; the fused linear form takes it in hidden's dtype {hidden.dtype}")
+    cap = kw.pop("max_workspace_bytes", None)
+    logits = jax.ShapeDtypeStruct(hidden.shape[:-1] + (weight.shape[0],), hidden.dtype)
+    cfg = _config(fn, logits, extras[:6], kw.pop("terms", ("ce",)), kw.pop("divisor", 0.0),
+                  kw.pop("ignore_index", None), kw.pop("check", True), kw.pop("grad_weight_dtype", None),
+                  kw.pop("token_outputs", False), kw, **shard)
+    if cap is not None:
+        cfg = cfg._replace(opts=tuple(sorted(cfg.opts + (("max_workspace_bytes", int(cap)),))))
+    return cfg._replace(linear=True, dtypes=(hidden.dtype.name, weight.dtype.name)), extras
+
+
+_I64_ATTRS = ("ignore_index", "vocab_global", "max_workspace_bytes")
+
+
 def _attrs(cfg: _Cfg) -> dict:
     """The plan's attributes with the types the adapter reads them as."""
-    return {k: (np.int64(v) if k in ("ignore_index", "vocab_global") else np.float64(v) if k == "divisor"
+    return {k: (np.int64(v) if k in _I64_ATTRS else np.float64(v) if k == "divisor"
                 else _i32(v) if isinstance(v, (bool, int)) else _f32(v)) for k, v in cfg.opts}
 
 
@@ -260,26 +300,39 @@ def _vocab_start(v):
     return v
 
 
-def _loss_call(cfg: _Cfg, logits, extras, grad: bool, target: str = "headloss_loss", tail=()):
-    """Runs the plan (or, with target "headloss_loss_finish" and tail (gathered, vocab_start), the
-    finish of a shard); returns (scalars, grad or None, token outputs or None)."""
+def _grads(cfg: _Cfg, operands, need) -> list:
+    """(mode attribute, dtype attribute, result shape) of each operand's gradient: the logits'
+    (grad_mode), or hidden's and the weight's (grad_hidden_mode, grad_weight_mode); the last
+    operand's in cfg.grad_dtype when set."""
+    names = ("grad_hidden", "grad_weight") if cfg.linear else ("grad",)
+    dts = [x.dtype for x in operands]
+    if cfg.grad_dtype:
+        dts[-1] = jnp.dtype(cfg.grad_dtype)
+    return [(f"{n}_mode", f"{n}_dtype", jax.ShapeDtypeStruct(x.shape, dt) if g else None)
+            for n, x, dt, g in zip(names, operands, dts, need)]
+
+
+def _loss_call(cfg: _Cfg, operands, extras, need, target: str = "headloss_loss", tail=()):
+    """Runs the plan on its operands (logits, or hidden and weight) or, with target
+    "headloss_loss_finish" and tail (gathered, vocab_start), the finish of a shard; need: which
+    operands' gradients to form. Returns (scalars, gradients (None where not formed), token
+    outputs or None)."""
     inputs = 0
-    args = [logits]
+    args = list(operands)
     for bit, x in enumerate(extras):
         if x is not None:
             inputs |= 1 << bit
             args.append(x)
-    outs = [jax.ShapeDtypeStruct((len(SCALARS),), jnp.float32)]
-    if grad:
-        outs.append(jax.ShapeDtypeStruct(logits.shape, jnp.dtype(cfg.grad_dtype or logits.dtype)))
+    grads = _grads(cfg, operands, need)
+    outs = [jax.ShapeDtypeStruct((len(SCALARS),), jnp.float32)] + [g[2] for g in grads if g[2] is not None]
     if cfg.token_outputs:
-        outs += [jax.ShapeDtypeStruct(logits.shape[:-1], jnp.float32)] * 4
+        outs += [jax.ShapeDtypeStruct(operands[0].shape[:-1], jnp.float32)] * 4
     res = list(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(
-        *args, *tail, inputs=_i32(inputs), grad_mode=_i32(grad),
-        token_outputs=_i32(cfg.token_outputs), **_attrs(cfg)))
+        *args, *tail, inputs=_i32(inputs), token_outputs=_i32(cfg.token_outputs), linear=_i32(cfg.linear),
+        **{mode: _i32(n) for (mode, _, _), n in zip(grads, need)}, **_attrs(cfg)))
     scalars = res.pop(0)
-    g = res.pop(0) if grad else None
-    return scalars, g, (tuple(res) if cfg.token_outputs else None)
+    gs = tuple(res.pop(0) if n else None for n in need)
+    return scalars, gs, (tuple(res) if cfg.token_outputs else None)
 
 
 def _platform(x) -> str:
@@ -295,67 +348,91 @@ def _platform(x) -> str:
 @lru_cache(maxsize=64)
 def _stats_bytes(device: str, vocab: int, dtype: str, labels_dtype: Optional[str], rows: int,
                  opts) -> int:
-    """The library's size of one block (its records are fp64 on the CPU backend, fp32 on CUDA):
-    XLA needs the result's shape when tracing."""
-    kw = {k: v for k, v in opts if k not in ("flags", "divisor", "use_ignore_index")}
+    """The library's size of one block (its records are fp64 on the CPU backend, fp32 on CUDA;
+    the same for both forms): XLA needs the result's shape when tracing."""
+    kw = {k: v for k, v in opts if k not in ("flags", "divisor", "use_ignore_index", "max_workspace_bytes")}
     plan = LossPlan(vocab, dtype, device=device, labels_dtype=labels_dtype, grad=None, **kw)
     return plan.stats_bytes(rows)
 
 
-def _stats_call(cfg: _Cfg, logits, extras, vocab_start, grad: bool):
+_STATS_INPUTS = (0, 2, 6, 7)  # the inputs statistics read: labels and the teacher's
+
+
+def _vocab(cfg: _Cfg, operands) -> int:
+    """This shard's columns of the logits: the logits' last dimension, or the weight's rows."""
+    return operands[1].shape[0] if cfg.linear else operands[0].shape[-1]
+
+
+def _stats_call(cfg: _Cfg, operands, extras, vocab_start, need):
     """Step 1 of a shard: its block of statistics, uint8[hl_loss_plan_get_stats_size]."""
-    labels, teacher = extras[0], extras[2]
-    args = [logits] + [x for x in (labels, teacher) if x is not None]
-    size = _stats_bytes(_platform(logits), logits.shape[-1], logits.dtype.name,
+    kept = [(bit, extras[bit]) for bit in _STATS_INPUTS if bit < len(extras) and extras[bit] is not None]
+    labels = extras[0]
+    size = _stats_bytes(_platform(operands[0]), _vocab(cfg, operands), operands[0].dtype.name,
                         None if labels is None else labels.dtype.name,
-                        math.prod(logits.shape[:-1]), cfg.opts)
-    # The block's plan must be the finish's, gradient dtype included.
-    gdt = dtype_code(cfg.grad_dtype or logits.dtype) if grad else 0
+                        math.prod(operands[0].shape[:-1]), cfg.opts)
+    # The block's plan must be the finish's, gradient modes and dtypes included.
+    grad_attrs = {}
+    for (mode, dt, spec), n in zip(_grads(cfg, operands, need), need):
+        grad_attrs.update({mode: _i32(n), dt: _i32(dtype_code(spec.dtype) if n else 0)})
     return jax.ffi.ffi_call("headloss_loss_stats", jax.ShapeDtypeStruct((size,), jnp.uint8),
                             vmap_method="sequential")(
-        *args, _vocab_start(vocab_start), inputs=_i32((labels is not None) | (teacher is not None) << 2),
-        grad_mode=_i32(grad), grad_dtype=_i32(gdt), **_attrs(cfg))
+        *operands, *(x for _, x in kept), _vocab_start(vocab_start),
+        inputs=_i32(sum(1 << bit for bit, _ in kept)), linear=_i32(cfg.linear), **grad_attrs,
+        **_attrs(cfg))
 
 
-def _run(cfg: _Cfg, logits, extras, grad: bool):
+def _run(cfg: _Cfg, operands, extras, need):
     """The whole loss, or with cfg.axis_name (inside shard_map) this shard's: stats, one
-    all-gather of the blocks over the axis, finish."""
+    all-gather of the blocks over the axis, finish (the linear form: and one psum of grad_hidden,
+    each shard's part)."""
     axis = cfg.axis_name
     if axis is None:
-        return _loss_call(cfg, logits, extras, grad)
-    start = jax.lax.axis_index(axis) * logits.shape[-1]
+        return _loss_call(cfg, operands, extras, need)
+    start = jax.lax.axis_index(axis) * _vocab(cfg, operands)
     # ffi_call types its results as the same on every device along the axis: true of the scalars
-    # and token outputs (the same bits everywhere), not of the block and the gradient. Say so for
-    # shard_map's check_vma (the custom_vjp's gradient must vary as the logits shard does).
-    block = jax.lax.pcast(_stats_call(cfg, logits, extras, start, grad), axis, to="varying")
+    # and token outputs (the same bits everywhere), not of the block and the gradients. Say so for
+    # shard_map's check_vma (the gradient of the sharded operand must vary as it does).
+    varying = partial(jax.lax.pcast, axis_name=axis, to="varying")
+    block = varying(_stats_call(cfg, operands, extras, start, need))
     gathered = jax.lax.all_gather(block, axis, tiled=True)
-    scalars, g, toks = _loss_call(cfg, logits, extras, grad, "headloss_loss_finish", (gathered, start))
-    return scalars, (g if g is None else jax.lax.pcast(g, axis, to="varying")), toks
+    scalars, gs, toks = _loss_call(cfg, operands, extras, need, "headloss_loss_finish", (gathered, start))
+    gs = [None if g is None else varying(g) for g in gs]
+    if cfg.linear and gs[0] is not None:  # hidden is replicated: its gradient, the parts' sum
+        gs[0] = jax.lax.psum(gs[0], axis)
+    return scalars, tuple(gs), toks
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused_loss(cfg, logits, extras):
-    scalars, _, toks = _run(cfg, logits, extras, grad=False)
+def _loss(cfg, operands, extras):
+    scalars, _, toks = _run(cfg, operands, extras, (False,) * len(operands))
     return scalars[0], scalars, toks
 
 
-def _fused_loss_fwd(cfg, logits, extras):
-    scalars, g, toks = _run(cfg, logits, extras, grad=True)
-    return (scalars[0], scalars, toks), g
+def _loss_fwd(cfg, operands, extras):
+    # symbolic_zeros: each primal says whether it is differentiated (`perturbed`); the plan forms
+    # only those operands' gradients (no gradient at all for the teacher or the per-row inputs).
+    need = tuple(bool(x.perturbed) for x in operands)
+    values = jax.tree_util.tree_map(lambda x: x.value, (operands, extras))
+    scalars, gs, toks = _run(cfg, *values, need)
+    return (scalars[0], scalars, toks), gs
 
 
-def _fused_loss_bwd(cfg, g, cts):
+def _loss_bwd(cfg, gs, cts):
     dloss = cts[0]
-    dlogits = (g.astype(jnp.float32) * dloss).astype(g.dtype)
-    return dlogits, tuple(None for _ in _OPTIONAL_INPUTS)
+    zero = isinstance(dloss, SymbolicZero)
+    # The incoming gradient scales the one formed in the forward pass, in fp32, rounded once to
+    # the operand's dtype (a gradient formed in fp32 on request is cast here).
+    d = tuple(None if g is None or zero else (g.astype(jnp.float32) * dloss).astype(dt)
+              for g, dt in zip(gs, cfg.dtypes))
+    return d, (None,) * len(_LINEAR_INPUTS if cfg.linear else _OPTIONAL_INPUTS)
 
 
-_fused_loss.defvjp(_fused_loss_fwd, _fused_loss_bwd)
+_loss.defvjp(_loss_fwd, _loss_bwd, symbolic_zeros=True)
 
 
-def _results(cfg: _Cfg, logits, extras):
+def _results(cfg: _Cfg, operands, extras):
     """(loss, metrics[, token outputs]) of the differentiable loss."""
-    loss, scalars, toks = _fused_loss(cfg, logits, extras)
+    loss, scalars, toks = _loss(cfg, tuple(operands), extras)
     metrics = _metrics(jax.lax.stop_gradient(scalars))
     return (loss, metrics, toks) if cfg.token_outputs else (loss, metrics)
 
@@ -386,7 +463,7 @@ def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=N
     extras = (labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs)
     cfg = _config("fused_loss", logits, extras, terms, divisor, ignore_index, check, grad_dtype,
                   token_outputs, options)
-    return _results(cfg, logits, extras)
+    return _results(cfg, (logits,), extras)
 
 
 def sharded_fused_loss(logits_shard, labels=None, *, axis_name, vocab_global: int, **kwargs):
@@ -411,7 +488,58 @@ def sharded_fused_loss(logits_shard, labels=None, *, axis_name, vocab_global: in
                          f"x {ranks} devices along {axis_name!r} != vocab_global = {vocab_global}")
     cfg, extras = _kwargs_config("sharded_fused_loss", logits_shard, labels, kwargs, axis_name=axis_name,
                                  vocab_global=int(vocab_global), ranks=ranks)
-    return _results(cfg, logits_shard, extras)
+    return _results(cfg, (logits_shard,), extras)
+
+
+# ---- the fused linear form ------------------------------------------------------------------------
+
+def linear_loss(hidden, weight, labels=None, *, terms: Sequence[str] = ("ce",), weights=None,
+                teacher_logits=None, teacher_hidden=None, teacher_weight=None, advantages=None,
+                old_logprobs=None, ref_logprobs=None, divisor: float = 0.0, token_outputs: bool = False,
+                ignore_index: Optional[int] = None, check: bool = True, grad_weight_dtype=None,
+                max_workspace_bytes: Optional[int] = None, **options):
+    """The fused linear form of the loss plan: the loss of the logits hidden @ weight.T without
+    forming them (headloss.h, "The fused linear form"; a chunk of rows at a time exists, in a
+    workspace from XLA's scratch allocator: the plan's fast size, or max_workspace_bytes, never
+    below the plan's minimum).
+
+    hidden [..., H] and weight [V, H] (a Dense kernel [H, V] is weight.T) in one dtype (float32,
+    float16 or bfloat16); labels and the per-row inputs [...] as fused_loss; teacher_logits
+    [..., V], or a teacher of its own: teacher_hidden [..., Ht] and teacher_weight [V, Ht] in
+    hidden's dtype. Options and the return value as fused_loss. jax.grad w.r.t. hidden and weight
+    uses the gradients formed in the same call as the loss (only those of the arguments being
+    differentiated); grad_weight_dtype="float32" sums grad_weight over the chunks in fp32 (one
+    rounding, to weight's dtype, in the backward pass). No gradient flows to the teacher.
+    """
+    kw = dict(options, terms=terms, weights=weights, teacher_logits=teacher_logits,
+              teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, advantages=advantages,
+              old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, divisor=divisor,
+              token_outputs=token_outputs, ignore_index=ignore_index, check=check,
+              grad_weight_dtype=grad_weight_dtype, max_workspace_bytes=max_workspace_bytes)
+    cfg, extras = _linear_config("linear_loss", hidden, weight, labels, kw)
+    return _results(cfg, (hidden, weight), extras)
+
+
+def sharded_linear_loss(hidden, weight_shard, labels=None, *, axis_name, vocab_global: int, **kwargs):
+    """linear_loss with the weight sharded by vocabulary rows along the shard_map axis
+    `axis_name`: call it INSIDE shard_map, with weight_shard this device's rows [i * V_local,
+    (i + 1) * V_local) of the [vocab_global, H] weight (teacher_weight and teacher_logits sharded
+    the same way), and hidden, labels and the per-row inputs the whole batch's on every device.
+
+    As sharded_fused_loss: each device's block of statistics, one jax.lax.all_gather, the finish;
+    the loss and metrics are the same bits on every device, jax.grad gives the gradient w.r.t.
+    weight_shard (this device's rows) and w.r.t. hidden (each device's part, summed by one
+    jax.lax.psum: the collective every tensor-parallel linear layer has). The statistics and the
+    finish are two XLA calls with a workspace each, so the finish forms the logits again (four
+    products in all, against the three of LinearLossPlan.stats / finish sharing one workspace).
+    """
+    ranks = jax.lax.axis_size(axis_name)
+    if weight_shard.shape[0] * ranks != vocab_global:
+        raise ValueError(f"sharded_linear_loss needs equal shards: {weight_shard.shape[0]} rows x {ranks} "
+                         f"devices along {axis_name!r} != vocab_global = {vocab_global}")
+    cfg, extras = _linear_config("sharded_linear_loss", hidden, weight_shard, labels, kwargs,
+                                 vocab_global=int(vocab_global), ranks=ranks)
+    return _results(cfg._replace(axis_name=axis_name), (hidden, weight_shard), extras)
 
 
 # ---- the split steps, for a gather of your own ------------------------------------------------------
@@ -434,7 +562,7 @@ def loss_stats(logits_shard, labels=None, *, vocab_start, vocab_global: int, ran
     """
     cfg, extras = _kwargs_config("loss_stats", logits_shard, labels, kwargs,
                                  vocab_global=int(vocab_global), ranks=int(ranks))
-    return _stats_call(cfg, logits_shard, extras, vocab_start, grad)
+    return _stats_call(cfg, (logits_shard,), extras, vocab_start, (bool(grad),))
 
 
 def loss_finish(gathered, logits_shard, labels=None, *, vocab_start, vocab_global: int, ranks: int,
@@ -447,7 +575,7 @@ def loss_finish(gathered, logits_shard, labels=None, *, vocab_start, vocab_globa
     """
     cfg, extras = _kwargs_config("loss_finish", logits_shard, labels, kwargs,
                                  vocab_global=int(vocab_global), ranks=int(ranks))
-    scalars, g, toks = _loss_call(cfg, logits_shard, extras, grad, "headloss_loss_finish",
-                                  (gathered, _vocab_start(vocab_start)))
+    scalars, (g,), toks = _loss_call(cfg, (logits_shard,), extras, (bool(grad),), "headloss_loss_finish",
+                                     (gathered, _vocab_start(vocab_start)))
     out = (scalars[0], _metrics(scalars), g)
     return out + (toks,) if cfg.token_outputs else out

@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 from typing import Any, NamedTuple, Optional
 
-from ._arrays import dtype_code, empty, same_place, view
+from ._arrays import DTYPE_NAMES, dtype_code, empty, same_place, view
 from ._lib import (BACKEND_CPU, BACKEND_CUDA, DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_I32, DTYPE_I64,
                    DTYPE_NONE, declare)
 from ._lib import check as _check
@@ -72,6 +72,36 @@ _finish = declare("hl_loss_plan_execute_finish", c_ptr, ctypes.POINTER(_Args), c
 _nccl = declare("hl_loss_plan_execute_nccl", c_ptr, ctypes.POINTER(_Args), c_ptr, c_ptr, ctypes.c_size_t,
                 c_ptr)
 _ITEMSIZE = {DTYPE_F32: 4, DTYPE_F16: 2, DTYPE_BF16: 2, DTYPE_I32: 4, DTYPE_I64: 8}
+
+
+_PER_ROW_F32 = ("weights", "advantages", "old_logprobs", "ref_logprobs", "scalars", "token")
+
+
+def _packed(v) -> bool:
+    acc = 1
+    for n, s in reversed(list(zip(v.shape, v.strides))):
+        if n == 0:
+            return True
+        if n != 1 and s != acc:
+            return False
+        acc *= n
+    return True
+
+
+def _check_arrays(views, expected=None) -> None:
+    """TypeError for an array whose dtype is not the one the plan reads it as, ValueError for a
+    per-row array that is not packed: the library gets bare pointers (and no stride for per-row
+    arrays), so either would be misread (or overrun). views: (name, view) pairs; expected:
+    name -> hl_dtype_t; the per-row fp32 inputs and outputs are always checked."""
+    expected = expected or {}
+    for name, v in views:
+        if v is None:
+            continue
+        want = expected.get(name, DTYPE_F32 if name in _PER_ROW_F32 else DTYPE_NONE)
+        if want != DTYPE_NONE and v.dtype != want:
+            raise TypeError(f"{name} is {DTYPE_NAMES[v.dtype]}; the plan expects {DTYPE_NAMES[want]}")
+        if (name in _PER_ROW_F32 or name == "labels") and not _packed(v):
+            raise ValueError(f"{name} (shape {v.shape}, strides {v.strides}) must be contiguous")
 
 
 class LossOutput(NamedTuple):
@@ -240,6 +270,9 @@ class LossPlan:
                 ("advantages", advantages), ("old_logprobs", old_logprobs),
                 ("ref_logprobs", ref_logprobs))}
         same_place([lv] + [v for v in opt.values()], "loss plan")
+        d = self.desc
+        _check_arrays(dict(opt, logits=lv).items(), {"logits": d.logits_dtype, "teacher_logits": d.logits_dtype,
+                                              "labels": d.labels_dtype})
         a = _Args(ctypes.sizeof(_Args), rows, lv.ptr, ls)
         for k, v in opt.items():
             if v is not None:
@@ -256,16 +289,10 @@ class LossPlan:
                 gdt = self.desc.grad_dtype or lv.dtype
                 grad = empty(lv, lv.shape, gdt)
             gv = view(grad, "grad")
+            _check_arrays([("grad", gv)], {"grad": d.grad_dtype or d.logits_dtype})
             a.grad, a.grad_stride = gv.ptr, gv.rows_view("grad")[2]
-        if scalars is None:
-            scalars = empty(lv, (len(SCALARS),), DTYPE_F32)
-        a.scalars = view(scalars, "scalars").ptr
-        toks = list(tokens) if tokens is not None else [None] * 4
-        if token_outputs and tokens is None:
-            toks = [empty(lv, lv.shape[:-1], DTYPE_F32) for _ in range(4)]
-        if toks[0] is not None:
-            a.token_loss, a.token_logp, a.token_entropy, a.token_lse = (view(t, "token").ptr for t in toks)
-        return a, lv, LossOutput(scalars, grad if self.grad_mode else None, *toks)
+        toks = _scalar_outputs(a, lv, lv.shape[:-1], token_outputs, scalars, tokens)
+        return a, lv, LossOutput(toks[0], grad if self.grad_mode else None, *toks[1:])
 
 
 class LinearLossOutput(NamedTuple):
@@ -363,6 +390,11 @@ class LinearLossPlan(LossPlan):
         opt.update(labels=labels, teacher_hidden=th, teacher_weight=tw)
         views = {k: (None if x is None else view(x, k)) for k, x in opt.items()}
         same_place([hv, wv] + list(views.values()), "loss plan")
+        d = self.desc
+        wd = d.weight_dtype
+        _check_arrays(dict(views, hidden=hv, weight=wv).items(),
+                       dict(hidden=wd, weight=wd, teacher_hidden=wd, teacher_weight=wd, teacher_logits=wd,
+                            labels=d.labels_dtype))
         a = _Args(ctypes.sizeof(_Args), rows)
         a.hidden, a.hidden_stride, a.weight, a.weight_stride = hv.ptr, hs, wv.ptr, ws
         for k, v in views.items():
@@ -375,27 +407,36 @@ class LinearLossPlan(LossPlan):
         a.divisor, a.grad_scale = divisor, grad_scale
         if not outputs:
             return a, hv, None
-        d = self.desc
         grads = []
         for mode, dt, given, shape, ptr, stride in (
                 (d.grad_hidden_mode, d.grad_hidden_dtype, grad_hidden, (rows, cols), "grad_hidden", "grad_hidden_stride"),
                 (d.grad_weight_mode, d.grad_weight_dtype, grad_weight, (vocab, cols), "grad_weight", "grad_weight_stride")):
             g = None
             if mode:
-                g = given if given is not None else empty(hv, shape, dt or hv.dtype)
+                g = given if given is not None else empty(hv, shape, dt or wd)
                 gv = view(g, ptr)
+                _check_arrays([(ptr, gv)], {ptr: dt or wd})
                 setattr(a, ptr, gv.ptr)
                 setattr(a, stride, gv.rows_view(ptr)[2])
             grads.append(g)
-        if scalars is None:
-            scalars = empty(hv, (len(SCALARS),), DTYPE_F32)
-        a.scalars = view(scalars, "scalars").ptr
-        toks = list(tokens) if tokens is not None else [None] * 4
-        if token_outputs and tokens is None:
-            toks = [empty(hv, (rows,), DTYPE_F32) for _ in range(4)]
-        if toks[0] is not None:
-            a.token_loss, a.token_logp, a.token_entropy, a.token_lse = (view(t, "token").ptr for t in toks)
-        return a, hv, LinearLossOutput(scalars, *grads, *toks)
+        toks = _scalar_outputs(a, hv, (rows,), token_outputs, scalars, tokens)
+        return a, hv, LinearLossOutput(toks[0], *grads, *toks[1:])
+
+
+def _scalar_outputs(a, like, token_shape, token_outputs, scalars, tokens) -> list:
+    """[scalars, 4 per-token outputs or None]: the given fp32 arrays, else new ones, set in a."""
+    if scalars is None:
+        scalars = empty(like, (len(SCALARS),), DTYPE_F32)
+    sv = view(scalars, "scalars")
+    toks = list(tokens) if tokens is not None else [None] * 4
+    if token_outputs and tokens is None:
+        toks = [empty(like, token_shape, DTYPE_F32) for _ in range(4)]
+    tv = [None if t is None else view(t, "token") for t in toks]
+    _check_arrays([("scalars", sv)] + [("token", t) for t in tv])
+    a.scalars = sv.ptr
+    if tv[0] is not None:
+        a.token_loss, a.token_logp, a.token_entropy, a.token_lse = (t.ptr for t in tv)
+    return [scalars] + toks
 
 
 @lru_cache(maxsize=64)

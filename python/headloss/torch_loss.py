@@ -1,22 +1,56 @@
-"""PyTorch front end of the fused loss plan: an autograd Function and a module, so a training loop
+"""PyTorch front end of the fused loss plan: autograd Functions and a module, so a training loop
 uses it in one line:
 
     loss_fn = FusedLMHeadLoss(terms=("ce", "z"), z_weight=1e-4)
     loss, metrics = loss_fn(logits, labels)      # metrics: dict of 0-d tensors, no gradient
     loss.backward()
 
-The gradient is formed in the forward pass (one pass over the logits) and handed back in
-backward, scaled by the incoming gradient when that is not 1.
+    plan = LinearLossPlan(V, H, torch.bfloat16, device="cuda", terms=("ce",), grad_weight_dtype="float32")
+    loss, scalars = LinearLossFunction.apply(hidden, lm_head.weight, labels, plan, 0.0, None)
+
+The gradient is formed in the forward pass (one pass over the logits; for the fused linear form,
+grad_hidden and grad_weight in the same call) and handed back in backward, scaled in place by the
+incoming gradient (no host synchronisation to test for 1; the buffer is used once, so no second
+copy is allocated, and a second backward through the same graph is refused by autograd's version
+check rather than scaled twice). headloss.torch_ops has the same as custom ops (torch.compile).
 """
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
-from .loss import SCALARS, LossPlan
+from .loss import SCALARS, LinearLossPlan, LossPlan
 
 _INPUTS = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
+LINEAR_INPUTS = _INPUTS + ("teacher_hidden", "teacher_weight")
+
+
+def scale_saved(g: torch.Tensor, dloss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A gradient formed in the forward pass, times the loss's incoming gradient (in place), in the
+    dtype of the input it belongs to (a gradient computed in fp32 on request is cast here)."""
+    g.mul_(dloss.to(g.dtype))
+    return g.to(dtype)
+
+
+def linear_workspace(plan: LinearLossPlan, like: torch.Tensor, rows: int,
+                     max_workspace_bytes: Optional[int] = None) -> Optional[torch.Tensor]:
+    """The workspace of a call on `rows` rows: the plan's fast size (the whole chunking it runs
+    fastest with), capped at max_workspace_bytes (None: no cap), never below its minimum. None
+    where the plan needs none (the CPU backend)."""
+    lo, hi = plan.workspace_sizes(rows)
+    nbytes = hi if max_workspace_bytes is None else max(lo, min(hi, int(max_workspace_bytes)))
+    return plan.workspace(like, rows, nbytes) if nbytes else None
+
+
+def run_linear(plan: LinearLossPlan, hidden, weight, labels, divisor: float,
+               max_workspace_bytes: Optional[int], inputs: dict):
+    """One call of a fused linear plan on [rows, H] hidden states: (scalars, grad_hidden or None,
+    grad_weight or None), as the plan's gradient modes say."""
+    ws = linear_workspace(plan, hidden, hidden.shape[0], max_workspace_bytes)
+    out = plan(hidden, weight, labels, divisor=divisor, workspace=ws, **inputs)
+    return out.scalars, out.grad_hidden, out.grad_weight
 
 
 class FusedLossFunction(torch.autograd.Function):
@@ -25,15 +59,40 @@ class FusedLossFunction(torch.autograd.Function):
         kw = {k: v for k, v in zip(_INPUTS, inputs) if v is not None}
         out = plan(logits, labels, divisor=divisor, in_place=in_place, **kw)
         ctx.save_for_backward(out.grad)
+        ctx.logits_dtype = logits.dtype
         ctx.mark_non_differentiable(out.scalars)
         return out.scalars[0].clone(), out.scalars
 
     @staticmethod
     def backward(ctx, dloss, _dscalars):
         (g,) = ctx.saved_tensors
-        if dloss is not None and not torch.equal(dloss, torch.ones_like(dloss)):
-            g = g * dloss.to(g.dtype)
+        g = None if g is None else scale_saved(g, dloss, ctx.logits_dtype)
         return (g, None, None, None, None) + (None,) * len(_INPUTS)
+
+
+class LinearLossFunction(torch.autograd.Function):
+    """The fused linear form with a plan of your own: apply(hidden [rows, H], weight [V, H], labels,
+    plan, divisor, max_workspace_bytes, *inputs in LINEAR_INPUTS order) -> (loss, scalars).
+    The plan (a LinearLossPlan of the whole vocabulary) fixes which gradients are formed and in
+    which dtype; hidden and weight get those (None for one the plan does not form). For the
+    sharded vocabulary use LinearLossPlan.stats / finish / nccl (grad_hidden is then a rank's
+    part, to all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, plan: LinearLossPlan, divisor: float,
+                max_workspace_bytes: Optional[int], *inputs):
+        kw = {k: v for k, v in zip(LINEAR_INPUTS, inputs) if v is not None}
+        scalars, gh, gw = run_linear(plan, hidden, weight, labels, divisor, max_workspace_bytes, kw)
+        ctx.save_for_backward(gh, gw)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(scalars)
+        return scalars[0].clone(), scalars
+
+    @staticmethod
+    def backward(ctx, dloss, _dscalars):
+        grads = tuple(None if g is None else scale_saved(g, dloss, dt)
+                      for g, dt in zip(ctx.saved_tensors, ctx.dtypes))
+        return grads + (None,) * (4 + len(LINEAR_INPUTS))
 
 
 class FusedLMHeadLoss(torch.nn.Module):
@@ -74,4 +133,4 @@ def _module(terms, in_place, options) -> FusedLMHeadLoss:
     return FusedLMHeadLoss(terms, in_place, **dict(options))
 
 
-__all__ = ["FusedLossFunction", "FusedLMHeadLoss", "fused_lm_head_loss"]
+__all__ = ["FusedLossFunction", "FusedLMHeadLoss", "fused_lm_head_loss", "LinearLossFunction"]

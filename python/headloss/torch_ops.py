@@ -5,10 +5,12 @@
     y = norm(x)                                             # or y, s = norm(x, residual=r)
     loss, metrics = lm_head_loss(logits, labels, terms=("ce", "z"), z_weight=1e-4)
     loss.backward()
+    loss, metrics = linear_loss(hidden, lm_head.weight, labels)  # the logits never in memory
     torch.compile(model)                                    # the ops stay single kernels
 
 Registered ops (torch.library.custom_op, with fake implementations for tracing and autograd
-formulas): headloss::rmsnorm_fwd, headloss::rmsnorm_bwd, headloss::fused_loss. In eager mode
+formulas): headloss::rmsnorm_fwd, headloss::rmsnorm_bwd, headloss::fused_loss,
+headloss::linear_loss. In eager mode
 rmsnorm skips the dispatcher (an autograd.Function with the same formulas, cheaper per call);
 torch.compile sees the custom ops. CUDA tensors run on
 the CUDA backend on torch's current stream; CPU tensors on the CPU reference backend (fp64
@@ -16,6 +18,7 @@ accumulation), which makes CPU autograd checks possible.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from functools import lru_cache
 from typing import Optional, Sequence, Tuple, Union
@@ -23,11 +26,13 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .loss import SCALARS, LossPlan
+from .loss import SCALARS, LinearLossPlan, LossPlan
 from .rmsnorm import rmsnorm_bwd as _hl_rmsnorm_bwd
 from .rmsnorm import rmsnorm_fwd as _hl_rmsnorm_fwd
+from .torch_loss import LINEAR_INPUTS, run_linear, scale_saved
 
-__all__ = ["RMSNorm", "rmsnorm", "lm_head_loss", "LMHeadLoss"]
+__all__ = ["RMSNorm", "rmsnorm", "lm_head_loss", "LMHeadLoss", "linear_loss", "LinearLoss",
+           "LMHeadLinearLoss"]
 
 _CAST = {"llama": 0, "gemma": 1, "none": 2}
 _CAST_NAMES = {v: k for k, v in _CAST.items()}
@@ -198,8 +203,8 @@ def _fused_loss(logits: Tensor, labels: Optional[Tensor], weights: Optional[Tens
                 divisor: float, need_grad: bool) -> Tuple[Tensor, Tensor]:
     """(scalars fp32 [len(SCALARS)], gradient or an empty tensor). options: the plan's options as
     JSON (static: one plan per distinct string, vocabulary, dtype and device)."""
-    plan = _plan(options, logits.shape[-1], logits.dtype, logits.device.type,
-                 None if labels is None else str(labels.dtype).replace("torch.", ""), need_grad)
+    plan = _plan(options, logits.shape[-1], logits.dtype, logits.device.type, _dtype_name(labels),
+                 need_grad)
     out = plan(logits, labels, weights=weights, teacher_logits=teacher_logits,
                advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                divisor=divisor)
@@ -222,23 +227,33 @@ def _loss_setup(ctx, inputs, output):
 
 def _loss_backward(ctx, dscalars, _dgrad):
     (g,) = ctx.saved_tensors
-    # The loss is scalars[0]: its incoming gradient scales the one formed in the forward pass
-    # (no host synchronisation to test for 1). In place: the forward's buffer is used once, so
-    # no second [rows, vocab] tensor is allocated. A second backward (retain_graph=True) is
-    # refused by autograd's version check on the saved buffer rather than scaled twice.
-    g.mul_(dscalars[0].to(g.dtype))
-    return (g.to(ctx.logits_dtype),) + (None,) * 9
+    # The loss is scalars[0]: its incoming gradient scales the one formed in the forward pass, in
+    # place (see torch_loss.scale_saved: no host synchronisation, no second [rows, vocab] tensor,
+    # a second backward refused by autograd's version check rather than scaled twice).
+    return (scale_saved(g, dscalars[0], ctx.logits_dtype),) + (None,) * 9
 
 
 _fused_loss.register_autograd(_loss_backward, setup_context=_loss_setup)
 
+
+def _dtype_name(t: Optional[Tensor]) -> Optional[str]:
+    return None if t is None else str(t.dtype).replace("torch.", "")
+
+
 @torch.compiler.assume_constant_result
 def _options_json(key: tuple) -> str:
-    """The plan options as the op's static JSON string (evaluated once while tracing)."""
-    opts = dict(key)
-    if opts.get("grad_dtype") is not None:
-        opts["grad_dtype"] = str(opts["grad_dtype"]).replace("torch.", "")
+    """The plan options as the op's static JSON string (evaluated once while tracing); dtypes
+    (grad_dtype, grad_weight_dtype) by name."""
+    opts = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v) for k, v in key}
     return json.dumps(opts, sort_keys=True)
+
+
+def _options_key(terms, options: dict) -> tuple:
+    return tuple(sorted(options.items())) + (("terms", terms if isinstance(terms, int) else tuple(terms)),)
+
+
+def _metrics(scalars: Tensor) -> dict:
+    return dict(zip(SCALARS, scalars.detach().unbind(0)))
 
 
 def lm_head_loss(logits: Tensor, labels: Optional[Tensor] = None, *, terms: Sequence[str] = ("ce",),
@@ -255,12 +270,10 @@ def lm_head_loss(logits: Tensor, labels: Optional[Tensor] = None, *, terms: Sequ
     is made once per options / vocabulary / dtype / device).
     """
     need_grad = torch.is_grad_enabled() and logits.requires_grad
-    key = tuple(sorted(options.items())) + (("terms", terms if isinstance(terms, int) else tuple(terms)),)
     scalars, _ = torch.ops.headloss.fused_loss(
         logits, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
-        _options_json(key), float(divisor), bool(need_grad))
-    metrics = dict(zip(SCALARS, scalars.detach().unbind(0)))
-    return scalars[0], metrics
+        _options_json(_options_key(terms, options)), float(divisor), bool(need_grad))
+    return scalars[0], _metrics(scalars)
 
 
 class LMHeadLoss(torch.nn.Module):
@@ -272,3 +285,162 @@ class LMHeadLoss(torch.nn.Module):
 
     def forward(self, logits: Tensor, labels: Optional[Tensor] = None, **inputs):
         return lm_head_loss(logits, labels, terms=self.terms, **inputs, **self.options)
+
+
+# ---- the fused linear form -----------------------------------------------------------------------
+
+@lru_cache(maxsize=64)
+def _linear_plan(options: str, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device,
+                 labels_dtype, teacher_hidden: int, grad_hidden: bool, grad_weight: bool) -> LinearLossPlan:
+    opts = json.loads(options)
+    gw_dtype = opts.pop("grad_weight_dtype", None)
+    return LinearLossPlan(vocab, hidden, dtype, device=device.type, labels_dtype=labels_dtype,
+                          teacher_hidden=teacher_hidden, grad_hidden="write" if grad_hidden else None,
+                          grad_weight="write" if grad_weight else None,
+                          grad_weight_dtype=gw_dtype if grad_weight else None, **opts)
+
+
+@torch.library.custom_op("headloss::linear_loss", mutates_args=())
+def _linear_loss(hidden: Tensor, weight: Tensor, labels: Optional[Tensor], weights: Optional[Tensor],
+                 teacher_logits: Optional[Tensor], advantages: Optional[Tensor],
+                 old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor],
+                 teacher_hidden: Optional[Tensor], teacher_weight: Optional[Tensor], options: str,
+                 divisor: float, need_grad_hidden: bool, need_grad_weight: bool,
+                 max_workspace_bytes: Optional[int]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(scalars fp32 [len(SCALARS)], grad_hidden, grad_weight; an empty tensor for a gradient not
+    asked for) of the fused linear plan on hidden [rows, H] and weight [V, H]. options: the plan's
+    options as JSON (static: one plan per distinct string, shape, dtype, device and gradients)."""
+    dev = hidden.device
+    # A CUDA plan belongs to the device current at its creation, and runs there only.
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        plan = _linear_plan(options, weight.shape[0], hidden.shape[-1], hidden.dtype, dev,
+                            _dtype_name(labels), 0 if teacher_hidden is None else teacher_hidden.shape[-1],
+                            need_grad_hidden, need_grad_weight)
+        inputs = (weights, teacher_logits, advantages, old_logprobs, ref_logprobs, teacher_hidden,
+                  teacher_weight)
+        scalars, gh, gw = run_linear(plan, hidden, weight, labels, divisor, max_workspace_bytes,
+                                     {k: v for k, v in zip(LINEAR_INPUTS, inputs) if v is not None})
+    return (scalars, gh if gh is not None else hidden.new_empty(0),
+            gw if gw is not None else hidden.new_empty(0))
+
+
+@_linear_loss.register_fake
+def _(hidden, weight, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
+      teacher_hidden, teacher_weight, options, divisor, need_grad_hidden, need_grad_weight,
+      max_workspace_bytes):
+    gdt = json.loads(options).get("grad_weight_dtype")
+    gh = hidden.new_empty(hidden.shape) if need_grad_hidden else hidden.new_empty(0)
+    gw = (weight.new_empty(weight.shape, dtype=getattr(torch, gdt) if gdt else weight.dtype)
+          if need_grad_weight else hidden.new_empty(0))
+    return hidden.new_empty((len(SCALARS),), dtype=torch.float32), gh, gw
+
+
+def _linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2])
+    ctx.dtypes = (inputs[0].dtype, inputs[1].dtype)
+    ctx.need = (inputs[12], inputs[13])
+
+
+def _linear_backward(ctx, dscalars, _dgh, _dgw):
+    grads = tuple(scale_saved(g, dscalars[0], dt) if need else None
+                  for g, dt, need in zip(ctx.saved_tensors, ctx.dtypes, ctx.need))
+    return grads + (None,) * 13
+
+
+_linear_loss.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def _matrix(t: Optional[Tensor]) -> Optional[Tensor]:
+    """[..., C] as [rows, C] with a contiguous last dimension (a copy only where needed)."""
+    if t is None:
+        return None
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def _per_row(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.reshape(-1).contiguous()
+
+
+def _compute_dtype(hidden: Tensor, others: dict) -> dict:
+    """hidden, the weight and the teacher's matrices in one dtype (the plan's weight_dtype): under
+    autocast its dtype, as F.linear would compute; otherwise they must already agree."""
+    mats = dict(hidden=hidden, **others)
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return {k: (None if t is None else t.to(dt)) for k, t in mats.items()}
+    for k, t in others.items():
+        if t is not None and t.dtype != hidden.dtype:
+            raise TypeError(f"linear_loss: {k} is {t.dtype} but hidden is {hidden.dtype}; the plan takes "
+                            "them in one dtype (cast one, or run under torch.autocast)")
+    return mats
+
+
+def _head_weight(weight) -> Tensor:
+    if isinstance(weight, torch.nn.Linear):
+        if weight.bias is not None:
+            raise ValueError("linear_loss: the nn.Linear has a bias; the fused linear form has none")
+        return weight.weight
+    return weight
+
+
+def linear_loss(hidden: Tensor, weight, labels: Optional[Tensor] = None, *,
+                terms: Sequence[str] = ("ce",), weights: Optional[Tensor] = None,
+                teacher_logits: Optional[Tensor] = None, advantages: Optional[Tensor] = None,
+                old_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None,
+                divisor: float = 0.0, **options):
+    """The fused linear form of the loss plan as a torch custom op: the loss of the logits
+    hidden @ weight.T without forming them (only a chunk of rows at a time exists, in the
+    workspace). Returns (loss, metrics dict of 0-d tensors, no gradient).
+
+    hidden [..., H] (leading dims flattened to rows); weight [V, H] (lm_head.weight, or the
+    nn.Linear itself, without a bias); labels and the per-row inputs [...] (labels < 0 ignored);
+    teacher_logits [..., V]. Options as lm_head_loss (ce_weight, z_weight, entropy_weight,
+    distill_weight, grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap,
+    teacher_temperature, student_temperature, eps_low, eps_high, ignore_index, check), and:
+      teacher_hidden [..., Ht], teacher_weight [V, Ht]: a teacher fused the same way (no gradient);
+      grad_weight_dtype: "float32" sums grad_weight over the chunks in fp32 (one rounding, at the
+        cast to weight's dtype in backward); None: in weight's dtype, rounded once a chunk;
+      max_workspace_bytes: caps the workspace (default: the plan's fast size); never below the
+        plan's minimum. Smaller means more chunks: less memory, more passes over grad_weight.
+    hidden, weight and the teacher's matrices share one dtype (under torch.autocast: autocast's).
+
+    One call computes the loss and the gradients w.r.t. hidden and weight (those that require
+    grad; neither under no_grad), and backward hands them back scaled in place by the incoming
+    gradient. torch.compile(fullgraph=True) keeps headloss::linear_loss as one call. A vocabulary
+    sharded over tensor-parallel ranks is not differentiable here: use headloss.LinearLossPlan's
+    stats / finish (or nccl), whose grad_hidden is each rank's part to all-reduce.
+    """
+    teacher_hidden, teacher_weight = options.pop("teacher_hidden", None), options.pop("teacher_weight", None)
+    max_workspace_bytes = options.pop("max_workspace_bytes", None)
+    mats = _compute_dtype(hidden, dict(weight=_head_weight(weight), teacher_hidden=teacher_hidden,
+                                       teacher_weight=teacher_weight, teacher_logits=teacher_logits))
+    grad = torch.is_grad_enabled()
+    scalars, _, _ = torch.ops.headloss.linear_loss(
+        _matrix(mats["hidden"]), _matrix(mats["weight"]), _per_row(labels), _per_row(weights),
+        _matrix(mats["teacher_logits"]), _per_row(advantages), _per_row(old_logprobs),
+        _per_row(ref_logprobs), _matrix(mats["teacher_hidden"]), _matrix(mats["teacher_weight"]),
+        _options_json(_options_key(terms, options)), float(divisor),
+        bool(grad and mats["hidden"].requires_grad), bool(grad and mats["weight"].requires_grad),
+        None if max_workspace_bytes is None else int(max_workspace_bytes))
+    return scalars[0], _metrics(scalars)
+
+
+class LinearLoss(torch.nn.Module):
+    """linear_loss as a module: the options at construction (terms, plan options,
+    grad_weight_dtype, max_workspace_bytes), the inputs at call time:
+    forward(hidden, weight or an nn.Linear, labels, **inputs) -> (loss, metrics)."""
+
+    def __init__(self, terms: Sequence[str] = ("ce",), **options):
+        super().__init__()
+        self.terms, self.options = tuple(terms), options
+
+    def forward(self, hidden: Tensor, weight, labels: Optional[Tensor] = None, **inputs):
+        return linear_loss(hidden, weight, labels, terms=self.terms, **inputs, **self.options)
+
+    def extra_repr(self) -> str:
+        return f"terms={self.terms}" + "".join(f", {k}={v!r}" for k, v in self.options.items())
+
+
+LMHeadLinearLoss = LinearLoss

@@ -18,12 +18,22 @@
 //                       [token_loss, token_logp, token_entropy, token_lse: token_outputs]
 //                       attrs: the hl_loss_plan_desc_t fields by name (terms, flags, ce_weight, ...,
 //                       grad_mode; vocab_global (i64) and ranks for a shard), divisor (f64),
-//                       grad_scale (f32), inputs, token_outputs (i32).
+//                       grad_scale (f32), inputs, token_outputs (i32), max_workspace_bytes (i64,
+//                       optional: caps the workspace, never below the plan's minimum).
+//   The fused linear form (attr linear = 1), through the same handlers: args hidden [.., H], weight
+//                       [V, H] instead of logits, inputs bits as above plus 64 teacher_hidden,
+//                       128 teacher_weight; rets scalars, [grad_hidden: grad_hidden_mode],
+//                       [grad_weight: grad_weight_mode], [tokens]. Its workspace (the chunks of
+//                       logits) comes from XLA's scratch allocator: the plan's fast size unless
+//                       max_workspace_bytes caps it.
 // The vocabulary-sharded loss (hl_loss_plan_execute_stats / _finish; the caller all-gathers the
 // blocks in between, e.g. jax.lax.all_gather under shard_map), attrs as hl_jax_loss:
-//   hl_jax_loss_stats   args logits, [labels], [teacher_logits] (bits of `inputs`), vocab_start
-//                       rets block u8[hl_loss_plan_get_stats_size]; attr grad_dtype (i32
-//                       hl_dtype_t) names the finish's gradient dtype (the block's plan must match)
+//   hl_jax_loss_stats   args logits (or hidden, weight), [labels], [teacher_logits], [teacher_hidden,
+//                       teacher_weight] (bits of `inputs`), vocab_start
+//                       rets block u8[hl_loss_plan_get_stats_size]; attrs grad_dtype (or
+//                       grad_hidden_dtype, grad_weight_dtype; i32 hl_dtype_t) name the finish's
+//                       gradient dtypes (the block's plan must match). The linear form's statistics
+//                       step takes a workspace of its own (finish forms the logits again).
 //   hl_jax_loss_finish  args as hl_jax_loss, then gathered (u8, the ranks' blocks), vocab_start
 //                       rets as hl_jax_loss
 // vocab_start is a scalar s32 / s64 operand, not an attribute: under shard_map every device runs
@@ -31,6 +41,7 @@
 // Loss plans are created once per configuration (the plan description, vocab_start included, plus
 // the backend and the device) and kept in a process-wide, mutex-guarded cache; plans are immutable
 // and safe to share between threads.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -235,14 +246,54 @@ ffi::Error GetPlan(const hl_loss_plan_desc_t &d, int32_t device, hl_loss_plan_t 
   return ffi::Error::Success();
 }
 
-// One loss call's plan description and arguments; ai, ri: the next argument and result.
+// One loss call's plan description and arguments; ai, ri: the next argument and result;
+// max_ws: the workspace cap (negative: none).
 struct LossCall {
   hl_loss_plan_desc_t d;
   hl_loss_args_t a;
   size_t ai = 0, ri = 0;
+  int64_t max_ws = -1;
 };
 
-// The description from the attributes and the logits; the arguments from the logits and the
+ffi::Error Invalid(const std::string &msg) { return ffi::Error::InvalidArgument("headloss: " + msg); }
+
+// A matrix argument the plan reads as `want` (its pointer carries no dtype).
+ffi::Error CheckDtype(const ffi::AnyBuffer &b, hl_dtype_t want, const char *name) {
+  hl_dtype_t t;
+  if (!ToHl(b.element_type(), &t) || t != want)
+    return Invalid(std::string(name) + " has another dtype than the plan reads it as");
+  return ffi::Error::Success();
+}
+
+// The main operands: logits, or (linear = 1) hidden [rows, H] and weight [vocab, H].
+ffi::Error LossOperands(ffi::RemainingArgs args, ffi::Dictionary attrs, LossCall *c) {
+  hl_loss_plan_desc_t &d = c->d;
+  hl_loss_args_t &a = c->a;
+  if (!Get<int32_t>(attrs, "linear", 0)) {
+    HL_JAX_ARG(logits, args, c->ai++);
+    RowsCols(logits, &a.rows, &d.vocab);
+    HL_JAX_DTYPE(d.logits_dtype, logits, "logits");
+    a.logits = logits.untyped_data();
+    d.grad_mode = static_cast<hl_loss_grad_mode_t>(Get<int32_t>(attrs, "grad_mode", 0));
+    return ffi::Error::Success();
+  }
+  HL_JAX_ARG(hidden, args, c->ai++);
+  HL_JAX_ARG(weight, args, c->ai++);
+  int64_t wcols = 0;
+  RowsCols(hidden, &a.rows, &d.hidden);
+  RowsCols(weight, &d.vocab, &wcols);
+  HL_JAX_DTYPE(d.weight_dtype, hidden, "hidden");
+  HL_JAX_TRY(CheckDtype(weight, d.weight_dtype, "weight"));
+  if (wcols != d.hidden || weight.dimensions().size() != 2)
+    return Invalid("weight must be [vocab, " + std::to_string(d.hidden) + "] (hidden's last dimension)");
+  a.hidden = hidden.untyped_data();
+  a.weight = weight.untyped_data();
+  d.grad_hidden_mode = static_cast<hl_loss_grad_mode_t>(Get<int32_t>(attrs, "grad_hidden_mode", 0));
+  d.grad_weight_mode = static_cast<hl_loss_grad_mode_t>(Get<int32_t>(attrs, "grad_weight_mode", 0));
+  return ffi::Error::Success();
+}
+
+// The description from the attributes and the operands; the arguments from the operands and the
 // per-row inputs that the `inputs` bits name.
 ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictionary attrs,
                       LossCall *c) {
@@ -253,10 +304,7 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
   d.backend = backend;
   std::memset(&a, 0, sizeof a);
   a.struct_size = sizeof a;
-  HL_JAX_ARG(logits, args, c->ai++);
-  RowsCols(logits, &a.rows, &d.vocab);
-  HL_JAX_DTYPE(d.logits_dtype, logits, "logits");
-  a.logits = logits.untyped_data();
+  HL_JAX_TRY(LossOperands(args, attrs, c));
   d.labels_dtype = HL_DTYPE_NONE;
   d.terms = static_cast<unsigned>(Get<int32_t>(attrs, "terms", HL_LOSS_CE));
   d.flags = static_cast<unsigned>(Get<int32_t>(attrs, "flags", 0));
@@ -275,39 +323,63 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
   d.eps_high = Get<float>(attrs, "eps_high", 0.0f);
   d.use_ignore_index = Get<int32_t>(attrs, "use_ignore_index", 0);
   d.ignore_index = Get<int64_t>(attrs, "ignore_index", -100);
-  d.grad_mode = static_cast<hl_loss_grad_mode_t>(Get<int32_t>(attrs, "grad_mode", 0));
   d.vocab_global = Get<int64_t>(attrs, "vocab_global", 0);
   d.ranks = Get<int32_t>(attrs, "ranks", 0);
   a.divisor = Get<double>(attrs, "divisor", 0.0);
   a.grad_scale = Get<float>(attrs, "grad_scale", 0.0f);
+  c->max_ws = Get<int64_t>(attrs, "max_workspace_bytes", -1);
   const int inputs = Get<int32_t>(attrs, "inputs", 0);
   if (inputs & 1) {
     HL_JAX_ARG(b, args, c->ai++);
     HL_JAX_DTYPE(d.labels_dtype, b, "labels");
     a.labels = b.untyped_data();
   }
-  const void **opt[] = {reinterpret_cast<const void **>(&a.weights), &a.teacher_logits,
-                        reinterpret_cast<const void **>(&a.advantages),
-                        reinterpret_cast<const void **>(&a.old_logprobs),
-                        reinterpret_cast<const void **>(&a.ref_logprobs)};
-  for (int bit = 1; bit < 6; ++bit) {
-    if (inputs & (1 << bit)) {
-      HL_JAX_ARG(b, args, c->ai++);
-      *opt[bit - 1] = b.untyped_data();
-    }
+  // The teacher's matrices are in the logits' dtype (the linear form: the weight's).
+  const hl_dtype_t mat = d.hidden ? d.weight_dtype : d.logits_dtype;
+  struct Opt {
+    const void **ptr;
+    hl_dtype_t dtype;
+    const char *name;
+  } const opt[] = {{reinterpret_cast<const void **>(&a.weights), HL_DTYPE_F32, "weights"},
+                   {&a.teacher_logits, mat, "teacher_logits"},
+                   {reinterpret_cast<const void **>(&a.advantages), HL_DTYPE_F32, "advantages"},
+                   {reinterpret_cast<const void **>(&a.old_logprobs), HL_DTYPE_F32, "old_logprobs"},
+                   {reinterpret_cast<const void **>(&a.ref_logprobs), HL_DTYPE_F32, "ref_logprobs"},
+                   {&a.teacher_hidden, mat, "teacher_hidden"},
+                   {&a.teacher_weight, mat, "teacher_weight"}};
+  for (int bit = 1; bit < 8; ++bit) {
+    if (!(inputs & (1 << bit))) continue;
+    HL_JAX_ARG(b, args, c->ai++);
+    HL_JAX_TRY(CheckDtype(b, opt[bit - 1].dtype, opt[bit - 1].name));
+    *opt[bit - 1].ptr = b.untyped_data();
+    int64_t rows = 0, cols = 0;
+    RowsCols(b, &rows, &cols);
+    if (bit == 6) d.teacher_hidden = cols;
+    if (bit == 7 && (rows != d.vocab || cols != d.teacher_hidden))
+      return Invalid("teacher_weight must be [vocab, teacher_hidden's last dimension]");
   }
   return ffi::Error::Success();
 }
 
-// The results of a loss or finish call: scalars, [grad: grad_mode != 0], [4 per-token outputs].
+// A gradient result, where its mode asks for one: its dtype and pointer.
+ffi::Error GradOutput(ffi::RemainingRets rets, hl_loss_grad_mode_t mode, hl_dtype_t *dtype, void **ptr,
+                      const char *name, LossCall *c) {
+  if (mode == HL_LOSS_GRAD_NONE) return ffi::Error::Success();
+  HL_JAX_RET(g, rets, c->ri++);
+  HL_JAX_DTYPE(*dtype, *g, name);
+  *ptr = g->untyped_data();
+  return ffi::Error::Success();
+}
+
+// The results of a loss or finish call: scalars, [grad: grad_mode != 0] (the linear form:
+// [grad_hidden], [grad_weight] by their modes), [4 per-token outputs].
 ffi::Error LossOutputs(ffi::RemainingRets rets, ffi::Dictionary attrs, LossCall *c) {
   HL_JAX_RET(scalars, rets, c->ri++);
   c->a.scalars = static_cast<float *>(scalars->untyped_data());
-  if (c->d.grad_mode != HL_LOSS_GRAD_NONE) {
-    HL_JAX_RET(grad, rets, c->ri++);
-    HL_JAX_DTYPE(c->d.grad_dtype, *grad, "grad");
-    c->a.grad = grad->untyped_data();
-  }
+  hl_loss_plan_desc_t &d = c->d;
+  HL_JAX_TRY(GradOutput(rets, d.grad_mode, &d.grad_dtype, &c->a.grad, "grad", c));
+  HL_JAX_TRY(GradOutput(rets, d.grad_hidden_mode, &d.grad_hidden_dtype, &c->a.grad_hidden, "grad_hidden", c));
+  HL_JAX_TRY(GradOutput(rets, d.grad_weight_mode, &d.grad_weight_dtype, &c->a.grad_weight, "grad_weight", c));
   if (Get<int32_t>(attrs, "token_outputs", 0)) {
     float **tok[] = {&c->a.token_loss, &c->a.token_logp, &c->a.token_entropy, &c->a.token_lse};
     for (float **t : tok) {
@@ -347,14 +419,18 @@ ffi::Error VocabStart(hl_backend_t backend, hl_stream_t stream, ffi::RemainingAr
   return ffi::Error::Success();
 }
 
-// Finds c's plan and runs `run(plan, workspace, workspace_bytes)` with a workspace for its rows.
+// Finds c's plan and runs `run(plan, workspace, workspace_bytes)` with a workspace for its rows
+// (unless want_ws is false): the plan's fast size, capped by c.max_ws, never below its minimum.
 template <typename Run>
-ffi::Error WithPlan(const LossCall &c, int32_t device, ffi::ScratchAllocator *scratch, Run run) {
+ffi::Error WithPlan(const LossCall &c, int32_t device, ffi::ScratchAllocator *scratch, Run run,
+                    bool want_ws = true) {
   hl_loss_plan_t plan = nullptr;
   HL_JAX_TRY(GetPlan(c.d, device, &plan));
-  size_t bytes = 0;
-  HL_JAX_TRY(Done(hl_loss_plan_get_workspace_size(plan, c.a.rows, &bytes),
-                  "hl_loss_plan_get_workspace_size"));
+  size_t lo = 0, bytes = 0;
+  if (want_ws)
+    HL_JAX_TRY(Done(hl_loss_plan_get_workspace_sizes(plan, c.a.rows, &lo, &bytes),
+                    "hl_loss_plan_get_workspace_sizes"));
+  if (c.max_ws >= 0) bytes = std::max(lo, std::min(bytes, static_cast<size_t>(c.max_ws)));
   Workspace ws{scratch, {}};
   void *w = nullptr;
   HL_JAX_TRY(ws.Get(bytes, "loss plan", &w));
@@ -371,25 +447,30 @@ ffi::Error Loss(hl_backend_t backend, hl_stream_t stream, int32_t device, ffi::S
   });
 }
 
-ffi::Error LossStats(hl_backend_t backend, hl_stream_t stream, int32_t device, ffi::ScratchAllocator *,
+ffi::Error LossStats(hl_backend_t backend, hl_stream_t stream, int32_t device, ffi::ScratchAllocator *scratch,
                      ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   LossCall c;
   HL_JAX_TRY(LossInputs(backend, args, attrs, &c));
   HL_JAX_TRY(VocabStart(backend, stream, args, &c));
-  // No gradient buffer here to take its dtype from, yet the block's plan must be the finish's.
-  c.d.grad_dtype = static_cast<hl_dtype_t>(Get<int32_t>(attrs, "grad_dtype", HL_DTYPE_NONE));
+  // No gradient buffers here to take their dtypes from, yet the block's plan must be the finish's.
+  const auto dtype = [&](const char *name) {
+    return static_cast<hl_dtype_t>(Get<int32_t>(attrs, name, HL_DTYPE_NONE));
+  };
+  c.d.grad_dtype = dtype("grad_dtype");
+  c.d.grad_hidden_dtype = dtype("grad_hidden_dtype");
+  c.d.grad_weight_dtype = dtype("grad_weight_dtype");
   HL_JAX_RET(block, rets, c.ri++);
-  hl_loss_plan_t plan = nullptr;
-  HL_JAX_TRY(GetPlan(c.d, device, &plan));
-  size_t bytes = 0;
-  HL_JAX_TRY(Done(hl_loss_plan_get_stats_size(plan, c.a.rows, &bytes), "hl_loss_plan_get_stats_size"));
-  // A larger block would pass the library's size check but misplace the gathered blocks.
-  if (block->size_bytes() != bytes)
-    return ffi::Error::InvalidArgument("headloss: the stats block has " +
-                                       std::to_string(block->size_bytes()) + " bytes; this plan's has " +
-                                       std::to_string(bytes) + " (sized for another platform?)");
-  return Done(hl_loss_plan_execute_stats(plan, &c.a, block->untyped_data(), bytes, stream),
-              "hl_loss_plan_execute_stats");
+  // The linear form forms its logits in a workspace; the logits form needs none here.
+  return WithPlan(c, device, scratch, [&](hl_loss_plan_t plan, void *w, size_t ws_bytes) {
+    size_t bytes = 0;
+    HL_JAX_TRY(Done(hl_loss_plan_get_stats_size(plan, c.a.rows, &bytes), "hl_loss_plan_get_stats_size"));
+    // A larger block would pass the library's size check but misplace the gathered blocks.
+    if (block->size_bytes() != bytes)
+      return Invalid("the stats block has " + std::to_string(block->size_bytes()) + " bytes; this plan's has " +
+                     std::to_string(bytes) + " (sized for another platform?)");
+    return Done(hl_loss_plan_execute_stats_ws(plan, &c.a, block->untyped_data(), bytes, w, ws_bytes, stream),
+                "hl_loss_plan_execute_stats");
+  }, c.d.hidden > 0);
 }
 
 ffi::Error LossFinish(hl_backend_t backend, hl_stream_t stream, int32_t device,

@@ -230,3 +230,34 @@ def test_jax_gpu_arrays_into_torch_output(rng):
     headloss.rmsnorm_fwd(xj, wj, eps=EPS, out=y)
     torch.cuda.synchronize()
     np.testing.assert_allclose(y.cpu().numpy(), ref(x, w), rtol=1e-5, atol=1e-6)
+
+
+# ---- the loss plans read bare pointers: arrays of another dtype or layout are refused --------------
+
+@pytest.mark.parametrize("mutate, err, msg", [
+    (lambda a: a.update(logits=a["logits"].astype(np.float16)), TypeError, "logits is float16; the plan expects float32"),
+    (lambda a: a.update(labels=a["labels"].astype(np.int32)), TypeError, "labels is int32; the plan expects int64"),
+    (lambda a: a.update(labels=np.repeat(a["labels"], 2)[::2]), ValueError, "labels .* must be contiguous"),
+    (lambda a: a.update(weights=np.ones(6, np.float16)), TypeError, "weights is float16"),
+    (lambda a: a.update(scalars=np.zeros(len(headloss.loss.SCALARS), np.float16)), TypeError, "scalars is float16"),
+    (lambda a: a.update(grad=np.zeros((6, 10), np.float16)), TypeError, "grad is float16"),
+])
+def test_loss_plan_refuses_misread_arrays(rng, mutate, err, msg):
+    a = dict(logits=rng.standard_normal((6, 10)).astype(np.float32), labels=np.arange(6, dtype=np.int64))
+    mutate(a)
+    with pytest.raises(err, match=msg):
+        headloss.LossPlan(10, "float32")(a.pop("logits"), a.pop("labels"), **a)
+
+
+@pytest.mark.parametrize("name, bad, msg", [
+    ("hidden", np.zeros((6, 8), np.float16), "hidden is float16; the plan expects float32"),
+    ("weight", np.zeros((10, 8), np.float16), "weight is float16"),
+    ("grad_weight", np.zeros((10, 8), np.float16), "grad_weight is float16; the plan expects float32"),
+    ("labels", np.arange(12, dtype=np.int64)[::2], "must be contiguous"),
+])
+def test_linear_loss_plan_refuses_misread_arrays(rng, name, bad, msg):
+    a = dict(hidden=rng.standard_normal((6, 8)).astype(np.float32),
+             weight=rng.standard_normal((10, 8)).astype(np.float32), labels=np.arange(6, dtype=np.int64))
+    a[name] = bad
+    with pytest.raises((TypeError, ValueError), match=msg):
+        headloss.LinearLossPlan(10, 8, "float32")(a.pop("hidden"), a.pop("weight"), a.pop("labels"), **a)

@@ -4,6 +4,8 @@ the CUDA kernels on XLA's stream). Skips without jax or without the adapter libr
 import os
 import subprocess
 import sys
+import types
+import zlib
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
@@ -248,3 +250,168 @@ def test_sharded_loss_needs_equal_shards():
                       mesh=mesh, in_specs=(P(None, "tp"), P()), out_specs=P())
     with pytest.raises(ValueError, match="equal shards"):
         f(z, labels)
+
+
+# ---- the fused linear form -----------------------------------------------------------------------
+
+def _linear_case(case, dtype, Ht=0, seed=0):
+    """(terms, options, NumPy inputs) of test_linear_loss's cases: hidden [23, 40], weight [173, 40]."""
+    from test_linear_loss import make
+    rng = np.random.default_rng(zlib.crc32(f"jax-lin-{case}-{dtype}-{seed}".encode()))
+    return make(rng, 23, 40, 173, dtype, case, Ht=Ht)
+
+
+def _linear_want(inp, terms, opts, scale=1.0):
+    from test_linear_loss import reference_linear
+    rsc, _, rgh, rgw = reference_linear(inp, terms, opts)
+    return rsc, {}, scale * rgh, scale * rgw
+
+
+def _linear_check(device, got, want, dtype):
+    from test_linear_loss import check
+    check(types.SimpleNamespace(name="cpu" if device.platform == "cpu" else "cuda"), got, want, dtype)
+
+
+def _split_linear(inp, device):
+    put = {k: jax.device_put(jnp.asarray(v), device) for k, v in inp.items()}
+    return put.pop("hidden"), put.pop("weight"), put.pop("labels", None), put
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["ce", "ce_smooth_weights_cap", "distill_fwd", "grpo_kl", "all"])
+def test_linear_loss_against_reference(device, case, dtype):
+    """jit(value_and_grad) w.r.t. hidden and weight, cotangent 2.5, against the fp64 reference of
+    matmul + loss: the loss, every metric, both gradients (in the operands' dtypes)."""
+    terms, opts, inp = _linear_case(case, dtype)
+    x, w, y, kw = _split_linear(inp, device)
+
+    @jax.jit
+    def step(x, w):
+        def f(x, w):
+            loss, metrics = hlj.linear_loss(x, w, y, terms=terms, **kw, **opts)
+            return 2.5 * loss, metrics
+        return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w)
+
+    (loss, metrics), (gx, gw) = step(x, w)
+    assert gx.dtype == x.dtype and gw.dtype == w.dtype and set(metrics) == set(SCALARS)
+    sc = {k: float(v) for k, v in metrics.items()}
+    assert float(loss) == pytest.approx(2.5 * sc["loss"], rel=1e-6)
+    _linear_check(device, (sc, {}, np.asarray(gx, np.float64), np.asarray(gw, np.float64)),
+                  _linear_want(inp, terms, opts, 2.5), dtype)
+
+
+def test_linear_loss_fused_teacher_tokens_f32_grad(device):
+    """A teacher of its own (teacher_hidden / teacher_weight), token outputs, grad_weight summed in
+    fp32 and cast to the weight's bf16 in the backward pass."""
+    from test_linear_loss import reference_linear
+    terms, opts, inp = _linear_case("all", "bfloat16", Ht=24)
+    x, w, y, kw = _split_linear(inp, device)
+    def f(x, w):
+        loss, metrics, toks = hlj.linear_loss(x, w, y, terms=terms, token_outputs=True,
+                                              grad_weight_dtype="float32", **kw, **opts)
+        return loss, (metrics, toks)
+
+    f = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+    (loss, (metrics, toks)), (gx, gw) = f(x, w)
+    assert gw.dtype == jnp.bfloat16
+    sc = {k: float(v) for k, v in metrics.items()}
+    _linear_check(device, (sc, {}, np.asarray(gx, np.float64), np.asarray(gw, np.float64)),
+                  _linear_want(inp, terms, opts), "bfloat16")
+    rtoks = reference_linear(inp, terms, opts)[1]
+    tol = 1e-6 if device.platform == "cpu" else 0.1
+    for got, k in zip(toks, ("loss", "logp", "entropy", "lse")):
+        assert rel(got, rtoks[k]) < tol, k
+
+
+def _ffi_params(jaxpr):
+    """The attributes of every headloss ffi_call in a jaxpr, nested ones included."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "ffi_call":
+            out.append(dict(e.params["attributes"]))
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _ffi_params(inner)
+    return out
+
+
+@pytest.mark.parametrize("argnums, modes", [((0,), (1, 0)), ((1,), (0, 1)), ((0, 1), (1, 1)), (None, (0, 0))])
+def test_linear_loss_forms_only_the_gradients_asked_for(argnums, modes):
+    """jax.grad w.r.t. hidden alone makes the plan form grad_hidden alone (and so on); the value
+    alone forms none. Each result matches the reference."""
+    terms, opts, inp = _linear_case("ce", "float32")
+    cpu = jax.devices("cpu")[0]
+    x, w, y, kw = _split_linear(inp, cpu)
+    f = lambda x, w: hlj.linear_loss(x, w, y, terms=terms, **kw, **opts)[0]  # noqa: E731
+    fn = f if argnums is None else jax.grad(f, argnums=argnums)
+    params = _ffi_params(jax.make_jaxpr(fn)(x, w).jaxpr)
+    assert len(params) == 1 and params[0]["linear"] == 1
+    assert (params[0]["grad_hidden_mode"], params[0]["grad_weight_mode"]) == modes
+    _, _, rgh, rgw = _linear_want(inp, terms, opts)
+    res = jax.jit(fn)(x, w)
+    if argnums is not None:
+        for i, g in zip(argnums, res):
+            assert rel(g, (rgh, rgw)[i]) < 1e-5
+
+
+def test_linear_loss_plan_reuse_and_workspace_cap(device):
+    """One plan per configuration under jit; max_workspace_bytes (down to the plan's minimum:
+    chunks of few rows on CUDA) gives the reference's result."""
+    terms, opts, inp = _linear_case("ce", "bfloat16")
+    x, w, y, kw = _split_linear(inp, device)
+    want = _linear_want(inp, terms, opts)
+    for cap in (None, 0, 1 << 20):
+        f = jax.jit(jax.value_and_grad(lambda x, w: hlj.linear_loss(
+            x, w, y, terms=terms, max_workspace_bytes=cap, **opts), argnums=(0, 1), has_aux=True))
+        (_, metrics), (gx, gw) = f(x, w)
+        sc = {k: float(v) for k, v in metrics.items()}
+        _linear_check(device, (sc, {}, np.asarray(gx, np.float64), np.asarray(gw, np.float64)), want,
+                      "bfloat16")
+        n = hlj.loss_plan_count()
+        for i in range(2):  # new data, same configuration: no new plan, no recompilation
+            f(x * (i + 2), w)[0][0].block_until_ready()
+        assert hlj.loss_plan_count() == n
+
+
+def test_linear_loss_errors():
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        x, w = jnp.zeros((4, 8), jnp.float32), jnp.zeros((10, 8), jnp.float32)
+        y = jnp.asarray([0, 1, 2, 99], jnp.int32)
+        with pytest.raises(Exception, match="labels"):
+            hlj.linear_loss(x, w, y)[0].block_until_ready()
+        with pytest.raises(ValueError, match=r"expected \[vocab, 8\]"):
+            hlj.linear_loss(x, jnp.zeros((10, 7), jnp.float32), y)
+        with pytest.raises(TypeError, match="hidden's dtype"):
+            hlj.linear_loss(x, w.astype(jnp.bfloat16), y)
+        with pytest.raises(ValueError, match="go together"):
+            hlj.linear_loss(x, w, y, terms=("distill_fwd",), teacher_hidden=x)
+        with pytest.raises(TypeError, match="unknown options"):
+            hlj.linear_loss(x, w, y, zz_weight=1.0)
+
+
+def test_sharded_linear_loss_one_device(device):
+    """sharded_linear_loss on a one-device mesh against linear_loss (examples/jax_shard_map.py
+    runs it on 4 devices): the same loss, the same gradients w.r.t. hidden and weight."""
+    terms, opts, inp = _linear_case("all", "float32", Ht=16)
+    x, w, y, kw = _split_linear(inp, device)
+    whole = jax.value_and_grad(lambda x, w: hlj.linear_loss(x, w, y, terms=terms, **kw, **opts)[0],
+                               argnums=(0, 1))
+    ref_loss, (rx, rw) = whole(x, w)
+    mesh = jax.sharding.Mesh(np.array([device]), ("tp",))
+    names = sorted(kw)
+    specs = tuple(P("tp", None) if k in ("teacher_weight",) else P(None, "tp") if k == "teacher_logits" else P()
+                  for k in names)
+
+    def body(x, w, y, *rest):
+        return jax.value_and_grad(lambda x, w: hlj.sharded_linear_loss(
+            x, w, y, axis_name="tp", vocab_global=w.shape[0], terms=terms, **dict(zip(names, rest)),
+            **opts)[0], argnums=(0, 1))(x, w)
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("tp", None), P()) + specs,
+                                 out_specs=(P(), (P(), P("tp", None)))))
+    loss, (gx, gw) = step(x, w, y, *(kw[k] for k in names))
+    tol = 1e-6 if device.platform == "cpu" else 1e-3
+    assert rel(loss, ref_loss) <= tol and rel(gx, rx) <= tol and rel(gw, rw) <= tol
