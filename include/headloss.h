@@ -102,7 +102,7 @@ HL_API int hl_backend_is_available(hl_backend_t backend);
  *   LLAMA: s * rstd is rounded to x's dtype before the weight multiply (Llama, HF default).
  *   GEMMA: everything in fp32, one rounding at the store (use with offset = 1 for Gemma).
  *   NONE:  each step rounded to x's dtype (rstd, s * rstd, offset + w, the product).
- * Without a weight, y = s * rstd (and offset must be 0).
+ * Without a weight, y = s * rstd whatever the offset (Gemma's norm without a scale; as HF and Liger).
  *
  * Layout: x, residual, residual_out, y are [rows, cols] with their own row strides (elements,
  * 0 = packed); the last dimension is contiguous. residual and residual_out share x's dtype.
@@ -148,7 +148,7 @@ typedef struct {
 HL_API hl_status_t rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t stream);
 
 /*
- * Backward of rmsnorm_fwd. With xhat = s * rstd and g = dy * (offset + w):
+ * Backward of rmsnorm_fwd. With xhat = s * rstd and g = dy * (offset + w) (g = dy without a weight):
  *   dx = rstd * (g - xhat * mean(g * xhat)) + dresidual_out,   dw = sum over rows of dy * xhat
  * (in LLAMA mode xhat is rounded to x's dtype first, as in the forward). dx is the gradient of
  * both x and the fused residual; dresidual_out (optional) is the gradient flowing into

@@ -5,7 +5,7 @@
 # (default: all; bench-NAME runs bench/bench_NAME.py; `bench` runs every benchmark).
 # HL_TESTS="tests/python/test_x.py ..." limits the test step to those files, HL_SANITIZE="rms gdn"
 # the sanitizer step to those families (rms, loss, tp, gdn), HL_BENCH_ARGS="..." adds arguments to
-# every bench-NAME script. HL_COMMIT=<hash> names the commit in the benchmark tables (the device's
+# every bench-NAME script (tools/bench.sh). HL_COMMIT=<hash> names the commit in the benchmark tables (the device's
 # copy of the tree has no current .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,18 +67,14 @@ if want sanitize; then
   done
 fi
 
+names=()
 for s in "${steps[@]}"; do
   case $s in
-    bench) names=$(ls bench/bench_*.py | sed 's#bench/bench_\(.*\)\.py#\1#') ;;
-    bench-*) names=${s#bench-} ;;
-    *) continue ;;
+    bench) mapfile -t -O "${#names[@]}" names < <(ls bench/bench_*.py | sed 's#bench/bench_\(.*\)\.py#\1#') ;;
+    bench-*) names+=("${s#bench-}") ;;
   esac
-  for n in $names; do
-    echo "== bench $n"
-    timeout 300 python3 "bench/bench_$n.py" --out "$OUT/bench_$n.md" ${HL_BENCH_ARGS:-} 2>&1 | tail -40 || status=1
-  done
-  if [[ $s == bench || $s == bench-rmsnorm ]]; then
-    build-device/bench/rmsnorm_latency | tee "$OUT/rmsnorm_latency.txt"
-  fi
 done
+if [ ${#names[@]} -gt 0 ]; then
+  BUILD=build-device OUT=$OUT tools/bench.sh "${names[@]}" || status=1
+fi
 exit $status

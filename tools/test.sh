@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the library and runs every test: the cmocka C tests through CTest, then pytest.
-# On a fresh machine it installs cmocka (apt-get, when root) and NumPy + pytest + ml_dtypes into
-# a local venv (.venv). GPU tests run when a GPU is visible and skip with a reason otherwise.
+# On a fresh machine it installs cmocka (apt-get, when root) and NumPy + pytest + ml_dtypes + jax
+# (CPU) into a local venv (.venv). GPU tests run when a GPU is visible and skip with a reason
+# otherwise.
 # HL_PYTHON=python3 uses that interpreter instead of the venv (the GPU machine's, with torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,13 +24,15 @@ else
     echo "== creating .venv"
     python3 -m venv .venv
   fi
-  PY=.venv/bin/python
-  "$PY" -c "import numpy, pytest, ml_dtypes" 2>/dev/null ||
-    "$PY" -m pip install -q numpy pytest ml_dtypes
+  PY=$PWD/.venv/bin/python
+  # jax (CPU): the JAX adapter builds against its FFI headers and its tests run on the CPU backend.
+  "$PY" -c "import numpy, pytest, ml_dtypes, jax" 2>/dev/null ||
+    "$PY" -m pip install -q numpy pytest ml_dtypes jax
+  export HL_PIP_TEST=${HL_PIP_TEST:-1}  # tests/python/test_package.py: pip wheel . (needs PyPI)
 fi
 
 echo "== building"
-cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release ${CMAKE_FLAGS:-} >/dev/null
+cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DHL_JAX_PYTHON="$PY" ${CMAKE_FLAGS:-} >/dev/null
 cmake --build "$BUILD" -j "$(nproc)"
 
 echo "== C tests (cmocka)"

@@ -6,6 +6,14 @@
 
 namespace hl::cuda {
 
+// False in the device pass of an architecture without clusters (sm_80): the host launches cluster
+// shapes only where code_arch() >= 90, so there their kernels compile to nothing.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+inline constexpr bool kClusterCode = false;
+#else
+inline constexpr bool kClusterCode = true;
+#endif
+
 __device__ __forceinline__ uint32_t smem_addr(const void *p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

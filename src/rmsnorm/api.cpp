@@ -18,11 +18,8 @@ hl_status_t check_common(const char *fn, hl_backend_t backend, int64_t rows, int
                 "%s: cast is %d; use HL_RMSNORM_CAST_LLAMA, _GEMMA or _NONE", fn, int(cast));
   if (!std::isfinite(offset)) return fail(HL_STATUS_INVALID_VALUE, "%s: offset is not finite", fn);
   HL_TRY(check_float_dtype(fn, "x_dtype", x_dtype));
+  // Without a weight the offset is ignored (y = s * rstd), as in HF's and Liger's norms.
   if (weight) return check_float_dtype(fn, "weight_dtype", weight_dtype);
-  if (offset != 0.0f)
-    return fail(HL_STATUS_INVALID_VALUE,
-                "%s: offset is %g but there is no weight; offset applies to a weight (offset + w)",
-                fn, double(offset));
   return HL_STATUS_SUCCESS;
 }
 

@@ -86,6 +86,7 @@ static void cpu_forward_fuses_the_residual(void **state) {
   fill(s, 4);
   hl_rmsnorm_fwd_args_t a = fwd_args(y, NULL);
   a.weight = NULL;
+  a.offset = 1.0f; /* ignored without a weight (Gemma's norm without a scale): y = xhat */
   a.residual = res;
   a.residual_out = s;
   assert_ok(rmsnorm_fwd(&a, NULL));
@@ -109,6 +110,22 @@ static void cpu_backward_matches_hand_values(void **state) {
                              2.921186778615107};
   assert_close(dx, want_dx, 4, 1e-5);
   assert_close(dw, want_dw, 4, 1e-5);
+}
+
+/* Without a weight the offset is ignored: dx = rstd (dy - xhat mean(dy xhat)). */
+static void cpu_backward_without_weight_ignores_offset(void **state) {
+  (void)state;
+  float dx[4];
+  fill(dx, 4);
+  hl_rmsnorm_bwd_args_t a = bwd_args(dx, NULL);
+  a.weight = NULL;
+  a.offset = 1.0f;
+  assert_ok(rmsnorm_bwd(&a, NULL));
+  const double r = 1.0 / sqrt(7.5 + 1e-6); /* mean(x^2) = 30 / 4 */
+  double dot = 0, want[4];
+  for (int i = 0; i < 4; ++i) dot += DY[i] * X[i] * r;
+  for (int i = 0; i < 4; ++i) want[i] = r * (DY[i] - X[i] * r * dot / 4);
+  assert_close(dx, want, 4, 1e-5);
 }
 
 static void zero_size_is_a_no_op(void **state) {
@@ -147,7 +164,7 @@ static void forward_rejects_bad_arguments(void **state) {
       {"eps is -1", HL_STATUS_INVALID_VALUE},
       {"y is NULL", HL_STATUS_INVALID_VALUE},
       {"x_stride is 3, smaller than cols", HL_STATUS_INVALID_VALUE},
-      {"offset is 1 but there is no weight", HL_STATUS_INVALID_VALUE},
+      {"offset is not finite", HL_STATUS_INVALID_VALUE},
       {"residual_out is set but residual is NULL", HL_STATUS_INVALID_VALUE},
       {"residual_out (required with residual) is NULL", HL_STATUS_INVALID_VALUE},
       {"x (", HL_STATUS_MISALIGNED},
@@ -172,7 +189,7 @@ static void forward_rejects_bad_arguments(void **state) {
       case 6: a.eps = -1; break;
       case 7: a.y = NULL; break;
       case 8: a.x_stride = 3; break;
-      case 9: a.weight = NULL; a.offset = 1; break;
+      case 9: a.offset = INFINITY; break;
       case 10: a.residual_out = s; break;
       case 11: a.residual = X; break;
       case 12: a.x = (const char *)xbuf + 2; break;
@@ -245,6 +262,7 @@ int main(void) {
       cmocka_unit_test(cpu_forward_matches_hand_values),
       cmocka_unit_test(cpu_forward_fuses_the_residual),
       cmocka_unit_test(cpu_backward_matches_hand_values),
+      cmocka_unit_test(cpu_backward_without_weight_ignores_offset),
       cmocka_unit_test(zero_size_is_a_no_op),
       cmocka_unit_test(forward_rejects_bad_arguments),
       cmocka_unit_test(forward_allows_exact_in_place),

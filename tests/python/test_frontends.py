@@ -117,9 +117,9 @@ def test_place_checks():
 def test_library_error_carries_message(rng):
     x, _ = draw(rng)
     with pytest.raises(headloss.HeadlossError) as e:
-        headloss.rmsnorm(x, None, eps=EPS, offset=1.0)  # an offset needs a weight
+        headloss.rmsnorm(x, None, eps=-1.0)
     assert e.value.status == 1  # HL_STATUS_INVALID_VALUE
-    assert "offset" in str(e.value)
+    assert "eps is -1" in str(e.value)
 
 
 def test_python_side_errors(rng):

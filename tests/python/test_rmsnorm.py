@@ -34,7 +34,7 @@ def draw(rng, rows, cols, xdt, residual, cast, wdt=None, ydt=None):
     wdt = wdt or str(rng.choice(XDTS + ["none"]))
     w = None if wdt == "none" else (1 + 0.5 * rng.standard_normal(cols)).astype(DTYPES[wdt])
     r = rng.standard_normal((rows, cols)).astype(DTYPES[xdt]) if residual else None
-    offset = 1.0 if (cast == "gemma" and w is not None) else 0.0
+    offset = 1.0 if cast == "gemma" else 0.0  # without a weight it is ignored (y = x_hat)
     ydt = ydt or str(rng.choice(XDTS))
     return x, w, r, offset, ydt
 
@@ -146,10 +146,21 @@ def test_leading_dims_and_numpy_outputs(rng):
     assert y.shape == x.shape and rel_err(y.reshape(6, 16), y_ref) < TOL["float32"]
 
 
+def test_offset_without_weight_is_ignored(rng):
+    """As HF's and Liger's norms (Gemma's norm without a scale): y = x_hat, the offset unused."""
+    x = rng.standard_normal((3, 40)).astype(np.float32)
+    for cast in CASTS:
+        y = headloss.rmsnorm_fwd(x, offset=1.0, eps=EPS, cast=cast).y
+        assert rel_err(y, rmsnorm_ref(x, eps=EPS, cast=cast)[0]) < TOL["float32"], cast
+        dy = rng.standard_normal(x.shape).astype(np.float32)
+        dx = headloss.rmsnorm_bwd(dy, x, offset=1.0, eps=EPS, cast=cast).dx
+        assert rel_err(dx, rmsnorm_bwd_ref(dy, x, eps=EPS, cast=cast)[0]) < 1e-5, cast
+
+
 def test_errors_raise_with_the_library_message():
     x = np.ones((2, 4), np.float32)
-    with pytest.raises(headloss.HeadlossError, match="offset is 1 but there is no weight"):
-        headloss.rmsnorm_fwd(x, offset=1.0)
+    with pytest.raises(headloss.HeadlossError, match="eps is -1"):
+        headloss.rmsnorm_fwd(x, eps=-1.0)
     with pytest.raises(ValueError, match="cast must be one of"):
         headloss.rmsnorm(x, cast="mistral")
 

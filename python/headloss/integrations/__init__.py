@@ -1,0 +1,2 @@
+"""One-line integrations with model libraries (each imports its library on demand):
+headloss.integrations.transformers (Hugging Face causal LMs: RMSNorm and the LM-head loss)."""

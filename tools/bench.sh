@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU benchmarks (`make bench`; tools/device.sh's bench step): bench/bench_NAME.py for each NAME
+# given (default: every one), and the C latency benchmark with rmsnorm. Each prints its table and
+# writes it to $OUT/bench_NAME.md (default bench/out/; committed tables go to bench/results/).
+# Needs a GPU, PyTorch and the built library; BUILD names the build folder (default build),
+# HL_BENCH_ARGS="..." adds arguments to every bench script.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/out}
+BUILD=${BUILD:-build}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+export HEADLOSS_LIBRARY=${HEADLOSS_LIBRARY:-$PWD/lib/libheadloss.so} PYTHONUNBUFFERED=1
+if ! "$PY" -c "import sys, headloss; sys.exit(not headloss.cuda_available())" 2>/dev/null; then
+  echo "bench: no GPU, or the library has no CUDA backend: nothing to measure" >&2
+  exit 1
+fi
+names=("$@")
+[ ${#names[@]} -eq 0 ] && mapfile -t names < <(ls bench/bench_*.py | sed 's#bench/bench_\(.*\)\.py#\1#')
+status=0
+for n in "${names[@]}"; do
+  echo "== bench $n"
+  # shellcheck disable=SC2086  # the arguments are meant to split
+  timeout 300 "$PY" "bench/bench_$n.py" --out "$OUT/bench_$n.md" ${HL_BENCH_ARGS:-} 2>&1 | tail -40 || status=1
+  if [ "$n" = rmsnorm ] && [ -x "$BUILD/bench/rmsnorm_latency" ]; then
+    "$BUILD/bench/rmsnorm_latency" | tee "$OUT/rmsnorm_latency.txt" || status=1
+  fi
+done
+exit $status
