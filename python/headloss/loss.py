@@ -455,7 +455,7 @@ def fused_loss(logits, labels=None, *, terms=("ce",), weights=None, teacher_logi
     ldt = None if labels is None else view(labels, "labels").dtype
     key = dict(options, terms=tuple(terms) if not isinstance(terms, int) else terms, grad=grad,
                labels_dtype={None: None, DTYPE_I32: "int32", DTYPE_I64: "int64"}[ldt])
-    plan = _cached_plan(lv.shape[-1], lv.dtype, device, tuple(sorted(key.items())))
+    plan = _cached_plan(lv.shape[-1], DTYPE_NAMES[lv.dtype], device, tuple(sorted(key.items())))
     return plan(logits, labels, weights=weights, teacher_logits=teacher_logits,
                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                 divisor=divisor, grad_scale=grad_scale, token_outputs=token_outputs)

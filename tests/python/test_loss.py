@@ -317,6 +317,24 @@ def test_finite_differences():
     check(CpuBackend(), run_lib(CpuBackend(), inp, terms, opts), run_ref(inp, terms, opts), "float32")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_loss_one_call(be, dtype):
+    """headloss.fused_loss (the cached plan) on every term against the reference, twice (the second
+    call reuses the plan and must give the same bits)."""
+    rng = np.random.default_rng(11)
+    terms, opts, inp = build(rng, 37, 301, dtype, "all")
+    dev = {k: be.to_dev(v) for k, v in inp.items()}
+    logits, labels = dev.pop("logits"), dev.pop("labels")
+    outs = [headloss.fused_loss(logits, labels, terms=terms, token_outputs=True, **dev, **opts)
+            for _ in range(2)]
+    got = [(dict(zip(SCALARS, be.to_np(o.scalars))),
+            dict(zip(("loss", "logp", "entropy", "lse"),
+                     (be.to_np(t) for t in (o.token_loss, o.token_logp, o.token_entropy, o.token_lse)))),
+            be.to_np(o.grad)) for o in outs]
+    check(be, got[0], run_ref(inp, terms, opts), dtype)
+    assert np.array_equal(got[0][2], got[1][2]) and got[0][0] == got[1][0]
+
+
 def test_bad_label_writes_nothing(be):
     rng = np.random.default_rng(1)
     terms, opts, inp = build(rng, 6, 50, "float32", "ce")
