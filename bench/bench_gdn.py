@@ -9,6 +9,8 @@ dg is off at the last token of a partial chunk, hence on varlen: bench/NOTES.md,
 HBM floor: q, k, v, do, h, dh, dv read once, dq, dk, dw, dg written once (w is not read by either
 kernel), over the device-to-device copy bandwidth measured in the same run.
 Usage: python bench/bench_gdn.py [--out table.md] [--only SUBSTRING ...]
+fla autotunes its kernel for every row's shape: all rows take 6-7 minutes on the H100, over
+tools/device.sh's 300 s a benchmark (in 240 s the first six rows ran), so run them in parts with --only.
 """
 from __future__ import annotations
 
