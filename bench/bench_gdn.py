@@ -1,13 +1,16 @@
 """gdn_bwd_dqkwg (headloss CUDA) against flash-linear-attention's Triton chunk_bwd_dqkwg, side by side.
 
-bf16 inputs, h/dh in bf16 (fla's default), log2-unit gate (fla 0.6), w/dv on (dw produced). Shapes: SPEC §2,
-a varlen batch, and a GVA one (value heads twice the q/k heads, as Qwen3-Next).
+bf16 inputs, h/dh in bf16 (fla's default) unless a row says fp32 states, log2-unit gate (fla 0.6),
+w/dv on (dw produced). Shapes: SPEC section 2, a varlen batch, GVA (value heads 2x the q/k heads as
+Qwen3-Next, 8x at K = 128, 4x at K = 256), fp32 states, and fla's state_v_first layout.
 fla refuses to run on Hopper with Triton 3.4-3.7.0 (a miscompile); for timing only, this script
 bypasses that guard by patching the module flag, and reports how far fla's output is from ours (fla's
 dg is off at the last token of a partial chunk, hence on varlen: bench/NOTES.md, "GDN v6").
 HBM floor: q, k, v, do, h, dh, dv read once, dq, dk, dw, dg written once (w is not read by either
 kernel), over the device-to-device copy bandwidth measured in the same run.
-Usage: python bench/bench_gdn.py [--out table.md]
+Usage: python bench/bench_gdn.py [--out table.md] [--only SUBSTRING ...]
+fla autotunes its kernel for every row's shape: all rows take 6-7 minutes on the H100, over
+tools/device.sh's 300 s a benchmark (in 240 s the first six rows ran), so run them in parts with --only.
 """
 from __future__ import annotations
 
@@ -18,21 +21,31 @@ import torch
 
 import headloss
 from headloss import gdn_bwd_dqkwg
-from common import copy_bandwidth_gbs, median_ms
+from common import copy_bandwidth_gbs, header, median_ms
 
 SHAPES = [(16, 1024, 8, 256), (16, 4096, 8, 256), (8, 4096, 16, 128), (4, 8192, 32, 128)]
 VARLEN = (32768, 16, 128)  # total tokens, heads, K = V; random sequence lengths
-GVA = (4, 8192, 16, 32, 128)  # B, T, q/k heads, value heads, K = V (Qwen3-Next's linear attention)
+GVA = [  # B, T, q/k heads, value heads, K = V
+    ("Qwen3-Next GVA 2x", (4, 8192, 16, 32, 128)),  # Qwen3-Next's linear attention
+    ("GVA 8x", (4, 8192, 4, 32, 128)),
+    ("GVA 4x", (4, 4096, 4, 16, 256)),
+]
+STATES = [  # B, T, H, K = V with fp32 states / fla's state_v_first layout
+    ("fp32 states", (8, 4096, 16, 128), dict(h_dtype=torch.float32)),
+    ("state_v_first", (8, 4096, 16, 128), dict(vf=True)),
+    ("Qwen3-Next GVA 2x, state_v_first", (4, 8192, 16, 128), dict(vf=True, HV=32)),
+]
 
 
-def inputs(B, T, H, K, cu=None, HV=None, dev="cuda"):
+def inputs(B, T, H, K, cu=None, HV=None, h_dtype=torch.bfloat16, vf=False, dev="cuda"):
     HV, V, bf = HV or H, K, torch.bfloat16
     nt = (T + 63) // 64 if cu is None else int(((cu[1:] - cu[:-1] + 63) // 64).sum())
     q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf)
     v, do, dv = (torch.randn(B, T, HV, V, device=dev, dtype=bf) for _ in range(3))
-    h = torch.randn(B, nt, HV, K, V, device=dev, dtype=bf)
-    dh = torch.randn(B, nt, HV, K, V, device=dev, dtype=bf) * 0.1
+    state = (B, nt, HV, V, K) if vf else (B, nt, HV, K, V)
+    h = torch.randn(*state, device=dev, dtype=h_dtype)
+    dh = torch.randn(*state, device=dev, dtype=h_dtype) * 0.1
     w = torch.randn(B, T, HV, K, device=dev, dtype=bf)
     ls = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device=dev) + 2) / 0.6931471805599453
     g = torch.empty_like(ls)  # chunk-local cumsum: restarts every 64 tokens of every sequence
@@ -40,7 +53,7 @@ def inputs(B, T, H, K, cu=None, HV=None, dev="cuda"):
     for lo, hi in bounds:
         for t0 in range(lo, hi, 64):
             g[:, t0:min(t0 + 64, hi)] = ls[:, t0:min(t0 + 64, hi)].cumsum(1)
-    return dict(q=q, k=k, v=v, do=do, dv=dv, h=h, dh=dh, w=w, g=g)
+    return dict(q=q, k=k, v=v, do=do, dv=dv, h=h, dh=dh, w=w, g=g, vf=vf)
 
 
 def floor_bytes(x):
@@ -59,7 +72,8 @@ def fla_fn(x, scale, cu=None):
     co.TRITON_ABOVE_3_4_0 = False  # bypass the Hopper guard, for timing only
     ci = None if cu is None else prepare_chunk_indices(cu, 64)
     return lambda: co.chunk_bwd_dqkwg(q=x["q"], k=x["k"], v=x["v"], do=x["do"], h=x["h"], dh=x["dh"], w=x["w"],
-                                      g=x["g"], dv=x["dv"], scale=scale, cu_seqlens=cu, chunk_indices=ci)
+                                      g=x["g"], dv=x["dv"], scale=scale, cu_seqlens=cu, chunk_indices=ci,
+                                      state_v_first=x["vf"])
 
 
 def ours_fn(x, cu=None):
@@ -67,7 +81,7 @@ def ours_fn(x, cu=None):
     # chunk table is built on the device, without the checked call's stream synchronisation.
     K = x["q"].shape[-1]
     return lambda: gdn_bwd_dqkwg(x["q"], x["k"], x["v"], x["do"], x["h"], x["dh"], scale=K ** -0.5, g=x["g"],
-                                 gate_log2=True, dv=x["dv"], cu_seqlens=cu, check=False)
+                                 gate_log2=True, dv=x["dv"], cu_seqlens=cu, check=False, state_v_first=x["vf"])
 
 
 def varlen_cu(T):
@@ -103,26 +117,38 @@ def bench_one(label, x, bw, cu=None):
     return row
 
 
+def cases():
+    """(label, inputs thunk, cu_seqlens) of every row, in table order."""
+    for B, T, H, K in SHAPES:
+        yield f"{B}, {T}, {H}, {K}", lambda B=B, T=T, H=H, K=K: inputs(B, T, H, K), None
+    T, H, K = VARLEN
+    cu = varlen_cu(T)
+    yield f"varlen 64 seqs, {T}, {H}, {K}", lambda: inputs(1, T, H, K, cu), cu
+    for name, (B, T, H, HV, K) in GVA:
+        yield (f"{name}: {B}, {T}, {H} q/k heads, {HV} value heads, {K}",
+               lambda B=B, T=T, H=H, HV=HV, K=K: inputs(B, T, H, K, HV=HV), None)
+    for name, (B, T, H, K), kw in STATES:
+        yield f"{name}: {B}, {T}, {H}, {K}", lambda B=B, T=T, H=H, K=K, kw=kw: inputs(B, T, H, K, **kw), None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--only", nargs="*", help="rows whose label contains one of these")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth_gbs()
-    lines = [f"# gdn_bwd_dqkwg vs fla chunk_bwd_dqkwg ({torch.cuda.get_device_name()}, bf16, h bf16, "
-             f"log2 gate, dw on; copy bandwidth {bw:.0f} GB/s; fla guard bypassed for timing)", "",
+    lines = [f"# gdn_bwd_dqkwg vs fla chunk_bwd_dqkwg ({torch.cuda.get_device_name()}, bf16, h bf16 unless "
+             f"fp32 states, log2 gate, dw on; copy bandwidth {bw:.0f} GB/s; fla guard bypassed for timing)", "",
+             header(), "",
              "| B, T, H, K=V | bytes | HBM floor ms | fla ms | headloss ms | speed-up | % of floor | ours vs fla |",
              "|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
-    for B, T, H, K in SHAPES:
-        lines.append(bench_one(f"{B}, {T}, {H}, {K}", inputs(B, T, H, K), bw))
+    for label, make, cu in cases():
+        if args.only and not any(o in label for o in args.only):
+            continue
+        lines.append(bench_one(label, make(), bw, cu))
         torch.cuda.empty_cache()
-    T, H, K = VARLEN
-    cu = varlen_cu(T)
-    lines.append(bench_one(f"varlen 64 seqs, {T}, {H}, {K}", inputs(1, T, H, K, cu), bw, cu))
-    torch.cuda.empty_cache()
-    B, T, H, HV, K = GVA
-    lines.append(bench_one(f"GVA {B}, {T}, {H} q/k heads, {HV} value heads, {K}", inputs(B, T, H, K, HV=HV), bw))
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

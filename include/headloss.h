@@ -224,7 +224,8 @@ HL_API hl_status_t rmsnorm_bwd(const hl_rmsnorm_bwd_args_t *args, hl_stream_t st
  *
  * Layouts (all contiguous, row-major, no strides): q, k, dq, dk [B,T,H,K]; v (the forward's
  * v_new), do, dv [B,T,HV,V]; w, dw [B,T,HV,K]; h, dh [B,NT,HV,K,V] (h: state at the start of each
- * chunk, dh: gradient of the state at its end); g, dg [B,T,HV]. q, k, v, do, dv, dq, dk, dw share
+ * chunk, dh: gradient of the state at its end), or [B,NT,HV,V,K] with HL_GDN_STATE_V_FIRST (fla's
+ * state_v_first); g, dg [B,T,HV]. q, k, v, do, dv, dq, dk, dw share
  * one 16-bit dtype (F16 or BF16); h and dh share one dtype, that one or F32 (F32 states are rounded
  * to the 16-bit dtype for the tensor-core products on the CUDA backend). dg is F32.
  * dw is produced when dw is set; it needs dv (w itself is not read: dw does not depend on it).
@@ -252,8 +253,10 @@ typedef enum {
   HL_GDN_GATE_CONST_DECAY_LOG2 = 4  /* g_gamma [HV], log2 units (fla); no dg   */
 } hl_gdn_gate_t;
 
-/* Options (hl_gdn_bwd_dqkwg_args_t.flags). CUDA varlen: cu_seqlens read on the device alone. */
+/* Options (hl_gdn_bwd_dqkwg_args_t.flags). UNCHECKED: CUDA varlen reads cu_seqlens on the device
+ * alone. STATE_V_FIRST: h and dh are [B,NT,HV,V,K] (each state transposed). */
 #define HL_GDN_UNCHECKED (1u << 0)
+#define HL_GDN_STATE_V_FIRST (1u << 1)
 
 typedef struct {
   size_t struct_size; /* sizeof(hl_gdn_bwd_dqkwg_args_t) */
@@ -281,7 +284,7 @@ typedef struct {
 
   void *workspace;
   size_t workspace_bytes;
-  unsigned flags; /* HL_GDN_UNCHECKED */
+  unsigned flags; /* HL_GDN_UNCHECKED, HL_GDN_STATE_V_FIRST */
 } hl_gdn_bwd_dqkwg_args_t;
 
 HL_API hl_status_t gdn_bwd_dqkwg_workspace_size(const hl_gdn_bwd_dqkwg_args_t *args, size_t *bytes);

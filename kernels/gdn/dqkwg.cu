@@ -46,15 +46,25 @@ struct Params {
   int H, HV, K, V, G, KS, VCN;  // KS: 64-wide K slices; VCN: 32-wide V chunks
   int nsplit;                   // CTAs per (chunk, q/k head): KS (cluster) or 1
   float scale;
-  bool gated, log2, dg_on, dw_on, vec, vec4, reverse_cumsum;
+  bool gated, log2, dg_on, dw_on, vec, vec4, reverse_cumsum, v_first;  // v_first: h, dh [.., V, K]
 };
 
 // Loads a 64 x COLS block (row stride ld elements) into a shared tile of pitch LDS; zero outside
 // nr x nc. vec: 16-byte cp.async (S == T; nc, ld multiples of 8; 16-byte aligned rows). vec4: fp32
 // source read 16 bytes at a time and rounded (nc, ld multiples of 4, aligned). Else element-wise.
+// trans: the block is stored transposed (element (r, c) at src[c * ld + r]; element-wise).
 template <int COLS, int LDS, class T, class S>
-__device__ __forceinline__ void load_tile(T *dst, const S *src, int64_t ld, int nr, int nc, bool vec, bool vec4) {
+__device__ __forceinline__ void load_tile(T *dst, const S *src, int64_t ld, int nr, int nc, bool vec, bool vec4,
+                                          bool trans = false) {
   const int tid = threadIdx.x;
+  if (trans) {  // consecutive threads read consecutive rows: contiguous in the source
+#pragma unroll 4
+    for (int i = 0; i < kTile * COLS / kThreads; ++i) {
+      const int id = tid + i * kThreads, r = id % kTile, c = id / kTile;
+      dst[r * LDS + c] = from_float<T>(r < nr && c < nc ? to_float(src[c * ld + r]) : 0.f);
+    }
+    return;
+  }
   if constexpr (sizeof(S) == sizeof(T)) {
     if (vec) {
       constexpr int kSeg = COLS / 8, kPer = kTile * kSeg / kThreads;
@@ -169,11 +179,14 @@ __global__ void __launch_bounds__(kThreads, 2) dqkwg_kernel(Params P) {
     T *buf = stage + (it % kStages) * n_stage * kStageTile;
     const int ncv = min(kVC, P.V - vc * kVC), nrk = min(kTile, P.K - ks * kTile);
     const int64_t tv = (tok0 * P.HV + hv) * P.V + vc * kVC;
-    const int64_t th = ((cid * P.HV + hv) * P.K + ks * kTile) * P.V + vc * kVC;
+    // this stage's [K slice][V chunk] of h, dh; stored [V, K] with state_v_first
+    const int64_t th = (cid * P.HV + hv) * P.K * P.V +
+                       (P.v_first ? int64_t(vc) * kVC * P.K + ks * kTile : int64_t(ks) * kTile * P.V + vc * kVC);
+    const int64_t ldh = P.v_first ? P.K : P.V;
     load_tile<kVC, kLdS>(buf, dO + tv, ldv, nr, ncv, P.vec, false);
     load_tile<kVC, kLdS>(buf + kStageTile, v + tv, ldv, nr, ncv, P.vec, false);
-    load_tile<kVC, kLdS>(buf + 2 * kStageTile, h + th, P.V, nrk, ncv, P.vec, P.vec4);
-    load_tile<kVC, kLdS>(buf + 3 * kStageTile, dh + th, P.V, nrk, ncv, P.vec, P.vec4);
+    load_tile<kVC, kLdS>(buf + 2 * kStageTile, h + th, ldh, nrk, ncv, P.vec, P.vec4, P.v_first);
+    load_tile<kVC, kLdS>(buf + 3 * kStageTile, dh + th, ldh, nrk, ncv, P.vec, P.vec4, P.v_first);
     if (P.dw_on) load_tile<kVC, kLdS>(buf + 4 * kStageTile, dv + tv, ldv, nr, ncv, P.vec, false);
   };
 
@@ -452,6 +465,7 @@ hl_status_t cuda_dqkwg_portable(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTab
   p.scale = a.scale;
   p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
   p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;
+  p.v_first = a.flags & HL_GDN_STATE_V_FIRST;
   // 16-byte paths for the 16-bit tensors; fp32 states are read 16 bytes at a time and rounded
   p.vec = a.K % 8 == 0 && a.V % 8 == 0;
   for (const void *ptr : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.dq, a.dk})

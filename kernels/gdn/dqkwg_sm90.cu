@@ -1,20 +1,24 @@
 // gdn_bwd_dqkwg on Hopper (sm_90a): TMA loads, warpgroup MMAs, a persistent grid.
 //
 // Work: each CTA (for K > 128, each cluster of two CTAs, one per 128-wide half of K) walks
-// (chunk, head) items. Warp 12 is the producer: with TMA it loads the item's q, k tiles and gate
-// into one of two buffers (item parity, so the next item's never waits for this item's epilogue),
-// then streams the item's V in 64-wide stages (do, v, dv tiles of 64 x 64 and the CTA's KH x 64
-// rows of h and dh) through a ring of slots (2 at KH = 128, 3 at KH = 64); an item's first stage
-// carries where it lies, so no consumer searches cu_seqlens.
+// (chunk, q/k head) items; an item is one pass per value head of the q/k head (GVA: G = HV / H
+// passes, any G). Warp 12 is the producer: with TMA it loads the item's q, k tiles into one of
+// two buffers (item parity, so the next item's never waits for this item's epilogue), then per
+// pass the value head's gate (into one of two buffers, pass parity) and its V in 64-wide stages
+// (do, v, dv tiles of 64 x 64 and the CTA's KH x 64 of h and dh, or 64 x KH with state_v_first)
+// through a ring of slots (2 at KH = 128, 3 at KH = 64); an item's first stage carries where it
+// lies, so no consumer searches cu_seqlens.
 // Three consumer warpgroups share every stage (64-row wgmma, operands in shared memory):
 //   WG0: ds[:, 0:32] = do v^T and dq = do h^T;   WG1: ds[:, 32:64] and dk = v dh^T;
 //   WG2: dw = dv h^T, and sum(h * dh) from shared memory while its wgmma runs.
-// Epilogue: ds gated and rounded to the input dtype (shared memory), dq += ds k and dk += ds^T q
-// by mma.sync on the wgmma accumulators (same register layout), dg from the final dq and dk; dq,
-// dk, dw leave through each warp's staging tile as whole 128-byte lines (1.13-1.3x over 4-byte
-// stores straight from the accumulators, whose scattered half sectors held the kernel at 75%). In
-// a cluster, rank 1 sends its dg partial to rank 0 (st.async into a mailbox two items deep), which
-// adds it in a fixed order: deterministic, no atomics, no workspace.
+// Epilogue per pass: ds gated and rounded to the input dtype (shared memory), dq += ds k and
+// dk += ds^T q by mma.sync on the wgmma accumulators (same register layout), dg from the final dq
+// and dk; dq, dk (after the last pass), dw leave through each warp's staging tile as whole
+// 128-byte lines (1.13-1.3x over 4-byte stores straight from the accumulators, whose scattered
+// half sectors held the kernel at 75%). GVA sums dq, dk over the passes in the same accumulators
+// (see row_factors), so K = 128 runs 128 columns a CTA at any G. In a cluster, rank 1 sends its
+// dg partial to rank 0 (st.async into a mailbox two passes deep), which adds it in a fixed order:
+// deterministic, no atomics, no workspace.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -45,9 +49,10 @@ struct Sm90Params {  // CUtensorMap members keep it 64-byte aligned
   void *dq, *dk, *dw;
   float *dg;
   const float *g, *g_gamma;
+  const float *h32, *dh32;  // fp32 states (read by the producer warpgroup, rounded into the slots)
   ChunkTable chunks;
   int64_t items;  // chunks * H
-  int H, HV, G, K, VCN, nsplit;  // G = HV / H value heads a q/k head (GVA: KH = 64 only)
+  int H, HV, G, K, V, VCN, nsplit;  // G = HV / H value heads a q/k head
   float scale;
   bool gated, log2, dg_on, dw_on, reverse_cumsum;
 };
@@ -65,25 +70,23 @@ struct ItemPos {
 };
 
 // Shared memory of one CTA for KH (64 or 128) columns of K. Offsets in bytes from a 1024-byte
-// aligned base (TMA's 128-byte swizzle repeats every 1024 bytes). Two q, k buffers (and gates),
-// by item parity, so that the next item's load never waits for this item's epilogue.
+// aligned base (TMA's 128-byte swizzle repeats every 1024 bytes). Two q, k buffers by item
+// parity; the per-pass buffers (gates, row sums, partials, mailbox) two deep by pass parity.
 template <int KH>
 struct Layout {
-  static constexpr int kG = KH == 64 ? 4 : 1;                 // most value heads a q/k head (GVA)
   static constexpr int kSlots = KH == 64 ? 3 : 2;             // ring of V stages
-  static constexpr int kHTile = KH * 128;                     // KH rows of 64 columns
+  static constexpr int kHTile = KH * 128;                     // KH x 64 16-bit elements
   static constexpr int kSlot = 3 * kRowTile + 2 * kHTile;     // do, v, dv, h, dh
   static constexpr int kQK = 2 * kTile * KH * 2;              // q then k, KH / 64 boxes each
   static constexpr int kQ = kSlots * kSlot, kDs = kQ + 2 * kQK;
-  static constexpr int kDsBufs = kG > 1 ? 2 : 1;             // by value-head parity with GVA
-  static constexpr int kGam = kDs + kDsBufs * kRowTile;       // [2][kG][64] gates
-  static constexpr int kRed = kGam + 2 * kG * 64 * 4;         // [2][kG][2][64] row sums of dq q, dk k
-  static constexpr int kPart = kRed + 2 * kG * 2 * 64 * 4;    // [2][kG][8] per-warp sum(h dh), sum(dk k)
-  static constexpr int kMail = kPart + 2 * kG * 8 * 4;        // [2][kG][64] rank 1's dg partials
-  static constexpr int kPos = kMail + 2 * kG * 64 * 4;        // [kSlots] where a slot's item lies
+  static constexpr int kGam = kDs + kRowTile;                 // [2][64] gates
+  static constexpr int kRed = kGam + 2 * 64 * 4;              // [2][2][64] row sums of dq q, dk k
+  static constexpr int kPart = kRed + 2 * 2 * 64 * 4;         // [2][8] per-warp sum(h dh), sum(dk k)
+  static constexpr int kMail = kPart + 2 * 8 * 4;             // [2][64] rank 1's dg partials
+  static constexpr int kPos = kMail + 2 * 64 * 4;             // [kSlots] where a slot's item lies
   static constexpr int kStage = kPos + kSlots * 32;           // [12] a consumer warp's 16 x 64 outputs
-  static constexpr int kBars = kStage + 12 * kStageBytes;     // full, empty [kSlots]; qk_full,
-  static constexpr int kBytes = kBars + (2 * kSlots + 8) * 8; //   qk_empty, mail_full, mail_free [2]
+  static constexpr int kBars = kStage + 12 * kStageBytes;     // full, empty [kSlots]; qk_full, qk_empty,
+  static constexpr int kBytes = kBars + (2 * kSlots + 10) * 8; //  gam_empty, mail_full, mail_free [2]
   static constexpr size_t kSmem = size_t(kBytes) + 1024;      // room to align the base
 };
 
@@ -92,7 +95,7 @@ template <int KH>
 struct Cta {
   using L = Layout<KH>;
   unsigned char *sm;
-  uint64_t *full, *empty, *qk_full, *qk_empty, *mail_full, *mail_free;
+  uint64_t *full, *empty, *qk_full, *qk_empty, *gam_empty, *mail_full, *mail_free;
   float *gam, *red, *part, *mail;
   ItemPos *pos;
   uint32_t rank;          // which KH-wide part of K (0 without a cluster)
@@ -102,7 +105,7 @@ struct Cta {
   __device__ Cta(const Sm90Params &P, unsigned char *base) : sm(base) {
     uint64_t *bars = reinterpret_cast<uint64_t *>(sm + L::kBars);
     full = bars, empty = full + L::kSlots, qk_full = empty + L::kSlots, qk_empty = qk_full + 2;
-    mail_full = qk_empty + 2, mail_free = mail_full + 2;
+    gam_empty = qk_empty + 2, mail_full = gam_empty + 2, mail_free = mail_full + 2;
     gam = reinterpret_cast<float *>(sm + L::kGam), red = reinterpret_cast<float *>(sm + L::kRed);
     part = reinterpret_cast<float *>(sm + L::kPart), mail = reinterpret_cast<float *>(sm + L::kMail);
     pos = reinterpret_cast<ItemPos *>(sm + L::kPos);
@@ -115,125 +118,176 @@ struct Cta {
   template <class T> __device__ T *k(int b) const { return at<T>(L::kQ + b * L::kQK + L::kQK / 2); }
 };
 
-// Warp 12: TMA loads. Per item: q, k and the gates of its value heads into buffer i % 2 (once item
-// i - 2's epilogue is over), then each value head's V stages through the ring.
-template <class T, int KH>
-__device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c) {
+// fp32 states: a stage's KH x 64 (state_v_first: 64 x KH) of h and dh read 16 bytes a thread
+// at a time (coalesced) by the producer warpgroup's 128 threads, rounded and stored where TMA's
+// 128-byte swizzle would put them, 8 loads in flight a thread (56 registers). Rows of the tile are
+// K rows (V rows with VF); rows past K or V and columns past V or K are zeros.
+template <class T, int VF, int KH>
+__device__ __forceinline__ void convert_states(const Sm90Params &P, unsigned char *h_tile, int64_t state, int s,
+                                               int k0, int t) {
+  constexpr int kUnits = 2 * KH * 16, kBatch = 8;  // 16 bytes of fp32 a unit, 16 a tile row
+  const int64_t base = state * P.K * P.V;
+#pragma unroll 1
+  for (int u0 = 0; u0 < kUnits; u0 += 128 * kBatch) {
+    float4 x[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int u = u0 + b * 128 + t, r = (u / 16) % KH, p = u % 16;
+      const float *src = u < KH * 16 ? P.h32 : P.dh32;
+      // this unit's row and first column in the [K, V] (VF: [V, K]) state
+      const int row = VF ? 64 * s + r % 64 : k0 + r, col = VF ? k0 + 64 * (r / 64) + 4 * p : 64 * s + 4 * p;
+      const bool ok = VF ? row < P.V && col < P.K : row < P.K && col < P.V;
+      x[b] = ok ? __ldg(reinterpret_cast<const float4 *>(src + base + int64_t(row) * (VF ? P.K : P.V) + col))
+                : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int u = u0 + b * 128 + t, r = (u / 16) % KH, p = u % 16;
+      unsigned char *dst = h_tile + (u < KH * 16 ? 0 : KH * 128) + r * 128 + (((p / 2) ^ (r & 7)) << 4) + (p & 1) * 8;
+      const Pack<T, 2> lo = pack_pair<T>(x[b].x, x[b].y), hi = pack_pair<T>(x[b].z, x[b].w);
+      uint2 w;
+      memcpy(&w.x, &lo, 4);
+      memcpy(&w.y, &hi, 4);
+      *reinterpret_cast<uint2 *>(dst) = w;
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the wgmma reads them (async proxy)
+}
+
+// The producer warpgroup (pw: its warp, 0..3). Warp 12 (pw 0) loads with TMA. Per item: q, k into
+// buffer i % 2 (once item i - 2's epilogues are over); per pass p (value head): its gates into
+// buffer p % 2 (once pass p - 2's dg is finished), then its V stages through the ring. Every lane
+// of warp 12 arrives on a stage's full barrier, after its gate writes: the consumers read the gates
+// once the pass's first stage has landed. With fp32 states (S32) all four warps also convert h and
+// dh into the slot and arrive, and the next pass's states are prefetched into L2 a pass ahead.
+template <class T, int KH, int VF, int S32>
+__device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, int pw) {
   using L = Layout<KH>;
   const int lane = threadIdx.x % 32;
-  uint32_t st = 0;  // stages issued so far (ring position)
+  const bool lead = pw == 0;
+  uint32_t st = 0, pass = 0;  // stages and passes issued so far
   int64_t i = 0;
   for (int64_t item = c.first; item < P.items; item += c.stride, ++i) {
     const ItemPos it(P, item);
     const int tok0 = int(it.tok0), qb = int(i & 1);
-    if (i >= 2) mbar_wait(&c.qk_empty[qb], uint32_t((i >> 1) - 1) & 1);
-    for (int g = 0; g < P.G; ++g)
-      for (int r = lane; r < kTile; r += 32) {
-        const int hv = it.hq * P.G + g;
-        float gv = 0.f;
-        if (P.gated && r < it.n) gv = P.g ? P.g[(it.tok0 + r) * P.HV + hv] : P.g_gamma[hv] * float(r + 1);
-        c.gam[(qb * L::kG + g) * 64 + r] = gv;
+    if (lead) {
+      if (i >= 2) mbar_wait(&c.qk_empty[qb], uint32_t((i >> 1) - 1) & 1);
+      if (lane == 0) {
+        mbar_expect_tx(&c.qk_full[qb], L::kQK);
+        for (int b = 0; b < KH / 64; ++b) {
+          tma_load_3d(c.template q<T>(qb) + b * kRowTile / 2, &P.m_q, c.k0 + 64 * b, it.hq, tok0, &c.qk_full[qb]);
+          tma_load_3d(c.template k<T>(qb) + b * kRowTile / 2, &P.m_k, c.k0 + 64 * b, it.hq, tok0, &c.qk_full[qb]);
+        }
       }
-    if (lane == 0) {
-      mbar_expect_tx(&c.qk_full[qb], L::kQK);
-      for (int b = 0; b < KH / 64; ++b) {
-        tma_load_3d(c.template q<T>(qb) + b * kRowTile / 2, &P.m_q, c.k0 + 64 * b, it.hq, tok0, &c.qk_full[qb]);
-        tma_load_3d(c.template k<T>(qb) + b * kRowTile / 2, &P.m_k, c.k0 + 64 * b, it.hq, tok0, &c.qk_full[qb]);
-      }
-    } else {
-      mbar_arrive(&c.qk_full[qb]);
     }
-    for (int g = 0; g < P.G; ++g) {
-      const int hv = it.hq * P.G + g, hrow = int(it.cid * P.HV + hv);
-      for (int s = 0; s < P.VCN; ++s) {
+    for (int g = 0; g < P.G; ++g, ++pass) {
+      const int hv = it.hq * P.G + g, hrow = int(it.cid * P.HV + hv), gb = int(pass & 1);
+      if (lead) {
+        if (pass >= 2) mbar_wait(&c.gam_empty[gb], ((pass >> 1) - 1) & 1);
+        for (int r = lane; r < kTile; r += 32) {
+          float gv = 0.f;
+          if (P.gated && r < it.n) gv = P.g ? P.g[(it.tok0 + r) * P.HV + hv] : P.g_gamma[hv] * float(r + 1);
+          c.gam[gb * 64 + r] = gv;
+        }
+        if (S32 && lane == 0) {  // the next pass's states into L2 (this one's too, at the first)
+          const int64_t nxt = item + c.stride, bytes = int64_t(P.K) * P.V * 4;
+          const int64_t next = g + 1 < P.G ? hrow + 1 : (nxt / P.H) * P.HV + (nxt % P.H) * P.G;
+          for (int64_t r : {int64_t(hrow), next})
+            if ((r != hrow || pass == 0) && (r == hrow || g + 1 < P.G || nxt < P.items)) {
+              prefetch_l2(P.h32 + r * P.K * P.V, uint32_t(bytes));
+              prefetch_l2(P.dh32 + r * P.K * P.V, uint32_t(bytes));
+            }
+        }
+      }
+      for (int s = 0; s < P.VCN; ++s, ++st) {
         const uint32_t slot = st % L::kSlots;
         if (st >= L::kSlots) mbar_wait(&c.empty[slot], (st / L::kSlots - 1) & 1);
-        if (lane == 0) {
-          unsigned char *b = c.sm + slot * L::kSlot;
-          uint64_t *bar = &c.full[slot];
+        unsigned char *b = c.sm + slot * L::kSlot, *h = b + 3 * kRowTile, *dh = h + L::kHTile;
+        uint64_t *bar = &c.full[slot];
+        if (lead && lane == 0) {
           if (g == 0 && s == 0) c.pos[slot] = it;  // the consumers need not locate the item (varlen: a search)
-          mbar_expect_tx(bar, (P.dw_on ? 3 : 2) * kRowTile + 2 * L::kHTile);
+          mbar_expect_tx(bar, (P.dw_on ? 3 : 2) * kRowTile + (S32 ? 0 : 2 * L::kHTile));
           tma_load_3d(b, &P.m_do, 64 * s, hv, tok0, bar);
           tma_load_3d(b + kRowTile, &P.m_v, 64 * s, hv, tok0, bar);
           if (P.dw_on) tma_load_3d(b + 2 * kRowTile, &P.m_dv, 64 * s, hv, tok0, bar);
-          tma_load_3d(b + 3 * kRowTile, &P.m_h, 64 * s, c.k0, hrow, bar);
-          tma_load_3d(b + 3 * kRowTile + L::kHTile, &P.m_dh, 64 * s, c.k0, hrow, bar);
+          if (!S32) {
+            if (VF) {  // [V, K] states: KH / 64 boxes of 64 rows of V by 64 columns of K
+              for (int k = 0; k < KH / 64; ++k) {
+                tma_load_3d(h + k * kRowTile, &P.m_h, c.k0 + 64 * k, 64 * s, hrow, bar);
+                tma_load_3d(dh + k * kRowTile, &P.m_dh, c.k0 + 64 * k, 64 * s, hrow, bar);
+              }
+            } else {
+              tma_load_3d(h, &P.m_h, 64 * s, c.k0, hrow, bar);
+              tma_load_3d(dh, &P.m_dh, 64 * s, c.k0, hrow, bar);
+            }
+          }
+        }
+        if (S32) {
+          convert_states<T, VF, KH>(P, h, hrow, s, c.k0, 32 * pw + lane);
+          mbar_arrive(bar);
+        } else if (lane != 0) {
+          mbar_arrive(bar);
         }
         __syncwarp();
-        ++st;
       }
     }
   }
 }
 
-// Warp 8 after an item's epilogue, for each of its value heads: dg (rows lane and lane + 32) from
-// the row sums, the cluster's partials added in rank order, the optional reverse cumsum; then the
-// item's q, k buffer is released.
+// Warp 8 after pass p's epilogue: dg of its value head (rows lane and lane + 32) from the row
+// sums, the cluster's partials added in rank order, the optional reverse cumsum; then the pass's
+// gate buffer is released, and after the item's last pass its q, k buffer.
 template <int KH>
-__device__ __forceinline__ void finish_dg(const Sm90Params &P, const Cta<KH> &c, const ItemPos &it, int64_t i) {
-  constexpr int kG = Layout<KH>::kG;
-  const int lane = threadIdx.x % 32, par = int(i & 1);
+__device__ __forceinline__ void finish_dg(const Sm90Params &P, const Cta<KH> &c, const ItemPos &it, int hv,
+                                          uint32_t pass, bool last, int64_t i) {
+  const int lane = threadIdx.x % 32, par = int(pass & 1);
   if (P.dg_on) {
-    float x[kG][2];
+    const float *red = c.red + par * 128, *part = c.part + par * 8;
+    const float dgl = (part[0] + part[1] + part[2] + part[3]) * gexp(c.gam[par * 64 + it.n - 1], P.log2) +
+                      part[4] + part[5] + part[6] + part[7];
+    float x[2];
 #pragma unroll
-    for (int g = 0; g < kG; ++g) {
-      if (g >= P.G) break;
-      const float *red = c.red + (par * kG + g) * 128, *part = c.part + (par * kG + g) * 8;
-      const float dgl = (part[0] + part[1] + part[2] + part[3]) * gexp(c.gam[(par * kG + g) * 64 + it.n - 1], P.log2) +
-                        part[4] + part[5] + part[6] + part[7];
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int t = lane + 32 * h2;
-        x[g][h2] = t < it.n ? red[t] - red[64 + t] + (t == it.n - 1 ? dgl : 0.f) : 0.f;
-      }
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int t = lane + 32 * h2;
+      x[h2] = t < it.n ? red[t] - red[64 + t] + (t == it.n - 1 ? dgl : 0.f) : 0.f;
     }
-    if (P.nsplit > 1) {  // rank 1's partials into rank 0's mailbox `par`, two items deep
-      const uint32_t use = uint32_t(i >> 1);
-      float *box = c.mail + par * kG * 64;
+    if (P.nsplit > 1) {  // rank 1's partials into rank 0's mailbox `par`, two passes deep
+      const uint32_t use = pass >> 1;
+      float *box = c.mail + par * 64;
       if (c.rank == 1) {
         if (use > 0) mbar_wait_cluster(&c.mail_free[par], (use - 1) & 1);
-#pragma unroll
-        for (int g = 0; g < kG; ++g) {
-          if (g >= P.G) break;
-          st_async_peer(&box[g * 64 + lane], x[g][0], &c.mail_full[par], 0);
-          st_async_peer(&box[g * 64 + lane + 32], x[g][1], &c.mail_full[par], 0);
-        }
+        st_async_peer(&box[lane], x[0], &c.mail_full[par], 0);
+        st_async_peer(&box[lane + 32], x[1], &c.mail_full[par], 0);
       } else {
-        if (lane == 0) mbar_expect_tx(&c.mail_full[par], P.G * 64 * 4);
+        if (lane == 0) mbar_expect_tx(&c.mail_full[par], 64 * 4);
         mbar_wait(&c.mail_full[par], use & 1);
-#pragma unroll
-        for (int g = 0; g < kG; ++g) {
-          if (g >= P.G) break;
-          x[g][0] += box[g * 64 + lane];
-          x[g][1] += box[g * 64 + lane + 32];
-        }
+        x[0] += box[lane];
+        x[1] += box[lane + 32];
         __syncwarp();
         if (lane == 0) mbar_arrive_peer(&c.mail_free[par], 1);
       }
     }
     if (c.rank == 0) {
+      if (P.reverse_cumsum) {  // suffix sums over the 64 rows, in a fixed order
 #pragma unroll
-      for (int g = 0; g < kG; ++g) {
-        if (g >= P.G) break;
-        if (P.reverse_cumsum) {  // suffix sums over the 64 rows, in a fixed order
-#pragma unroll
-          for (int o = 1; o < 32; o *= 2) {
-            const float a = __shfl_down_sync(0xffffffffu, x[g][0], o), b = __shfl_down_sync(0xffffffffu, x[g][1], o);
-            if (lane + o < 32) x[g][0] += a, x[g][1] += b;
-          }
-          x[g][0] += __shfl_sync(0xffffffffu, x[g][1], 0);  // rows 32..63
+        for (int o = 1; o < 32; o *= 2) {
+          const float a = __shfl_down_sync(0xffffffffu, x[0], o), b = __shfl_down_sync(0xffffffffu, x[1], o);
+          if (lane + o < 32) x[0] += a, x[1] += b;
         }
-        const int hv = it.hq * P.G + g;
+        x[0] += __shfl_sync(0xffffffffu, x[1], 0);  // rows 32..63
+      }
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int t = lane + 32 * h2;
-          if (t < it.n) P.dg[(it.tok0 + t) * P.HV + hv] = x[g][h2];
-        }
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int t = lane + 32 * h2;
+        if (t < it.n) P.dg[(it.tok0 + t) * P.HV + hv] = x[h2];
       }
     }
   }
   __syncwarp();
-  if (lane == 0) mbar_arrive(&c.qk_empty[par]);
+  if (lane == 0) {
+    mbar_arrive(&c.gam_empty[par]);
+    if (last) mbar_arrive(&c.qk_empty[i & 1]);
+  }
 }
 
 // rs[h] += sum over this thread's columns of acc (rows m0 + lane/4 + 8h) times the same elements
@@ -290,27 +344,64 @@ __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int nc, c
   }
 }
 
+// The per-row factor of a pass's dq (ROLE 0: E(g_r) scale) or dk (ROLE 1: E(g_l - g_r), 0 past
+// n) for rows m0 + lane / 4 (+ 8). With GVA the accumulators carry the sum over the passes so far:
+// before a pass's wgmma they are divided by its factor, after it multiplied by it (sum / f + this
+// pass's product, times f), so no second set of 64 registers holds the sum. Hence |f| >= 2^-64
+// with GVA: a factor under that adds its pass's (then negligible) product times 2^-64 instead.
+template <int ROLE>
+__device__ __forceinline__ void row_factors(float (&f)[2], const Sm90Params &P, const float *gam, int n, int m0,
+                                            int lane) {
+  constexpr float kTiny = 5.421010862e-20f;  // 2^-64
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    const int r = m0 + lane / 4 + 8 * h2;
+    float x = ROLE == 0 ? gexp(gam[r], P.log2) * P.scale : r < n ? gexp(gam[n - 1] - gam[r], P.log2) : 0.f;
+    if (P.G > 1 && fabsf(x) < kTiny) x = x < 0.f ? -kTiny : kTiny;
+    f[h2] = x;
+  }
+}
+
+template <int NB>
+__device__ __forceinline__ void scale_rows(float (&acc)[NB][4], const float (&f)[2]) {
+#pragma unroll
+  for (int j = 0; j < NB; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] *= f[e / 2];
+}
+
 // A consumer warpgroup. ROLE 0: ds[:, 0:32] and dq; 1: ds[:, 32:64] and dk; 2: dw and sum(h dh).
-// Per item, one pass per value head (GVA: G of them, dq and dk summed over them in registers).
-template <class T, int KH, int ROLE>
+// Per item, one pass per value head (GVA: G of them, dq and dk summed over them in acc).
+template <class T, int KH, int VF, int ROLE>
 __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
   using L = Layout<KH>;
-  constexpr bool kDs = ROLE < 2, kSum = kDs && L::kG > 1;
-  const int tid = threadIdx.x, warp = tid / 32, m0 = 16 * (warp % 4), G = L::kG > 1 ? P.G : 1;
+  constexpr bool kDs = ROLE < 2;
+  const int tid = threadIdx.x, warp = tid / 32, m0 = 16 * (warp % 4);
   const bool mma = ROLE < 2 || P.dw_on;
-  uint32_t st = 0, sub = 0;  // stages, and (item, value head) passes, so far
+  uint32_t st = 0, pass = 0;  // stages and passes so far
   int64_t i = 0;
   for (int64_t item = c.first; item < P.items; item += c.stride, ++i) {
     ItemPos it;
-    float sum[kSum ? KH / 8 : 1][4];
-    for (int g = 0; g < G; ++g, ++sub) {
-      float acc[KH / 8][4], ds[kDs ? 4 : 1][4];
-      zero(acc), zero(ds);
+    float acc[KH / 8][4];
+    float rs_prev[2] = {0.f, 0.f};  // ROLE 0 / 1: this thread's row sums of acc q (acc k) after the last pass
+    for (int g = 0; g < P.G; ++g, ++pass) {
+      const int par = int(pass & 1);
+      const float *gam = c.gam + par * 64;
+      float ds[kDs ? 4 : 1][4], f[2];
+      zero(ds);
+      if (ROLE == 2 || g == 0) zero(acc);
       float hdh = 0.f;
       for (int s = 0; s < P.VCN; ++s, ++st) {
         const uint32_t slot = st % L::kSlots;
         mbar_wait(&c.full[slot], (st / L::kSlots) & 1);
         if (g == 0 && s == 0) it = c.pos[slot];
+        if (kDs && s == 0) {  // the gates landed with this stage
+          row_factors<ROLE>(f, P, gam, it.n, m0, tid % 32);
+          if (g > 0) {
+            const float inv[2] = {1.f / f[0], 1.f / f[1]};
+            scale_rows(acc, inv);
+          }
+        }
         const T *b = c.template at<T>(slot * L::kSlot);
         const T *do_t = b, *v_t = b + kRowTile / 2, *dv_t = b + kRowTile, *h_t = b + 3 * kRowTile / 2;
         const T *dh_t = h_t + L::kHTile / 2;
@@ -326,13 +417,15 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
         };
         if (mma) {
           const uint64_t da = wgmma_desc(ROLE == 0 ? do_t : ROLE == 1 ? v_t : dv_t);
-          const uint64_t db = wgmma_desc(ROLE == 1 ? dh_t : h_t);
+          const T *bt = ROLE == 1 ? dh_t : h_t;
+          const uint64_t db = VF ? wgmma_desc_n_major(bt) : wgmma_desc(bt);
           const uint64_t dsa = wgmma_desc(do_t), dsb = wgmma_desc(v_t + 32 * 64 * ROLE);
+          constexpr int kStepB = VF ? 128 : 2;  // 16 rows of V: 2048 bytes (N-major) or 32 bytes (K-major)
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) {
             if constexpr (kDs) Wgmma<T, 32>::run(ds, dsa + 2 * kk, dsb + 2 * kk);
-            Wgmma<T, KH>::run(acc, da + 2 * kk, db + 2 * kk);
+            Wgmma<T, KH, VF>::run(acc, da + 2 * kk, db + kStepB * kk);
           }
           wgmma_commit();
           sum_hdh();
@@ -348,15 +441,14 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
 
       // Epilogue. The lane is re-read here so that the compiler cannot hoist the many addresses
       // derived from it out of the item loop (they would be spilled, and spills miss L1).
-      const int lane = lane_id(), par = int(i & 1), n = it.n, hv = it.hq * G + g;
+      const int lane = lane_id(), n = it.n, hv = it.hq * P.G + g;
       T *stage = c.template at<T>(L::kStage + warp * kStageBytes);
-      float *red = c.red + (par * L::kG + g) * 128, *part = c.part + (par * L::kG + g) * 8;
+      float *red = c.red + par * 128, *part = c.part + par * 8;
       if constexpr (kDs) {
-        mbar_wait(&c.qk_full[par], uint32_t(i >> 1) & 1);
-        const float *gam = c.gam + (par * L::kG + g) * 64;
-        T *ds_s = c.template at<T>(L::kDs + int(sub % L::kDsBufs) * kRowTile);
-        const T *q_s = c.template q<T>(par), *k_s = c.template k<T>(par);
-        const float gl = gam[n - 1];
+        const int qb = int(i & 1);
+        mbar_wait(&c.qk_full[qb], uint32_t(i >> 1) & 1);
+        T *ds_s = c.template at<T>(L::kDs);
+        const T *q_s = c.template q<T>(qb), *k_s = c.template k<T>(qb);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -368,52 +460,39 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
               x[e] = col + e <= r && r < n ? ds[j][2 * h2 + e] * gexp(gam[r] - gam[col + e], P.log2) * P.scale : 0.f;
             store_pack<T, 2>(ds_s + Swizzled::off(r, col), pack_pair<T>(x[0], x[1]));
           }
-        float rowf[2];  // WG0: E(g_r) scale; WG1: E(g_l - g_r), 0 past n
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int r = m0 + lane / 4 + 8 * h2;
-          rowf[h2] = ROLE == 0 ? gexp(gam[r], P.log2) * P.scale : r < n ? gexp(gl - gam[r], P.log2) : 0.f;
-        }
         named_barrier(kBarDs, 256);
-#pragma unroll
-        for (int j = 0; j < KH / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][e] *= rowf[e / 2];
-        float dglk[2] = {0.f, 0.f};  // WG1: sum(dk_inter * k), part of the last row's dg
+        scale_rows(acc, f);
+        float dglk[2] = {-rs_prev[0], -rs_prev[1]};  // WG1: sum(dk_inter * k) of this pass, part of dg's last row
         if (ROLE == 1 && P.dg_on) row_dots<T, KH>(dglk, acc, k_s, m0, lane);
         if (ROLE == 0)
           warp_mma<T, false, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, k_s, m0, 0, lane);
         else
           warp_mma<T, true, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, q_s, m0, 0, lane);
-        if (P.dg_on) {  // row sums of dq q (WG0) or dk k (WG1)
+        if (P.dg_on) {  // row sums of this pass's dq q (WG0) or dk k (WG1): those of acc, less the last pass's
           float rs[2] = {0.f, 0.f};
           row_dots<T, KH>(rs, acc, ROLE == 0 ? q_s : k_s, m0, lane);
+          float d[2] = {rs[0] - rs_prev[0], rs[1] - rs_prev[1]};
+          rs_prev[0] = rs[0], rs_prev[1] = rs[1];
 #pragma unroll
           for (int o = 1; o < 4; o *= 2) {
-            rs[0] += __shfl_xor_sync(0xffffffffu, rs[0], o);
-            rs[1] += __shfl_xor_sync(0xffffffffu, rs[1], o);
+            d[0] += __shfl_xor_sync(0xffffffffu, d[0], o);
+            d[1] += __shfl_xor_sync(0xffffffffu, d[1], o);
           }
           if (lane % 4 == 0) {
-            red[ROLE * 64 + m0 + lane / 4] = rs[0];
-            red[ROLE * 64 + m0 + lane / 4 + 8] = rs[1];
+            red[ROLE * 64 + m0 + lane / 4] = d[0];
+            red[ROLE * 64 + m0 + lane / 4 + 8] = d[1];
           }
           if (ROLE == 1) {
-            float d = dglk[0] + dglk[1];
+            float x = dglk[0] + dglk[1];
 #pragma unroll
-            for (int o = 1; o < 32; o *= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
-            if (lane == 0) part[4 + warp % 4] = d;
+            for (int o = 1; o < 32; o *= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+            if (lane == 0) part[4 + warp % 4] = x;
           }
         }
-        T *out = static_cast<T *>(ROLE == 0 ? P.dq : P.dk) + (it.tok0 * P.H + it.hq) * P.K + c.k0;
-        if constexpr (kSum) {  // the sum over the value heads, stored after the last
-          if (G > 1) {
-#pragma unroll
-            for (int j = 0; j < KH / 8; ++j)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) acc[j][e] = sum[j][e] = g > 0 ? sum[j][e] + acc[j][e] : acc[j][e];
-          }
+        if (g == P.G - 1) {
+          T *out = static_cast<T *>(ROLE == 0 ? P.dq : P.dk) + (it.tok0 * P.H + it.hq) * P.K + c.k0;
+          store_rows<T, KH>(out, int64_t(P.H) * P.K, n, c.nk, acc, 1.f, m0, stage, lane);
         }
-        if (g == G - 1) store_rows<T, KH>(out, int64_t(P.H) * P.K, n, c.nk, acc, 1.f, m0, stage, lane);
       } else {
         if (P.dw_on)
           store_rows<T, KH>(static_cast<T *>(P.dw) + (it.tok0 * P.HV + hv) * P.K + c.k0, int64_t(P.HV) * P.K, n, c.nk,
@@ -422,41 +501,44 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
         for (int o = 1; o < 32; o *= 2) hdh += __shfl_xor_sync(0xffffffffu, hdh, o);
         if (lane == 0) part[warp % 4] = hdh;
       }
+      named_barrier(kBarEpi, kConsumers);
+      if constexpr (!kDs) {
+        if (warp == 8) finish_dg(P, c, it, hv, pass, g == P.G - 1, i);
+        named_barrier(kBarWg2, 128);  // warps 9-11 wait for warp 8 (their wgmma is one warpgroup's)
+      }
     }  // value heads
-    named_barrier(kBarEpi, kConsumers);
-    if constexpr (!kDs) {
-      if (warp == 8) finish_dg(P, c, it, i);
-      named_barrier(kBarWg2, 128);  // warps 9-11 wait for warp 8 (their wgmma is one warpgroup's)
-    }
   }
 }
 
-template <class T, int KH>
+template <class T, int KH, int VF, int S32>
 __global__ void __launch_bounds__(kThreads90, 1) dqkwg_sm90_kernel(const __grid_constant__ Sm90Params P) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   const Cta<KH> c(P, smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024));
   const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);  // provably warp-uniform roles
   if (threadIdx.x == 0) {
-    for (int s = 0; s < Layout<KH>::kSlots; ++s) mbar_init(&c.full[s], 1), mbar_init(&c.empty[s], kConsumers / 32);
+    // full: warp 12's lanes (lane 0's with the TMA bytes); with fp32 states, every producer thread
+    // once it has converted its part, and lane 0 of warp 12 once more with the bytes
+    for (int s = 0; s < Layout<KH>::kSlots; ++s)
+      mbar_init(&c.full[s], S32 ? 129 : 32), mbar_init(&c.empty[s], kConsumers / 32);
     for (int s = 0; s < 2; ++s) {
-      mbar_init(&c.qk_full[s], 32), mbar_init(&c.qk_empty[s], 1);
+      mbar_init(&c.qk_full[s], 1), mbar_init(&c.qk_empty[s], 1), mbar_init(&c.gam_empty[s], 1);
       mbar_init(&c.mail_full[s], 1), mbar_init(&c.mail_free[s], 1);
     }
   }
   __syncthreads();
   if (P.nsplit > 1) cluster_barrier();  // the peer's barriers are ready before any message
   // 128 registers a thread at launch; the producer's warpgroup gives most of its share to the
-  // consumers, whose accumulators need it (the register file is split in four: 40 + 3 x 152 words
+  // consumers, whose accumulators need it (the register file is split in four: 56 + 3 x 152 words
   // per sub-partition a thread).
   if (warp >= kConsumers / 32) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (warp == kConsumers / 32) produce<T, KH>(P, c);
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    if (S32 || warp == kConsumers / 32) produce<T, KH, VF, S32>(P, c, warp - kConsumers / 32);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 152;");
-    if (warp < 4) consume<T, KH, 0>(P, c);
-    else if (warp < 8) consume<T, KH, 1>(P, c);
-    else consume<T, KH, 2>(P, c);
+    if (warp < 4) consume<T, KH, VF, 0>(P, c);
+    else if (warp < 8) consume<T, KH, VF, 1>(P, c);
+    else consume<T, KH, VF, 2>(P, c);
   }
   if (P.nsplit > 1) cluster_barrier();  // no CTA leaves while its peer may still signal it
 #endif
@@ -517,9 +599,9 @@ hl_status_t make_map(CUtensorMap *m, hl_dtype_t dt, const void *base, uint64_t d
   return HL_STATUS_SUCCESS;
 }
 
-template <class T, int KH>
+template <class T, int KH, int VF, int S32>
 hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
-  auto kernel = dqkwg_sm90_kernel<T, KH>;
+  auto kernel = dqkwg_sm90_kernel<T, KH, VF, S32>;
   constexpr size_t smem = Layout<KH>::kSmem;
   // Once per device and shape: the shared-memory limit, and how many CTAs (or clusters of two)
   // are resident; 0 if the kernel cannot run.
@@ -545,14 +627,23 @@ hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
   return HL_STATUS_SUCCESS;
 }
 
+template <class T, int KH>
+hl_status_t launch_sm90(const Sm90Params &p, bool vf, bool s32, hl_stream_t stream) {
+  if (s32) return vf ? launch_sm90<T, KH, 1, 1>(p, stream) : launch_sm90<T, KH, 0, 1>(p, stream);
+  return vf ? launch_sm90<T, KH, 1, 0>(p, stream) : launch_sm90<T, KH, 0, 0>(p, stream);
+}
+
+template <class T>
+hl_status_t launch_sm90(const Sm90Params &p, int KH, bool vf, bool s32, hl_stream_t stream) {
+  return KH == 64 ? launch_sm90<T, 64>(p, vf, s32, stream) : launch_sm90<T, 128>(p, vf, s32, stream);
+}
+
 }  // namespace
 
 bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks) {
 #if HL_GDN_SM90A
-  if (forced_portable() || a.h_dtype != a.dtype || a.K % 8 || a.V % 8) return false;
-  const int64_t G = a.HV / a.H;  // GVA runs 64-wide K parts (dq, dk sums in registers): K <= 128
-  if (G > Layout<64>::kG || (G > 1 && a.K > 128)) return false;
-  if (a.B * a.T >= INT32_MAX || chunks * a.H >= INT32_MAX) return false;  // TMA coordinates are int32
+  if (forced_portable() || a.K % 8 || a.V % 8) return false;
+  if (a.B * a.T >= INT32_MAX || chunks * a.HV >= INT32_MAX) return false;  // TMA coordinates are int32
   for (const void *p : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.h, a.dh, a.dq, a.dk})
     if (!aligned16(p)) return false;
   if (a.dw && !(aligned16(a.dv) && aligned16(a.dw))) return false;
@@ -568,26 +659,35 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   Sm90Params p{};
   const uint64_t H = uint64_t(a.H), HV = uint64_t(a.HV), K = uint64_t(a.K), V = uint64_t(a.V);
   const uint64_t tokens = uint64_t(a.B * a.T);
-  const uint32_t KH = a.K <= 64 || a.HV > a.H ? 64 : 128;
+  const uint32_t KH = a.K <= 64 ? 64 : 128;
+  const bool vf = a.flags & HL_GDN_STATE_V_FIRST;
   HL_TRY(make_map(&p.m_do, a.dtype, a.do_, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
   HL_TRY(make_map(&p.m_v, a.dtype, a.v, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
   if (a.dw) HL_TRY(make_map(&p.m_dv, a.dtype, a.dv, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
   HL_TRY(make_map(&p.m_q, a.dtype, a.q, K, H, tokens, K * 2, H * K * 2, 64, 1, 64));
   HL_TRY(make_map(&p.m_k, a.dtype, a.k, K, H, tokens, K * 2, H * K * 2, 64, 1, 64));
   const uint64_t states = uint64_t(chunks) * HV;
-  HL_TRY(make_map(&p.m_h, a.dtype, a.h, V, K, states, V * 2, K * V * 2, 64, KH, 1));
-  HL_TRY(make_map(&p.m_dh, a.dtype, a.dh, V, K, states, V * 2, K * V * 2, 64, KH, 1));
+  const bool s32 = a.h_dtype == HL_DTYPE_F32;
+  if (s32) {  // read by the producer warpgroup, not TMA
+    p.h32 = static_cast<const float *>(a.h), p.dh32 = static_cast<const float *>(a.dh);
+  } else if (vf) {  // [V, K] per state: 64 x 64 boxes
+    HL_TRY(make_map(&p.m_h, a.dtype, a.h, K, V, states, K * 2, K * V * 2, 64, 64, 1));
+    HL_TRY(make_map(&p.m_dh, a.dtype, a.dh, K, V, states, K * 2, K * V * 2, 64, 64, 1));
+  } else {
+    HL_TRY(make_map(&p.m_h, a.dtype, a.h, V, K, states, V * 2, K * V * 2, 64, KH, 1));
+    HL_TRY(make_map(&p.m_dh, a.dtype, a.dh, V, K, states, V * 2, K * V * 2, 64, KH, 1));
+  }
   p.dq = a.dq, p.dk = a.dk, p.dw = a.dw, p.dg = a.dg, p.g = a.g, p.g_gamma = a.g_gamma;
   p.chunks = table;
   p.items = chunks * a.H;
-  p.H = int(a.H), p.HV = int(a.HV), p.G = int(a.HV / a.H), p.K = int(a.K), p.VCN = int((a.V + 63) / 64);
+  p.H = int(a.H), p.HV = int(a.HV), p.G = int(a.HV / a.H), p.K = int(a.K), p.V = int(a.V);
+  p.VCN = int((a.V + 63) / 64);
   p.nsplit = int((a.K + KH - 1) / KH);
   p.scale = a.scale;
   p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
   p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;
-  if (a.dtype == HL_DTYPE_BF16)
-    return KH == 64 ? launch_sm90<__nv_bfloat16, 64>(p, stream) : launch_sm90<__nv_bfloat16, 128>(p, stream);
-  return KH == 64 ? launch_sm90<__half, 64>(p, stream) : launch_sm90<__half, 128>(p, stream);
+  if (a.dtype == HL_DTYPE_BF16) return launch_sm90<__nv_bfloat16>(p, int(KH), vf, s32, stream);
+  return launch_sm90<__half>(p, int(KH), vf, s32, stream);
 }
 
 }  // namespace hl::gdn

@@ -1,7 +1,7 @@
-// The Hopper (sm_90a) gdn_bwd_dqkwg kernel: TMA and warpgroup MMAs. It takes the common case
-// (16-bit inputs and states, HV = H, K and V multiples of 8, 16-byte aligned tensors) on a
-// compute capability 9.0 device when the library holds sm_90a code; everything else runs the
-// portable kernel (dqkwg.cu). HEADLOSS_GDN_KERNEL=portable forces the portable kernel (tests, A/B).
+// The Hopper (sm_90a) gdn_bwd_dqkwg kernel: TMA and warpgroup MMAs. It takes K and V multiples of
+// 8 with 16-byte aligned tensors (any GVA, 16-bit or fp32 states, either state layout) on a compute
+// capability 9.0 device when the library holds sm_90a code; everything else runs the portable
+// kernel (dqkwg.cu). HEADLOSS_GDN_KERNEL=portable forces the portable kernel (tests, A/B).
 #pragma once
 
 #include <cstdint>

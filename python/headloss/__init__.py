@@ -6,8 +6,9 @@ HeadlossError with the library's message.
 
 Framework front ends (imported on demand, so the package needs neither): headloss.torch_ops
 (PyTorch custom ops and the RMSNorm module, torch.compile-ready; linear_loss for the fused linear
-form), headloss.torch_loss (the loss plan as autograd functions and a module) and headloss.jax
-(XLA FFI custom calls for jax.jit).
+form), headloss.torch_loss (the loss plan as autograd functions and a module), headloss.jax (XLA
+FFI custom calls for jax.jit) and headloss.fla_backend (gdn_bwd_dqkwg as a drop-in for
+flash-linear-attention's chunked backward).
 """
 from ._lib import HeadlossError, cuda_available, version
 from .rmsnorm import RMSNormGrads, RMSNormOutput, rmsnorm, rmsnorm_bwd, rmsnorm_fwd

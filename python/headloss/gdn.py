@@ -10,7 +10,7 @@ from ._lib import DTYPE_F32, DTYPE_I64, check as _check_status, declare
 
 c_i64, c_ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 GATE_NONE, GATE_LOG, GATE_LOG2, GATE_CONST_DECAY, GATE_CONST_DECAY_LOG2 = 0, 1, 2, 3, 4
-UNCHECKED = 1  # HL_GDN_UNCHECKED
+UNCHECKED, STATE_V_FIRST = 1, 2  # HL_GDN_UNCHECKED, HL_GDN_STATE_V_FIRST
 
 
 class _Args(ctypes.Structure):
@@ -49,11 +49,13 @@ def _contig(x: Optional[ArrayView], name: str) -> int:
 
 def gdn_bwd_dqkwg(q, k, v, do, h, dh, *, scale: Optional[float] = None, g=None, g_gamma=None,
                   gate_log2: bool = False, dv=None, cu_seqlens=None, reverse_cumsum: bool = False,
-                  check: bool = True, out: Optional[GDNGrads] = None) -> GDNGrads:
-    """q, k [B,T,H,K]; v (v_new), do [B,T,HV,V]; h, dh [B,NT,HV,K,V]; g [B,T,HV] fp32 chunk-local
-    cumulative gate or g_gamma [HV] fp32 constant decay (gate_log2: exp2 units, as fla 0.6);
-    dv [B,T,HV,V] turns on dw; cu_seqlens [S+1] int32/int64 with B = 1 (NT is h.shape[1]).
-    scale defaults to K ** -0.5. NumPy arrays run on the CPU backend, device arrays on CUDA.
+                  check: bool = True, state_v_first: bool = False,
+                  out: Optional[GDNGrads] = None) -> GDNGrads:
+    """q, k [B,T,H,K]; v (v_new), do [B,T,HV,V]; h, dh [B,NT,HV,K,V] ([B,NT,HV,V,K] with
+    state_v_first, as fla's option of that name); g [B,T,HV] fp32 chunk-local cumulative gate or
+    g_gamma [HV] fp32 constant decay (gate_log2: exp2 units, as fla 0.6); dv [B,T,HV,V] turns on
+    dw; cu_seqlens [S+1] int32/int64 with B = 1 (NT is h.shape[1]). scale defaults to K ** -0.5.
+    NumPy arrays run on the CPU backend, device arrays on CUDA.
     check=False (CUDA varlen): cu_seqlens is not copied to the host and checked, so the call does
     not synchronise the stream (HL_GDN_UNCHECKED; a CUDA graph can capture it)."""
     if g is not None and g_gamma is not None:
@@ -72,7 +74,8 @@ def gdn_bwd_dqkwg(q, k, v, do, h, dh, *, scale: Optional[float] = None, g=None, 
                            ("dv", dvv, vv.shape), ("g", gv, (B, T, HV)), ("g_gamma", gg, (HV,))):
         if x is not None and tuple(x.shape) != tuple(shape):
             raise ValueError(f"{name} has shape {x.shape}; expected {shape}")
-    if vv.shape[:2] != (B, T) or tuple(hv.shape[2:]) != (HV, K, V) or hv.shape[0] != B:
+    if vv.shape[:2] != (B, T) or tuple(hv.shape[2:]) != ((HV, V, K) if state_v_first else (HV, K, V)) \
+            or hv.shape[0] != B:
         raise ValueError(f"shapes disagree: q {qv.shape}, v {vv.shape}, h {hv.shape}")
     if out is None:
         out = GDNGrads(empty(qv, qv.shape, qv.dtype), empty(qv, qv.shape, qv.dtype),
@@ -93,7 +96,7 @@ def gdn_bwd_dqkwg(q, k, v, do, h, dh, *, scale: Optional[float] = None, g=None, 
               int(reverse_cumsum), K ** -0.5 if scale is None else scale)
     if cv is not None:
         a.cu_seqlens_dtype, a.cu_seqlens, a.num_seqs = cv.dtype, _contig(cv, "cu_seqlens"), cv.shape[0] - 1
-    a.flags = 0 if check else UNCHECKED
+    a.flags = (0 if check else UNCHECKED) | (STATE_V_FIRST if state_v_first else 0)
     n = ctypes.c_size_t(0)
     _check_status(_ws(ctypes.byref(a), ctypes.byref(n)))
     ws = None

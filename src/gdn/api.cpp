@@ -50,8 +50,9 @@ hl_status_t check_shape(const char *fn, const hl_gdn_bwd_dqkwg_args_t &a) {
     return fail(HL_STATUS_INVALID_VALUE, "%s: reverse_cumsum is %d; use 0 or 1", fn, a.reverse_cumsum);
   if (a.dw && !a.dv) return fail(HL_STATUS_INVALID_VALUE, "%s: dw is set but dv is NULL", fn);
   if (!std::isfinite(a.scale)) return fail(HL_STATUS_INVALID_VALUE, "%s: scale is not finite", fn);
-  if (a.flags & ~HL_GDN_UNCHECKED)
-    return fail(HL_STATUS_INVALID_VALUE, "%s: flags is 0x%x; only HL_GDN_UNCHECKED is defined", fn, a.flags);
+  if (a.flags & ~(HL_GDN_UNCHECKED | HL_GDN_STATE_V_FIRST))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: flags is 0x%x; only HL_GDN_UNCHECKED and HL_GDN_STATE_V_FIRST are defined",
+                fn, a.flags);
   if (a.cu_seqlens) {
     if (a.B != 1)
       return fail(HL_STATUS_INVALID_VALUE, "%s: B is %lld with cu_seqlens; varlen needs B = 1", fn, (long long)a.B);

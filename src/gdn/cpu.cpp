@@ -31,12 +31,13 @@ std::vector<Chunk> list_chunks(const hl_gdn_bwd_dqkwg_args_t &a, const std::vect
   return out;
 }
 
-// A [rows, cols] block of a tensor read as double; `row_stride` and `base` in elements.
+// A [rows, cols] block of a tensor read as double; `base` and the strides in elements, `col_stride`
+// the stride along its columns (1: a row-major block).
 std::vector<double> read_block(const void *p, hl_dtype_t dt, int64_t base, int64_t row_stride, int64_t rows,
-                               int64_t cols) {
+                               int64_t cols, int64_t col_stride = 1) {
   std::vector<double> m(size_t(rows * cols));
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) m[size_t(r * cols + c)] = load(p, dt, base + r * row_stride + c);
+    for (int64_t c = 0; c < cols; ++c) m[size_t(r * cols + c)] = load(p, dt, base + r * row_stride + c * col_stride);
   return m;
 }
 
@@ -60,6 +61,7 @@ hl_status_t cpu_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_
   const bool gated = a.gate != HL_GDN_GATE_NONE, dg_out = has_dg(a.gate);
   const auto E = [&](double x) { return is_log2(a.gate) ? std::exp2(x) : std::exp(x); };
   const hl_dtype_t dt = a.dtype;
+  const bool vf = a.flags & HL_GDN_STATE_V_FIRST;
   for (const Chunk &c : list_chunks(a, cu)) {
     const int64_t n = c.n, tok = c.b * a.T + c.t0;
     for (int64_t hq = 0; hq < H; ++hq) {
@@ -69,9 +71,10 @@ hl_status_t cpu_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_
       for (int64_t hv = hq * G; hv < (hq + 1) * G; ++hv) {
         const std::vector<double> v = read_block(a.v, dt, (tok * HV + hv) * V, HV * V, n, V);
         const std::vector<double> dO = read_block(a.do_, dt, (tok * HV + hv) * V, HV * V, n, V);
-        const int64_t hbase = (c.id * HV + hv) * K * V;
-        const std::vector<double> h = read_block(a.h, a.h_dtype, hbase, V, K, V);
-        const std::vector<double> dh = read_block(a.dh, a.h_dtype, hbase, V, K, V);
+        // h, dh as [K, V]; with state_v_first they are stored [V, K]
+        const int64_t hbase = (c.id * HV + hv) * K * V, rs = vf ? 1 : V, cs = vf ? K : 1;
+        const std::vector<double> h = read_block(a.h, a.h_dtype, hbase, rs, K, V, cs);
+        const std::vector<double> dh = read_block(a.dh, a.h_dtype, hbase, rs, K, V, cs);
         std::vector<double> gam(size_t(n), 0.0);  // chunk-local cumulative gate
         for (int64_t t = 0; t < n && gated; ++t)
           gam[size_t(t)] = a.g ? double(a.g[(tok + t) * HV + hv]) : double(a.g_gamma[hv]) * double(t + 1);

@@ -66,7 +66,7 @@ def poisoned_out(like_q, x, HV, K, alloc):
                        None if x["g"] is None else alloc((B, T, HV), "f32"))
 
 
-def run_numpy(x, gate, cu, scale, dtype, cumsum=False, h_f32=False):
+def run_numpy(x, gate, cu, scale, dtype, cumsum=False, h_f32=False, vf=False):
     npdt = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}[dtype]
     c = lambda a, dt=npdt: None if a is None else np.ascontiguousarray(a.astype(dt))
     hdt = np.float32 if h_f32 else npdt
@@ -76,10 +76,17 @@ def run_numpy(x, gate, cu, scale, dtype, cumsum=False, h_f32=False):
     alloc = lambda shape, kind: np.full(shape, np.nan, dtype=npdt if kind == "q" else np.float32)
     out = poisoned_out(q, x, HV, K, alloc)
     cu_a = None if cu is None else np.asarray(cu, np.int32)
-    return hg.gdn_bwd_dqkwg(q, c(x["k"]), c(x["v"]), c(x["do"]), c(x["h"], hdt), c(x["dh"], hdt), scale=scale,
+    st = (lambda a: v_first(c(a, hdt))) if vf else (lambda a: c(a, hdt))
+    return hg.gdn_bwd_dqkwg(q, c(x["k"]), c(x["v"]), c(x["do"]), st(x["h"]), st(x["dh"]), scale=scale,
                             g=c(x["g"], np.float32), g_gamma=c(x["g_gamma"], np.float32),
                             gate_log2=gate in ("log2", "const2"), dv=c(x["dv"]), cu_seqlens=cu_a,
-                            reverse_cumsum=cumsum, out=out)
+                            reverse_cumsum=cumsum, state_v_first=vf, out=out)
+
+
+def v_first(a):
+    """A [B,NT,HV,K,V] state array (NumPy or torch) in state_v_first layout, [B,NT,HV,V,K]."""
+    t = a.swapaxes(-1, -2) if isinstance(a, np.ndarray) else a.transpose(-1, -2)
+    return np.ascontiguousarray(t) if isinstance(a, np.ndarray) else t.contiguous()
 
 
 def check_all(got, want, tol):
@@ -155,6 +162,19 @@ def test_cpu_fp16_fp32_state_and_fused_cumsum():
     check_all(got, reference(x, "log2", None, 0.5, cumsum=True), 1e-3)
 
 
+@pytest.mark.parametrize("case", [CPU_CASES[0], CPU_CASES[4], CPU_CASES[5]], ids=["dense", "padded", "varlen"])
+def test_cpu_state_v_first(case):
+    """h, dh as [B,NT,HV,V,K] (fla's state_v_first): the default layout's results, bit for bit."""
+    B, T, H, HV, K, V, gate, dw, cu = case
+    x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu)
+    got = run_numpy(x, gate, cu, 0.25, "bf16", vf=True)
+    want = run_numpy(x, gate, cu, 0.25, "bf16")
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_cpu_finite_differences_of_chunk_loss():
     """The library's dq, dk, dg (fp16 in, one chunk) against finite differences of the loss."""
     rng = np.random.default_rng()
@@ -205,7 +225,7 @@ def _raw_args(**over):
     (dict(num_chunks=5), 1, "num_chunks is 5"),
     (dict(B=2, num_chunks=1, cu_seqlens=1), 1, "B = 1"),
     (dict(struct_size=4), 1, "struct_size"),
-    (dict(flags=2), 1, "flags is 0x2"),
+    (dict(flags=4), 1, "flags is 0x4"),
 ])
 def test_bad_arguments(over, status, needle):
     a, keep = _raw_args(**over)
@@ -260,6 +280,14 @@ GPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (1, 12783, 2, 2, 128, 128, "log2", True, None),
     (1, 12783, 2, 2, 64, 128, "log", True, None),                 # KH = 64: 3 slots, 2 stages an item
     (1, 6400, 2, 4, 128, 128, "log2", True, None),                # GVA: 200 items, 2 value heads each
+    # GVA on the Hopper kernel at any HV / H: 128 columns a CTA (K = 128), a cluster (K = 256)
+    (1, 330, 1, 8, 128, 128, "log2", True, None),                 # 8 value heads a q/k head
+    (1, 200, 2, 6, 64, 128, "log", True, None),                   # 3, K = 64
+    (1, 150, 1, 16, 128, 64, "log2", False, None),                # 16
+    (1, 260, 1, 4, 256, 256, "log2", True, None),                 # 4 at K = 256: a cluster, mailbox per value head
+    (1, 300, 2, 6, 192, 128, "const2", True, None),               # 3 at K = 192
+    (1, 400, 1, 8, 256, 128, "log", True, [0, 63, 63, 200, 399, 400]),  # varlen, GVA 8, K = 256
+    (1, 9000, 1, 8, 128, 128, "log2", True, None),                # 141 items of 8 passes: rings wrap
 ]
 
 # The Hopper kernel takes what it supports on a 9.0 device; "portable" forces the other kernel.
@@ -302,6 +330,72 @@ def test_cuda_matches_reference(case, dtype, gdn_kernel):
     check_all(got, reference(x, gate, cu, K ** -0.5), 0.003 if dtype == "bf16" else 0.001)
 
 
+VF_CASES = [c for c in GPU_CASES if c[1] < 1000 and c[4] % 8 == 0 and c[5] % 8 == 0][::2] + [GPU_CASES[6]]
+
+
+def same_results(got, want, exact):
+    """Bit for bit (exact), or (the Hopper kernel, whose tensor cores sum an N-major operand in
+    another order) within 1e-3, a third of the tolerance against the reference."""
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch_equal(a, b) if exact else rel(a.cpu().double().numpy(), b.cpu().double().numpy()) <= 1e-3
+
+
+def torch_equal(a, b):
+    return bool((a == b).all()) and a.shape == b.shape
+
+
+@pytest.mark.parametrize("case", VF_CASES, ids=lambda c: f"{c[6]}-H{c[2]}HV{c[3]}K{c[4]}V{c[5]}" + ("-varlen" if c[8] else ""))
+@pytest.mark.parametrize("h32", [False, True], ids=["h16", "h32"])
+def test_cuda_state_v_first(case, h32, gdn_kernel):
+    """h, dh as [B,NT,HV,V,K] (fla's state_v_first; the Hopper kernel reads them as an N-major
+    operand), 16-bit or fp32: the default layout's results (bit for bit on the portable kernel),
+    outputs poisoned first."""
+    torch = _torch()
+    B, T, H, HV, K, V, gate, dw, cu = case
+    x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu, h_f32=h32)
+    d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
+    args = [d(x[n]) for n in ("q", "k", "v", "do")] + [d(x[n], torch.float32 if h32 else torch.bfloat16)
+                                                       for n in ("h", "dh")]
+    alloc = lambda shape, kind: torch.full(shape, float("nan"), device="cuda",
+                                           dtype=torch.bfloat16 if kind == "q" else torch.float32)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int64, device="cuda")
+    run = lambda h, dh, vf: hg.gdn_bwd_dqkwg(*args[:4], h, dh, scale=K ** -0.5, g=d(x["g"], torch.float32),
+                                             g_gamma=d(x["g_gamma"], torch.float32),
+                                             gate_log2=gate in ("log2", "const2"), dv=d(x["dv"]), cu_seqlens=cu_t,
+                                             state_v_first=vf, out=poisoned_out(args[0], x, HV, K, alloc))
+    want = run(args[4], args[5], False)
+    got = run(v_first(args[4]), v_first(args[5]), True)
+    torch.cuda.synchronize()
+    if not h32:  # (fp32 states against the reference: test_cuda_fp32_states, with enough chunks for dg)
+        check_all(got, reference(x, gate, cu, K ** -0.5), 0.003)
+        if got.dg is not None:  # and dg against the older formula (inter-chunk terms, ds∘qkᵀ row and column sums)
+            assert rel(got.dg.cpu().double().numpy(), reference(x, gate, cu, K ** -0.5, form="old")[3]) <= 0.003
+    same_results(got, want, exact=gdn_kernel == "portable")
+
+
+def test_cuda_gva_heads_far_apart(gdn_kernel):
+    """GVA where one value head's gate makes its E(g_t) underflow (the Hopper kernel's per-row factor
+    is held at 2^-64 there) and another's is ~1: every value head's dg against the reference."""
+    torch = _torch()
+    B, T, H, HV, K, V = 1, 200, 1, 4, 128, 128
+    x = make(np.random.default_rng(), B, T, H, HV, K, V, gate="log2", dw=True)
+    x["g"][..., 1] -= 300.0  # exp2(-300) is 0 in fp32
+    x["g"][..., 2] *= 0.01
+    d = lambda a, dt=torch.bfloat16: torch.from_numpy(a).to("cuda", dt).contiguous()
+    got = hg.gdn_bwd_dqkwg(*(d(x[n]) for n in ("q", "k", "v", "do", "h", "dh")), scale=K ** -0.5,
+                           g=d(x["g"], torch.float32), gate_log2=True, dv=d(x["dv"]))
+    torch.cuda.synchronize()
+    want = reference(x, "log2", None, K ** -0.5)
+    check_all(got, want, 0.003)
+    old = reference(x, "log2", None, K ** -0.5, form="old")[3]  # the older dg formula
+    for hv in range(HV):
+        for w, form in ((want[3], "new"), (old, "old")):
+            e = rel(got.dg[..., hv].cpu().double().numpy(), w[..., hv])
+            assert e <= 0.003, f"dg of value head {hv} ({form} formula): relative error {e:.2e}"
+
+
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[8]], ids=lambda c: f"HV{c[3]}K{c[4]}V{c[5]}")
 def test_cuda_varlen_unchecked(case, gdn_kernel):
     """check=False builds the chunk table on the device (no synchronisation): the same bits as the
@@ -326,6 +420,35 @@ def test_cuda_varlen_unchecked(case, gdn_kernel):
             assert (a is None) == (b is None)
             if a is not None:
                 assert torch.equal(a, b)
+    check_all(got, reference(x, gate, cu, K ** -0.5), 0.003)
+
+
+H32_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
+    (2, 640, 2, 2, 128, 128, "log2", True, None),  # >= 40 (chunk, value head) pairs where dg is checked,
+    (2, 1280, 1, 1, 64, 64, "log", False, None),   # see test_cuda_fp32_state_and_fused_cumsum
+    (2, 640, 1, 2, 256, 256, "log2", True, None),                 # a cluster, GVA
+    (1, 300, 3, 3, 192, 72, "const2", True, None),                # ragged second K half, V partial
+    (1, 400, 1, 4, 128, 128, "log", True, [0, 17, 17, 200, 333, 400]),  # varlen, GVA
+    (1, 6400, 2, 2, 128, 128, "log2", True, None),                # 200 items: rings wrap
+]
+
+
+@pytest.mark.parametrize("case", H32_CASES, ids=lambda c: f"{c[6]}-B{c[0]}T{c[1]}H{c[2]}HV{c[3]}K{c[4]}V{c[5]}" + ("-varlen" if c[8] else ""))
+def test_cuda_fp32_states(case, gdn_kernel):
+    """fp32 h, dh (the Hopper kernel's producer warps round them into its tiles), outputs poisoned."""
+    torch = _torch()
+    B, T, H, HV, K, V, gate, dw, cu = case
+    x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu, h_f32=True)
+    d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
+    q = d(x["q"])
+    alloc = lambda shape, kind: torch.full(shape, float("nan"), device="cuda",
+                                           dtype=torch.bfloat16 if kind == "q" else torch.float32)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    got = hg.gdn_bwd_dqkwg(q, d(x["k"]), d(x["v"]), d(x["do"]), d(x["h"], torch.float32), d(x["dh"], torch.float32),
+                           scale=K ** -0.5, g=d(x["g"], torch.float32), g_gamma=d(x["g_gamma"], torch.float32),
+                           gate_log2=gate in ("log2", "const2"), dv=d(x["dv"]), cu_seqlens=cu_t,
+                           out=poisoned_out(q, x, HV, K, alloc))
+    torch.cuda.synchronize()
     check_all(got, reference(x, gate, cu, K ** -0.5), 0.003)
 
 
