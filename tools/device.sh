@@ -4,7 +4,7 @@
 # logs and tables in $OUT. Steps: tools/device.sh [build] [test] [sanitize] [bench-NAME ...]
 # (default: all; bench-NAME runs bench/bench_NAME.py; `bench` runs every benchmark).
 # HL_TESTS="tests/python/test_x.py ..." limits the test step to those files, HL_SANITIZE="rms gdn"
-# the sanitizer step to those families (rms, loss, tp, gdn), HL_BENCH_ARGS="..." adds arguments to
+# the sanitizer step to those families (rms, loss, linear, tp, gdn), HL_BENCH_ARGS="..." adds arguments to
 # every bench-NAME script (tools/bench.sh). HL_COMMIT=<hash> names the commit in the benchmark tables (the device's
 # copy of the tree has no current .git).
 set -uo pipefail
@@ -51,10 +51,11 @@ if want sanitize; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool (GPU tests, a subset of sizes)"
     rc=0
-    for sel in ${HL_SANITIZE:-rms loss tp gdn}; do
+    for sel in ${HL_SANITIZE:-rms loss linear tp gdn}; do
       case $sel in
         rms) args=("${rms[@]}") ;;
         loss) args=(tests/python/test_loss.py -k "cuda and ((all or entropy or distill_fwd) and (bfloat16 or float32) or bulk_many_rows and grpo_kl)") ;;
+        linear) args=(tests/python/test_linear_loss.py -k "cuda and (all and bfloat16 or fused_teacher or accumulate or chunks or equals_logits or sharded and 2)") ;;
         tp) args=(tests/python/test_loss_tp.py -k "cuda and (all or ce_smooth) and bfloat16") ;;
         gdn) args=(tests/python/test_gdn.py -k "cuda_fp32_state or cuda_fused_cumsum") ;;  # both kernels
       esac
