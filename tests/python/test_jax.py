@@ -261,9 +261,9 @@ def _linear_case(case, dtype, Ht=0, seed=0):
     return make(rng, 23, 40, 173, dtype, case, Ht=Ht)
 
 
-def _linear_want(inp, terms, opts, scale=1.0):
+def _linear_want(device, inp, terms, opts, scale=1.0):
     from test_linear_loss import reference_linear
-    rsc, _, rgh, rgw = reference_linear(inp, terms, opts)
+    rsc, _, rgh, rgw = reference_linear(inp, terms, opts, "cpu" if device.platform == "cpu" else "cuda")
     return rsc, {}, scale * rgh, scale * rgw
 
 
@@ -297,7 +297,7 @@ def test_linear_loss_against_reference(device, case, dtype):
     sc = {k: float(v) for k, v in metrics.items()}
     assert float(loss) == pytest.approx(2.5 * sc["loss"], rel=1e-6)
     _linear_check(device, (sc, {}, np.asarray(gx, np.float64), np.asarray(gw, np.float64)),
-                  _linear_want(inp, terms, opts, 2.5), dtype)
+                  _linear_want(device, inp, terms, opts, 2.5), dtype)
 
 
 def test_linear_loss_fused_teacher_tokens_f32_grad(device):
@@ -316,8 +316,8 @@ def test_linear_loss_fused_teacher_tokens_f32_grad(device):
     assert gw.dtype == jnp.bfloat16
     sc = {k: float(v) for k, v in metrics.items()}
     _linear_check(device, (sc, {}, np.asarray(gx, np.float64), np.asarray(gw, np.float64)),
-                  _linear_want(inp, terms, opts), "bfloat16")
-    rtoks = reference_linear(inp, terms, opts)[1]
+                  _linear_want(device, inp, terms, opts), "bfloat16")
+    rtoks = reference_linear(inp, terms, opts, "cpu" if device.platform == "cpu" else "cuda")[1]
     tol = 1e-6 if device.platform == "cpu" else 0.1
     for got, k in zip(toks, ("loss", "logp", "entropy", "lse")):
         assert rel(got, rtoks[k]) < tol, k
@@ -349,7 +349,7 @@ def test_linear_loss_forms_only_the_gradients_asked_for(argnums, modes):
     params = _ffi_params(jax.make_jaxpr(fn)(x, w).jaxpr)
     assert len(params) == 1 and params[0]["linear"] == 1
     assert (params[0]["grad_hidden_mode"], params[0]["grad_weight_mode"]) == modes
-    _, _, rgh, rgw = _linear_want(inp, terms, opts)
+    _, _, rgh, rgw = _linear_want(cpu, inp, terms, opts)
     res = jax.jit(fn)(x, w)
     if argnums is not None:
         for i, g in zip(argnums, res):
@@ -361,7 +361,7 @@ def test_linear_loss_plan_reuse_and_workspace_cap(device):
     chunks of few rows on CUDA) gives the reference's result."""
     terms, opts, inp = _linear_case("ce", "bfloat16")
     x, w, y, kw = _split_linear(inp, device)
-    want = _linear_want(inp, terms, opts)
+    want = _linear_want(device, inp, terms, opts)
     for cap in (None, 0, 1 << 20):
         f = jax.jit(jax.value_and_grad(lambda x, w: hlj.linear_loss(
             x, w, y, terms=terms, max_workspace_bytes=cap, **opts), argnums=(0, 1), has_aux=True))

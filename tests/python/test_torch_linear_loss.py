@@ -49,9 +49,10 @@ def split(inp, dev, grads=(True, True)):
     return x, w, t.pop("labels", None), t
 
 
-def want_of(inp, terms, opts, scale=1.0):
-    """The reference's (scalars, no tokens, grad_hidden, grad_weight), gradients times scale."""
-    rsc, _, rgh, rgw = reference_linear(inp, terms, opts)
+def want_of(inp, terms, opts, scale=1.0, dev="cpu"):
+    """The reference's (scalars, no tokens, grad_hidden, grad_weight), gradients times scale; dev:
+    the backend that ran (CUDA stores 16-bit logits between the products)."""
+    rsc, _, rgh, rgw = reference_linear(inp, terms, opts, torch.device(dev).type)
     return rsc, {}, scale * rgh, scale * rgw
 
 
@@ -82,7 +83,7 @@ def test_against_reference(dev, dtype, case):
     assert loss.requires_grad and loss.dtype == torch.float32 and loss.dim() == 0
     loss.backward()
     assert x.grad.dtype == x.dtype and w.grad.dtype == w.dtype
-    check(be_of(dev), got_of(loss, metrics, x, w), want_of(inp, terms, opts), dtype)
+    check(be_of(dev), got_of(loss, metrics, x, w), want_of(inp, terms, opts, dev=dev), dtype)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -97,7 +98,7 @@ def test_fused_teacher_and_f32_grad_weight(dev):
     loss, metrics = linear_loss(x, w, y, terms=terms, grad_weight_dtype="float32", **kw, **opts)
     loss.backward()
     assert w.grad.dtype == torch.bfloat16 and kw["teacher_hidden"].grad is None
-    check(be_of(dev), got_of(loss, metrics, x, w), want_of(inp, terms, opts), "bfloat16")
+    check(be_of(dev), got_of(loss, metrics, x, w), want_of(inp, terms, opts, dev=dev), "bfloat16")
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -129,7 +130,7 @@ def test_requires_grad_combinations(dev, grads, monkeypatch):
         loss.backward()
     sc, _, gh, gw = got_of(loss, metrics, x, w)
     assert (gh is not None, gw is not None) == grads
-    rsc, _, rgh, rgw = want_of(inp, terms, opts)
+    rsc, _, rgh, rgw = want_of(inp, terms, opts, dev=dev)
     check(be_of(dev), (sc, {}, gh, gw), (rsc, {}, rgh if grads[0] else None, rgw if grads[1] else None),
           "float32")
 
@@ -141,12 +142,12 @@ def test_incoming_gradient(dev):
     dev = _device(dev)
     rng = np.random.default_rng(7)
     terms, opts, inp = make(rng, 21, 32, 131, "float32", "all")
-    rsc = want_of(inp, terms, opts)[0]
+    rsc = want_of(inp, terms, opts, dev=dev)[0]
     for f, scale in ((lambda l: 2.5 * l, 2.5), (lambda l: l * l, 2 * rsc["loss"]), (lambda l: -l / 3, -1 / 3)):
         x, w, y, kw = split(inp, dev)
         loss, metrics = linear_loss(x, w, y, terms=terms, **kw, **opts)
         f(loss).backward()
-        check(be_of(dev), got_of(loss, metrics, x, w), want_of(inp, terms, opts, scale), "float32")
+        check(be_of(dev), got_of(loss, metrics, x, w), want_of(inp, terms, opts, scale, dev), "float32")
     x, w, y, kw = split(inp, dev)
     loss, _ = linear_loss(x, w, y, terms=terms, **kw, **opts)
     (3.0 * loss).backward(retain_graph=True)
@@ -198,7 +199,7 @@ def test_leading_dims_and_shifted_views(dev):
     loss.backward()
     inp = {"hidden": np64(hs[:, :-1]).reshape(-1, H).astype(np.float32),
            "weight": np64(wide[:, :H]).astype(np.float32), "labels": ids[:, 1:].reshape(-1).cpu().numpy()}
-    rsc, _, rgh, rgw = want_of(inp, ("ce", "z"), {"z_weight": 1e-3})
+    rsc, _, rgh, rgw = want_of(inp, ("ce", "z"), {"z_weight": 1e-3}, dev=dev)
     assert hs.grad.shape == hs.shape and float(hs.grad[:, -1].abs().max()) == 0
     sc = dict.fromkeys(SCALARS, 0.0)
     sc["loss"] = float(loss.detach())
@@ -358,7 +359,7 @@ def test_linear_loss_function_own_plan(dev):
     (0.5 * loss).backward()
     assert x.grad.dtype == torch.bfloat16 and not scalars.requires_grad
     check(be_of(dev), (dict(zip(SCALARS, np64(scalars))), {}, np64(x.grad), np64(w.grad)),
-          want_of(inp, terms, opts, 0.5), "bfloat16")
+          want_of(inp, terms, opts, 0.5, dev), "bfloat16")
 
 
 def test_fused_lm_head_loss_incoming_gradient():
@@ -389,7 +390,7 @@ def test_cuda_workspace_cap():
     plan = LinearLossPlan(4099, 128, torch.bfloat16, device="cuda", terms=terms, **opts)
     lo, hi = plan.workspace_sizes(300)
     assert 0 < lo < hi
-    want = want_of(inp, terms, opts)
+    want = want_of(inp, terms, opts, dev=dev)
     for cap in (None, lo, (lo + hi) // 2):
         x, w, y, kw = split(inp, dev)
         loss, metrics = linear_loss(x, w, y, terms=terms, max_workspace_bytes=cap,
@@ -411,4 +412,4 @@ def test_cuda_second_device():
     with torch.cuda.device(0):
         loss, metrics = linear_loss(x, w, y, terms=terms, **opts)
         loss.backward()
-    check(be_of(torch.device("cuda")), got_of(loss, metrics, x, w), want_of(inp, terms, opts), "bfloat16")
+    check(be_of(torch.device("cuda")), got_of(loss, metrics, x, w), want_of(inp, terms, opts, dev="cuda"), "bfloat16")
