@@ -33,44 +33,6 @@ static double from_bf16(uint16_t h) {
   return f;
 }
 
-/* Host memory on the CPU backend, device memory on CUDA: a copy of `host` (or uninitialised). */
-static void *put(int gpu, const void *host, size_t bytes) {
-#if HL_HAVE_CUDA
-  if (gpu) {
-    void *p = NULL;
-    if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) fprintf(stderr, "cudaMalloc failed\n"), exit(1);
-    if (host) cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice);
-    return p;
-  }
-#endif
-  (void)gpu;
-  void *p = malloc(bytes ? bytes : 1);
-  if (!p) fprintf(stderr, "out of memory\n"), exit(1);
-  if (host) memcpy(p, host, bytes);
-  return p;
-}
-static void get(int gpu, void *host, const void *src, size_t bytes) {
-#if HL_HAVE_CUDA
-  if (gpu) {
-    if (cudaMemcpy(host, src, bytes, cudaMemcpyDeviceToHost) != cudaSuccess)
-      fprintf(stderr, "cudaMemcpy failed\n"), exit(1);
-    return;
-  }
-#endif
-  (void)gpu;
-  memcpy(host, src, bytes);
-}
-static void release(int gpu, void *p) {
-#if HL_HAVE_CUDA
-  if (gpu) {
-    cudaFree(p);
-    return;
-  }
-#endif
-  (void)gpu;
-  free(p);
-}
-
 /* CE + Z_WEIGHT * z-loss, averaged over the valid rows, and G = d loss / d logits, in fp64. */
 static double reference(const uint16_t *x, const uint16_t *w, const int64_t *y, double *gh, double *gw) {
   static double z[V];
