@@ -120,12 +120,14 @@ struct Cta {
 
 // fp32 states: a stage's KH x 64 (state_v_first: 64 x KH) of h and dh read 16 bytes a thread
 // at a time (coalesced) by the producer warpgroup's 128 threads, rounded and stored where TMA's
-// 128-byte swizzle would put them, 8 loads in flight a thread (56 registers). Rows of the tile are
-// K rows (V rows with VF); rows past K or V and columns past V or K are zeros.
+// 128-byte swizzle would put them, 16 loads in flight a thread (96 registers; the loads are
+// latency-bound: 8 in flight ran at 54% of the floor, 16 at 64%). Rows of the tile are K rows
+// (V rows with VF); rows past K or V and columns past V or K are zeros.
 template <class T, int VF, int KH>
 __device__ __forceinline__ void convert_states(const Sm90Params &P, unsigned char *h_tile, int64_t state, int s,
                                                int k0, int t) {
-  constexpr int kUnits = 2 * KH * 16, kBatch = 8;  // 16 bytes of fp32 a unit, 16 a tile row
+  constexpr int kUnits = 2 * KH * 16, kBatch = 16;  // 16 bytes of fp32 a unit, 16 a tile row
+  static_assert(kUnits % (128 * kBatch) == 0, "whole batches");
   const int64_t base = state * P.K * P.V;
 #pragma unroll 1
   for (int u0 = 0; u0 < kUnits; u0 += 128 * kBatch) {
@@ -530,12 +532,14 @@ __global__ void __launch_bounds__(kThreads90, 1) dqkwg_sm90_kernel(const __grid_
   if (P.nsplit > 1) cluster_barrier();  // the peer's barriers are ready before any message
   // 128 registers a thread at launch; the producer's warpgroup gives most of its share to the
   // consumers, whose accumulators need it (the register file is split in four: 56 + 3 x 152 words
-  // per sub-partition a thread).
+  // per sub-partition a thread; with fp32 states the producer keeps 96 for its loads in flight,
+  // 96 + 3 x 136).
+  constexpr int kProducerRegs = S32 ? 96 : 56, kConsumerRegs = (512 - kProducerRegs) / 24 * 8;
   if (warp >= kConsumers / 32) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     if (S32 || warp == kConsumers / 32) produce<T, KH, VF, S32>(P, c, warp - kConsumers / 32);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 152;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
     if (warp < 4) consume<T, KH, VF, 0>(P, c);
     else if (warp < 8) consume<T, KH, VF, 1>(P, c);
     else consume<T, KH, VF, 2>(P, c);
