@@ -303,8 +303,16 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  *   ENTROPY  H = lse - sum_j p_j z_hat_j   (as a loss: use a negative weight for a bonus)
  *   DISTILL_FWD  KL(q || p_s), DISTILL_REV  KL(p_s || q); q = softmax(teacher / teacher_temperature),
  *            p_s = softmax(z_hat / student_temperature); gradients as SPEC section 1 (no tau^2 factor)
- *   GRPO     -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp_y - old_logprob)
- *   GRPO_KL_REF  k3 = exp(ref - logp_y) - (ref - logp_y) - 1, weighted by kl_ref_beta
+ *   GRPO     -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp_y - old_logprob);
+ *            with dual_clip = c > 1, for A < 0 then min(that, -c A) (dual-clip PPO, as verl's
+ *            clip_ratio_c): no gradient where -c A binds (r > c)
+ *   CISPO    -sg(min(r, 1 + cispo_eps_high)) A logp_y (MiniMax-M1): the clipped importance weight
+ *            is a constant, so d/dz_j = -min(r, 1 + cispo_eps_high) A (delta_jy - p_j); its clip is
+ *            an option of its own: an importance-weight truncation is usually wider than PPO's clip
+ *   GRPO_KL_REF  KL(new || ref) at the label by kl_estimator, with d = ref - logp_y:
+ *            K3 (default) exp(d) - d - 1, K1 -d, K2 d^2 / 2; weighted by kl_ref_beta. Passing
+ *            ref_logprobs without this term reports kl_ref_mean alone (a metric; no loss, no
+ *            gradient, kl_ref_beta unused)
  *
  * A row is ignored when its label is negative (this covers the usual -100) or, with
  * use_ignore_index, equal to ignore_index: it contributes to no term and no metric, and its
@@ -332,6 +340,12 @@ typedef struct hl_loss_plan_st *hl_loss_plan_t;
 #define HL_LOSS_DISTILL_REV (1u << 4) /* reverse KL */
 #define HL_LOSS_GRPO (1u << 5)
 #define HL_LOSS_GRPO_KL_REF (1u << 6)
+#define HL_LOSS_CISPO (1u << 7)       /* needs advantages and old_logprobs, as GRPO */
+
+/* KL-to-reference estimators (hl_loss_plan_desc_t.kl_estimator), Schulman's k1 / k2 / k3. */
+#define HL_LOSS_KL_K3 0
+#define HL_LOSS_KL_K1 1
+#define HL_LOSS_KL_K2 2
 
 /* Options (hl_loss_plan_desc_t.flags). */
 /* CUDA: skip the checks of device data that need a stream synchronisation (labels in range, the
@@ -377,6 +391,11 @@ typedef struct {
   hl_dtype_t grad_hidden_dtype;         /* F32 or weight_dtype (NONE: weight_dtype) */
   hl_loss_grad_mode_t grad_weight_mode; /* NONE, WRITE or ACCUMULATE */
   hl_dtype_t grad_weight_dtype;         /* F32 or weight_dtype (NONE: weight_dtype) */
+  /* Policy-gradient options (see the formulas above); zero keeps the plain GRPO / k3 behaviour. */
+  float dual_clip;      /* c > 1: GRPO's dual clip for A < 0; 0: off */
+  float cispo_weight;
+  float cispo_eps_high; /* CISPO's upper clip of r is 1 + this; 0 means eps_high (as resolved) */
+  int kl_estimator;     /* HL_LOSS_KL_K3 (0), _K1 or _K2 */
 } hl_loss_plan_desc_t;
 
 /* Indices of hl_loss_args_t.scalars. A metric whose inputs were not passed is 0. */
@@ -402,11 +421,13 @@ typedef enum {
   HL_LOSS_OUT_CLIP_HIGH,     /* fraction with A > 0 and r > 1 + eps_high */
   HL_LOSS_OUT_CLIP_ANY,      /* fraction with r outside [1 - eps_low, 1 + eps_high] */
   HL_LOSS_OUT_K3_OLD,        /* mean of r - log r - 1, KL(old || new) */
-  HL_LOSS_OUT_KL_REF_MEAN,   /* needs ref_logprobs */
+  HL_LOSS_OUT_KL_REF_MEAN,   /* needs ref_logprobs; by kl_estimator */
   HL_LOSS_OUT_ADV_MEAN,      /* needs advantages */
   HL_LOSS_OUT_ADV_MIN,
   HL_LOSS_OUT_ADV_MAX,
   HL_LOSS_OUT_DISTILL_KL_MEAN, /* needs teacher logits and a distillation term */
+  HL_LOSS_OUT_CISPO,         /* the CISPO term */
+  HL_LOSS_OUT_DUAL_CLIP,     /* fraction where the dual clip binds (A < 0, r > dual_clip) */
   HL_LOSS_NUM_SCALARS
 } hl_loss_scalar_t;
 
@@ -415,13 +436,13 @@ typedef struct {
   int64_t rows;
   const void *logits; /* [rows, vocab] */
   int64_t logits_stride;
-  const void *labels;  /* [rows]; required by CE, GRPO, GRPO_KL_REF; NULL: every row valid */
+  const void *labels;  /* [rows]; required by CE, GRPO, CISPO, GRPO_KL_REF; NULL: every row valid */
   const float *weights; /* optional [rows] */
   const void *teacher_logits; /* [rows, vocab], required by distillation */
   int64_t teacher_stride;
-  const float *advantages;   /* [rows], required by GRPO */
-  const float *old_logprobs; /* [rows], required by GRPO */
-  const float *ref_logprobs; /* [rows], required by GRPO_KL_REF */
+  const float *advantages;   /* [rows], required by GRPO and CISPO */
+  const float *old_logprobs; /* [rows], required by GRPO and CISPO */
+  const float *ref_logprobs; /* [rows], required by GRPO_KL_REF (else optional: kl_ref_mean) */
   double divisor;     /* D; 0: the sum of valid weights */
   float grad_scale;   /* 0 means 1 */
   void *grad;         /* [rows, vocab] in grad_dtype; required with a gradient */

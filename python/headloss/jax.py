@@ -44,7 +44,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from ._arrays import dtype_code
 from ._lib import _HERE, lib_path
-from .loss import SCALARS, TERMS, LossPlan
+from .loss import SCALARS, TERMS, LossPlan, kl_estimator_code
 
 __all__ = ["rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "fused_loss", "sharded_fused_loss", "loss_stats",
            "loss_finish", "linear_loss", "sharded_linear_loss", "loss_plan_count", "adapter_path"]
@@ -204,7 +204,8 @@ def rmsnorm(x, weight=None, *, eps: float = 1e-6, offset: float = 0.0, cast: str
 
 _OPTIONS = frozenset({"ce_weight", "z_weight", "entropy_weight", "distill_weight", "grpo_weight",
                       "kl_ref_beta", "label_smoothing", "logit_scale", "softcap",
-                      "teacher_temperature", "student_temperature", "eps_low", "eps_high"})
+                      "teacher_temperature", "student_temperature", "eps_low", "eps_high",
+                      "dual_clip", "cispo_weight", "cispo_eps_high", "kl_estimator"})
 
 
 class _Cfg(NamedTuple):
@@ -240,6 +241,8 @@ def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_d
             raise TypeError(f"{name} must be float32, got {x.dtype}")
     bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
     opts = dict(options, terms=bits, flags=0 if check else 1, divisor=float(divisor), **shard)
+    if "kl_estimator" in opts:  # an int attribute, whatever the caller named it by
+        opts["kl_estimator"] = kl_estimator_code(opts["kl_estimator"])
     if ignore_index is not None:
         opts.update(use_ignore_index=1, ignore_index=int(ignore_index))
     return _Cfg(tuple(sorted(opts.items())), bool(token_outputs),
@@ -451,9 +454,10 @@ def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=N
     logits [..., V] float32 / float16 / bfloat16; labels [...] int32 / int64 (negative = ignored);
     weights, advantages, old_logprobs, ref_logprobs [...] float32; teacher_logits like logits.
     terms: names from headloss.loss.TERMS ("ce", "z", "entropy", "distill_fwd", "distill_rev",
-    "grpo", "kl_ref"); options: ce_weight, z_weight, entropy_weight, distill_weight, grpo_weight,
-    kl_ref_beta, label_smoothing, logit_scale, softcap, teacher_temperature, student_temperature,
-    eps_low, eps_high. divisor (static): D, 0 = sum of valid weights.
+    "grpo", "kl_ref", "cispo"); options: ce_weight, z_weight, entropy_weight, distill_weight,
+    grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap, teacher_temperature,
+    student_temperature, eps_low, eps_high, dual_clip, cispo_weight, cispo_eps_high, kl_estimator.
+    divisor (static): D, 0 = sum of valid weights.
 
     Returns (loss, metrics) where metrics maps every name of headloss.loss.SCALARS to a 0-d fp32
     array (no gradient flows through metrics), plus (token_loss, token_logp, token_entropy,

@@ -21,13 +21,15 @@ from ._lib import check as _check
 
 c_i64, c_ptr, c_int, c_uint, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_float
 
-TERMS = {"ce": 1, "z": 2, "entropy": 4, "distill_fwd": 8, "distill_rev": 16, "grpo": 32, "kl_ref": 64}
+TERMS = {"ce": 1, "z": 2, "entropy": 4, "distill_fwd": 8, "distill_rev": 16, "grpo": 32, "kl_ref": 64,
+         "cispo": 128}
+KL_ESTIMATORS = {"k3": 0, "k1": 1, "k2": 2}  # HL_LOSS_KL_*: kl_estimator by name (or the int)
 UNCHECKED = 1  # HL_LOSS_UNCHECKED: no checks that synchronise with the device
 GRAD_MODES = {None: 0, "none": 0, "write": 1, "accumulate": 2}
 SCALARS = ("loss", "ce", "z", "entropy", "distill", "grpo", "kl_ref", "divisor", "weight_sum",
            "valid_rows", "lse_mean", "entropy_mean", "logp_mean", "accuracy", "ratio_mean",
            "ratio_min", "ratio_max", "clip_low", "clip_high", "clip_any", "k3_old", "kl_ref_mean",
-           "adv_mean", "adv_min", "adv_max", "distill_kl_mean")
+           "adv_mean", "adv_min", "adv_max", "distill_kl_mean", "cispo", "dual_clip")
 
 
 class _Desc(ctypes.Structure):
@@ -42,7 +44,9 @@ class _Desc(ctypes.Structure):
                 ("vocab_start", c_i64), ("vocab_global", c_i64), ("ranks", c_int),
                 ("hidden", c_i64), ("weight_dtype", c_int), ("teacher_hidden", c_i64),
                 ("grad_hidden_mode", c_int), ("grad_hidden_dtype", c_int),
-                ("grad_weight_mode", c_int), ("grad_weight_dtype", c_int)]
+                ("grad_weight_mode", c_int), ("grad_weight_dtype", c_int),
+                ("dual_clip", c_float), ("cispo_weight", c_float), ("cispo_eps_high", c_float),
+                ("kl_estimator", c_int)]
 
 
 class _Args(ctypes.Structure):
@@ -104,6 +108,15 @@ def _check_arrays(views, expected=None) -> None:
             raise ValueError(f"{name} (shape {v.shape}, strides {v.strides}) must be contiguous")
 
 
+def kl_estimator_code(name) -> int:
+    """HL_LOSS_KL_* of a KL_ESTIMATORS name; an int passes through (the library checks it)."""
+    if isinstance(name, str):
+        if name not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator {name!r}; expected one of {sorted(KL_ESTIMATORS)}")
+        return KL_ESTIMATORS[name]
+    return int(name)
+
+
 class LossOutput(NamedTuple):
     scalars: Any                  # fp32 [len(SCALARS)] array on the logits' device
     grad: Optional[Any]           # the gradient, when the plan has one
@@ -122,6 +135,7 @@ class LossOutput(NamedTuple):
 class LossPlan:
     """A validated loss description. Options mirror hl_loss_plan_desc_t: `terms` is an iterable of
     names from TERMS (or an int of HL_LOSS_* bits); weights default to 1 for each term named.
+    kl_estimator: a name of KL_ESTIMATORS (or its int); dual_clip, cispo_eps_high: 0 is the default.
 
     Tensor parallelism: with vocab_global and ranks set, the plan is the shard [vocab_start,
     vocab_start + vocab) of the vocabulary; run it with stats(), an all-gather of the blocks, and
@@ -134,7 +148,8 @@ class LossPlan:
                  softcap=0.0, teacher_temperature=0.0, student_temperature=0.0, eps_low=0.0,
                  eps_high=0.0, ignore_index: Optional[int] = None, grad: Optional[str] = "write",
                  grad_dtype=None, check: bool = True, vocab_start: int = 0,
-                 vocab_global: int = 0, ranks: int = 0, _linear: Optional[dict] = None):
+                 vocab_global: int = 0, ranks: int = 0, dual_clip=0.0, cispo_weight=1.0,
+                 cispo_eps_high=0.0, kl_estimator="k3", _linear: Optional[dict] = None):
         bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
         d = _Desc(ctypes.sizeof(_Desc), BACKEND_CUDA if device == "cuda" else BACKEND_CPU, vocab,
                   DTYPE_NONE if dtype is None else dtype_code(dtype),
@@ -147,6 +162,8 @@ class LossPlan:
         d.grad_mode = GRAD_MODES[grad]
         d.grad_dtype = DTYPE_NONE if grad_dtype is None else dtype_code(grad_dtype)
         d.vocab_start, d.vocab_global, d.ranks = vocab_start, vocab_global, ranks
+        d.dual_clip, d.cispo_weight, d.cispo_eps_high = dual_clip, cispo_weight, cispo_eps_high
+        d.kl_estimator = kl_estimator_code(kl_estimator)
         for k, v in (_linear or {}).items():
             setattr(d, k, v)
         self.vocab, self.terms, self.desc = vocab, bits, d

@@ -264,7 +264,8 @@ def lm_head_loss(logits: Tensor, labels: Optional[Tensor] = None, *, terms: Sequ
 
     Options as headloss.LossPlan (ce_weight, z_weight, entropy_weight, distill_weight,
     grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap, teacher/student_temperature,
-    eps_low, eps_high, ignore_index, grad_dtype, check). The gradient w.r.t. the logits is
+    eps_low, eps_high, dual_clip, cispo_weight, cispo_eps_high, kl_estimator, ignore_index,
+    grad_dtype, check). The gradient w.r.t. the logits is
     formed in the same pass when autograd needs it, and scaled by the loss's incoming gradient in
     backward. Works under torch.compile (headloss::fused_loss is opaque to the compiler; the plan
     is made once per options / vocabulary / dtype / device).
@@ -398,7 +399,8 @@ def linear_loss(hidden: Tensor, weight, labels: Optional[Tensor] = None, *,
     nn.Linear itself, without a bias); labels and the per-row inputs [...] (labels < 0 ignored);
     teacher_logits [..., V]. Options as lm_head_loss (ce_weight, z_weight, entropy_weight,
     distill_weight, grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap,
-    teacher_temperature, student_temperature, eps_low, eps_high, ignore_index, check), and:
+    teacher_temperature, student_temperature, eps_low, eps_high, dual_clip, cispo_weight,
+    cispo_eps_high, kl_estimator, ignore_index, check), and:
       teacher_hidden [..., Ht], teacher_weight [V, Ht]: a teacher fused the same way (no gradient);
       grad_weight_dtype: "float32" sums grad_weight over the chunks in fp32 (one rounding, at the
         cast to weight's dtype in backward); None: in weight's dtype, rounded once a chunk;

@@ -321,6 +321,10 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
   d.student_temperature = Get<float>(attrs, "student_temperature", 0.0f);
   d.eps_low = Get<float>(attrs, "eps_low", 0.0f);
   d.eps_high = Get<float>(attrs, "eps_high", 0.0f);
+  d.dual_clip = Get<float>(attrs, "dual_clip", 0.0f);
+  d.cispo_weight = Get<float>(attrs, "cispo_weight", 1.0f);
+  d.cispo_eps_high = Get<float>(attrs, "cispo_eps_high", 0.0f);
+  d.kl_estimator = Get<int32_t>(attrs, "kl_estimator", HL_LOSS_KL_K3);
   d.use_ignore_index = Get<int32_t>(attrs, "use_ignore_index", 0);
   d.ignore_index = Get<int64_t>(attrs, "ignore_index", -100);
   d.vocab_global = Get<int64_t>(attrs, "vocab_global", 0);

@@ -15,8 +15,9 @@ namespace hl::loss {
 namespace {
 
 constexpr unsigned kAllTerms = HL_LOSS_CE | HL_LOSS_Z | HL_LOSS_ENTROPY | HL_LOSS_DISTILL_FWD |
-                               HL_LOSS_DISTILL_REV | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF;
-constexpr unsigned kLabelTerms = HL_LOSS_CE | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF;
+                               HL_LOSS_DISTILL_REV | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF |
+                               HL_LOSS_CISPO;
+constexpr unsigned kLabelTerms = HL_LOSS_CE | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF | HL_LOSS_CISPO;
 
 hl_status_t check_finite(const char *fn, const char *arg, float v) {
   if (!std::isfinite(v)) return fail(HL_STATUS_INVALID_VALUE, "%s: %s is not finite", fn, arg);
@@ -110,12 +111,12 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
                 "%s: terms has both HL_LOSS_DISTILL_FWD and HL_LOSS_DISTILL_REV; pick one", fn);
   if ((d.terms & kLabelTerms) && d.labels_dtype == HL_DTYPE_NONE)
     return fail(HL_STATUS_INVALID_VALUE,
-                "%s: CE, GRPO and GRPO_KL_REF need labels, but labels_dtype is NONE", fn);
+                "%s: CE, GRPO, CISPO and GRPO_KL_REF need labels, but labels_dtype is NONE", fn);
   const float weights[] = {d.ce_weight, d.z_weight, d.entropy_weight, d.distill_weight,
-                           d.grpo_weight, d.kl_ref_beta};
+                           d.grpo_weight, d.kl_ref_beta, d.cispo_weight};
   const char *names[] = {"ce_weight", "z_weight", "entropy_weight", "distill_weight",
-                         "grpo_weight", "kl_ref_beta"};
-  for (int i = 0; i < 6; ++i) HL_TRY(check_finite(fn, names[i], weights[i]));
+                         "grpo_weight", "kl_ref_beta", "cispo_weight"};
+  for (int i = 0; i < 7; ++i) HL_TRY(check_finite(fn, names[i], weights[i]));
   if (!(d.label_smoothing >= 0.0f && d.label_smoothing < 1.0f))
     return fail(HL_STATUS_INVALID_VALUE, "%s: label_smoothing is %g; must be in [0, 1)", fn,
                 double(d.label_smoothing));
@@ -125,6 +126,17 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   HL_TRY(positive_or_default(fn, "student_temperature", d.student_temperature, 1.0f, &ts));
   HL_TRY(positive_or_default(fn, "eps_low", d.eps_low, 0.2f, &o.eps_low));
   HL_TRY(positive_or_default(fn, "eps_high", d.eps_high, 0.2f, &o.eps_high));
+  HL_TRY(positive_or_default(fn, "cispo_eps_high", d.cispo_eps_high, o.eps_high, &o.cispo_eps));
+  // c <= 1 would cap a negative advantage's loss below its unclipped value at r = 1.
+  if (!(d.dual_clip == 0.0f || (d.dual_clip > 1.0f && std::isfinite(d.dual_clip))))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: dual_clip is %g; must be finite and > 1 (or 0: off)",
+                fn, double(d.dual_clip));
+  o.dual_clip = d.dual_clip;
+  if (d.kl_estimator != HL_LOSS_KL_K3 && d.kl_estimator != HL_LOSS_KL_K1 &&
+      d.kl_estimator != HL_LOSS_KL_K2)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: kl_estimator is %d; use HL_LOSS_KL_K3 (0), "
+                "HL_LOSS_KL_K1 (1) or HL_LOSS_KL_K2 (2)", fn, d.kl_estimator);
+  o.kl_estimator = d.kl_estimator;
   HL_TRY(check_finite(fn, "softcap", d.softcap));
   if (d.softcap < 0.0f)
     return fail(HL_STATUS_INVALID_VALUE, "%s: softcap is %g; must be >= 0 (0: no cap)", fn,
@@ -152,6 +164,7 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   o.dist_w = on(HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV, d.distill_weight);
   o.grpo_w = on(HL_LOSS_GRPO, d.grpo_weight);
   o.beta = on(HL_LOSS_GRPO_KL_REF, d.kl_ref_beta);
+  o.cispo_w = on(HL_LOSS_CISPO, d.cispo_weight);
   o.smoothing = (d.terms & HL_LOSS_CE) ? d.label_smoothing : 0.0f;
   o.cap = d.softcap;
   o.inv_tt = 1.0f / tt;
@@ -280,7 +293,7 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
     HL_TRY(resolve_stride(fn, "logits", a.logits_stride, V, &a.logits_stride));
     if (a.grad) HL_TRY(resolve_stride(fn, "grad", a.grad_stride, V, &a.grad_stride));
   }
-  if (p.needs_labels) HL_TRY(require(fn, "labels", a.labels, "CE, GRPO or GRPO_KL_REF"));
+  if (p.needs_labels) HL_TRY(require(fn, "labels", a.labels, "CE, GRPO, CISPO or GRPO_KL_REF"));
   if (distill && fused_teacher) {
     HL_TRY(require(fn, "teacher_hidden", a.teacher_hidden, "distillation from a fused teacher"));
     HL_TRY(require(fn, "teacher_weight", a.teacher_weight, "distillation from a fused teacher"));
@@ -290,10 +303,12 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
     HL_TRY(require(fn, "teacher_logits", a.teacher_logits, "distillation"));
     HL_TRY(resolve_stride(fn, "teacher_logits", a.teacher_stride, V, &a.teacher_stride));
   }
-  if ((d.terms & HL_LOSS_GRPO) && phase != kStats) {
-    HL_TRY(require(fn, "advantages", a.advantages, "GRPO"));
-    HL_TRY(require(fn, "old_logprobs", a.old_logprobs, "GRPO"));
-  }
+  const std::pair<unsigned, const char *> policy_terms[] = {{HL_LOSS_GRPO, "GRPO"}, {HL_LOSS_CISPO, "CISPO"}};
+  for (const auto &[bit, term] : policy_terms)
+    if ((d.terms & bit) && phase != kStats) {
+      HL_TRY(require(fn, "advantages", a.advantages, term));
+      HL_TRY(require(fn, "old_logprobs", a.old_logprobs, term));
+    }
   if ((d.terms & HL_LOSS_GRPO_KL_REF) && phase != kStats)
     HL_TRY(require(fn, "ref_logprobs", a.ref_logprobs, "GRPO_KL_REF"));
   if (a.grad && a.grad == a.logits) {

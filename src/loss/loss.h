@@ -36,7 +36,7 @@ struct Gemms;  // the fused linear form's cuBLASLt state (kernels/loss/linear.cu
 struct hl_loss_plan_st {
   hl_loss_plan_desc_t desc;  // validated; dtypes, vocab_global and ranks resolved
   hl::loss::Options opt;     // opt.vocab is the global vocabulary
-  bool needs_labels;         // CE, GRPO or GRPO_KL_REF is on
+  bool needs_labels;         // CE, GRPO, CISPO or GRPO_KL_REF is on
   bool linear;               // the fused linear form (desc.hidden > 0)
   bool dlogits;              // a gradient w.r.t. the logits is formed (stored, or multiplied on)
   uint64_t fingerprint;      // of every field the ranks of a sharded plan must share

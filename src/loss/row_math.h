@@ -31,9 +31,12 @@ enum DistillMode : int { kDistillNone = 0, kDistillFwd = 1, kDistillRev = 2 };
 
 // The plan's options as the row math uses them: off terms have weight 0 and defaults resolved.
 struct Options {
-  float ce_w, z_w, ent_w, dist_w, grpo_w, beta;
+  float ce_w, z_w, ent_w, dist_w, grpo_w, beta, cispo_w;
   float smoothing, scale, cap, inv_tt, inv_ts, eps_low, eps_high;
+  float dual_clip;    // 0: off
+  float cispo_eps;    // CISPO's upper clip of r is 1 + cispo_eps
   int distill;        // DistillMode
+  int kl_estimator;   // HL_LOSS_KL_*
   unsigned terms;     // HL_LOSS_* bits
   int64_t vocab;
 };
@@ -101,7 +104,7 @@ HL_HD RowStats<F> merge(const RowStats<F> &a, const RowStats<F> &b, F inv_ts) {
 // Per-row record reduced over rows into the scalars (fields are unweighted; W is w_t, 0 if ignored).
 enum Rec : int {
   R_W, R_VALID, R_LOSS, R_CE, R_Z, R_ENT, R_DIST, R_GRPO, R_KLREF, R_LSE, R_H, R_LOGP, R_ACC,
-  R_RATIO, R_CLIP_LO, R_CLIP_HI, R_CLIP_ANY, R_K3OLD, R_ADV, kRecFields
+  R_RATIO, R_CLIP_LO, R_CLIP_HI, R_CLIP_ANY, R_K3OLD, R_ADV, R_CISPO, R_DUAL, kRecFields
 };
 
 // What the caller passed for this row.
@@ -153,6 +156,23 @@ struct RowResult {
   F lse_s, lse_t, dist_loss;  // distillation: student lse at tau_s, teacher lse (v units), KL
 };
 
+// The KL-to-reference estimate at d = ref - logp_y by the plan's estimator; *dk = its derivative
+// w.r.t. logp_y (the gradient w.r.t. z_j is *dk (delta_jy - p_j)).
+template <class F>
+HL_HD F kl_ref(int estimator, F d, F *dk) {
+  if (estimator == HL_LOSS_KL_K1) {
+    *dk = F(1);
+    return -d;
+  }
+  if (estimator == HL_LOSS_KL_K2) {
+    *dk = -d;
+    return F(0.5) * d * d;
+  }
+  const F ed = m_exp(d);
+  *dk = F(1) - ed;
+  return ed - d - F(1);
+}
+
 // kd = grad_scale / D (0 when D == 0).
 template <class F>
 HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, const Options &o,
@@ -164,7 +184,8 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
   r.entropy = log_s - st.b / st.s;
   const F w = in.valid ? in.w : F(0);
   const F lse = r.lse, H = r.entropy;
-  F logp = 0, ce = 0, grpo = 0, klref = 0, dist = 0, cg = 0, ckl = 0;
+  // cg: the policy-gradient terms' coefficient on (p_j - delta_jy), weights included
+  F logp = 0, ce = 0, grpo = 0, cispo = 0, klref = 0, dist = 0, cg = 0, ckl = 0;
   if (in.valid && in.has_label) {
     logp = st.zy - lse;
     const F eps = F(o.smoothing);
@@ -179,17 +200,21 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
       if (in.has_adv) {
         const F A = in.adv, clipped = m_min(m_max(ratio, lo), hi);
         grpo = -m_min(ratio * A, clipped * A);
-        const bool active = (A >= F(0) && ratio <= hi) || (A < F(0) && ratio >= lo);
-        cg = active ? A * ratio : F(0);
+        bool active = (A >= F(0) && ratio <= hi) || (A < F(0) && ratio >= lo);
+        // Dual clip: a negative advantage's loss is capped at -c A, which is constant in r.
+        if (o.dual_clip > 0.0f && A < F(0) && grpo > -F(o.dual_clip) * A) {
+          grpo = -F(o.dual_clip) * A;
+          active = false;
+          r.rec[R_DUAL] = F(1);
+        }
+        const F wcis = m_min(ratio, F(1) + F(o.cispo_eps));  // a constant weight (stop-gradient)
+        cispo = -wcis * A * logp;
+        cg = F(o.grpo_w) * (active ? A * ratio : F(0)) + F(o.cispo_w) * wcis * A;
         r.rec[R_CLIP_LO] = (A < F(0) && ratio < lo) ? F(1) : F(0);
         r.rec[R_CLIP_HI] = (A > F(0) && ratio > hi) ? F(1) : F(0);
       }
     }
-    if (in.has_ref) {
-      const F d = in.ref_logp - logp, ed = m_exp(d);
-      klref = ed - d - F(1);
-      ckl = F(1) - ed;  // dk3/dz_j = (1 - e^d)(delta_jy - p_j)
-    }
+    if (in.has_ref) klref = kl_ref(o.kl_estimator, in.ref_logp - logp, &ckl);
   }
   if (in.has_adv) r.rec[R_ADV] = in.adv;
   r.lse_s = r.lse_t = r.dist_loss = 0;
@@ -202,7 +227,8 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
     r.dist_loss = dist;
   }
   const F ce_w = F(o.ce_w), z_w = F(o.z_w), ent_w = F(o.ent_w), g_w = F(o.grpo_w), beta = F(o.beta);
-  const F tok = ce_w * ce + z_w * lse * lse + ent_w * H + F(o.dist_w) * dist + g_w * grpo + beta * klref;
+  const F tok = ce_w * ce + z_w * lse * lse + ent_w * H + F(o.dist_w) * dist + g_w * grpo +
+                F(o.cispo_w) * cispo + beta * klref;
   r.logp = logp;
   r.token_loss = in.valid ? tok : F(0);
   r.rec[R_W] = w;
@@ -214,16 +240,17 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
   r.rec[R_DIST] = dist;
   r.rec[R_GRPO] = grpo;
   r.rec[R_KLREF] = klref;
+  r.rec[R_CISPO] = cispo;
   r.rec[R_LSE] = lse;
   r.rec[R_H] = H;
   r.rec[R_LOGP] = logp;
   // Coefficients of d(token loss)/dz, times grad_scale * w / D and the logit scale.
   const F k = kd * w * F(o.scale);
   const F eps = F(o.smoothing);
-  r.cp = k * (ce_w + z_w * F(2) * lse + ent_w * (lse - H) + g_w * cg - beta * ckl);
+  r.cp = k * (ce_w + z_w * F(2) * lse + ent_w * (lse - H) + cg - beta * ckl);
   r.cpz = -k * ent_w;
   r.cc = -k * ce_w * eps / F(o.vocab);
-  r.cy = -k * (ce_w * (F(1) - eps) + g_w * cg - beta * ckl);
+  r.cy = -k * (ce_w * (F(1) - eps) + cg - beta * ckl);
   r.dk = k * F(o.dist_w) * F(o.inv_ts);
   return r;
 }
@@ -277,6 +304,8 @@ HL_HD void finish_scalars(const F *sum, F ratio_min, F ratio_max, F adv_min, F a
   out[HL_LOSS_OUT_ADV_MIN] = has_adv && any ? float(adv_min) : 0.0f;
   out[HL_LOSS_OUT_ADV_MAX] = has_adv && any ? float(adv_max) : 0.0f;
   out[HL_LOSS_OUT_DISTILL_KL_MEAN] = float(sum[R_DIST] * inv_w);
+  out[HL_LOSS_OUT_CISPO] = term(HL_LOSS_CISPO, R_CISPO);
+  out[HL_LOSS_OUT_DUAL_CLIP] = float(sum[R_DUAL] * inv_w);
 }
 
 }  // namespace hl::loss

@@ -1,6 +1,7 @@
 /* The loss plan's validation: every bad description or argument gets its status and a message
  * naming it, and writes nothing; plus one small exact case on the CPU backend. */
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 
 #include "hl_test.h"
@@ -91,6 +92,16 @@ static void bad_descriptions(void **state) {
   create_fails(d, HL_STATUS_INVALID_VALUE, "student_temperature is -2");
   d = desc_ce(), d.z_weight = NAN;
   create_fails(d, HL_STATUS_INVALID_VALUE, "z_weight is not finite");
+  d = desc_ce(), d.dual_clip = 1.0f;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "dual_clip is 1; must be finite and > 1 (or 0: off)");
+  d = desc_ce(), d.dual_clip = -3.0f;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "dual_clip is -3");
+  d = desc_ce(), d.kl_estimator = 3;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "kl_estimator is 3; use HL_LOSS_KL_K3 (0)");
+  d = desc_ce(), d.cispo_eps_high = -0.5f;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "cispo_eps_high is -0.5");
+  d = desc_ce(), d.terms = HL_LOSS_CISPO, d.labels_dtype = HL_DTYPE_NONE;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "CE, GRPO, CISPO and GRPO_KL_REF need labels");
   d = desc_ce(), d.grad_dtype = HL_DTYPE_F16;
   create_fails(d, HL_STATUS_INVALID_VALUE, "grad_dtype is F16");
   d = desc_ce(), d.grad_mode = (hl_loss_grad_mode_t)7;
@@ -132,7 +143,8 @@ static void bad_arguments(void **state) {
   a.logits = NULL;
   execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "logits is NULL");
   a = args_for(b), a.labels = NULL;
-  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "labels is NULL; CE, GRPO or GRPO_KL_REF needs it");
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE,
+                "labels is NULL; CE, GRPO, CISPO or GRPO_KL_REF needs it");
   a = args_for(b), a.logits_stride = V - 1;
   execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "logits_stride is 5, smaller than cols");
   a = args_for(b), a.rows = -1;
@@ -158,6 +170,11 @@ static void bad_arguments(void **state) {
   g.terms = HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF;
   a = args_for(b), a.old_logprobs = b->old, a.advantages = b->adv;
   execute_fails(g, a, b, HL_STATUS_INVALID_VALUE, "ref_logprobs is NULL; GRPO_KL_REF needs it");
+  g.terms = HL_LOSS_CISPO;
+  a = args_for(b), a.old_logprobs = b->old;
+  execute_fails(g, a, b, HL_STATUS_INVALID_VALUE, "advantages is NULL; CISPO needs it");
+  a = args_for(b), a.advantages = b->adv;
+  execute_fails(g, a, b, HL_STATUS_INVALID_VALUE, "old_logprobs is NULL; CISPO needs it");
   hl_loss_plan_desc_t t = desc_ce();
   t.terms = HL_LOSS_DISTILL_FWD;
   execute_fails(t, args_for(b), b, HL_STATUS_INVALID_VALUE, "teacher_logits is NULL; distillation needs it");
@@ -177,12 +194,14 @@ static void bad_arguments(void **state) {
   free(b);
 }
 
-/* CE of one row by hand, and the workspace the CPU backend asks for. */
+/* CE of one row by hand, and the workspace the CPU backend asks for; from a descriptor of the
+ * size before the policy-gradient options (the fields it lacks read as zero: off). */
 static void small_exact_case(void **state) {
   (void)state;
   Bufs *b = calloc(1, sizeof *b);
   fill(b);
   hl_loss_plan_desc_t d = desc_ce();
+  d.struct_size = offsetof(hl_loss_plan_desc_t, dual_clip);
   hl_loss_plan_t p;
   assert_ok(hl_loss_plan_create(&d, &p));
   size_t ws = 1;

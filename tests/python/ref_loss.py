@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-TERM_NAMES = ("ce", "z", "entropy", "distill_fwd", "distill_rev", "grpo", "kl_ref")
+TERM_NAMES = ("ce", "z", "entropy", "distill_fwd", "distill_rev", "grpo", "kl_ref", "cispo")
 
 
 def _log_softmax(x):
@@ -17,7 +17,8 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
               ref=None, divisor=0.0, grad_scale=1.0, ce_weight=1.0, z_weight=1.0,
               entropy_weight=1.0, distill_weight=1.0, grpo_weight=1.0, kl_ref_beta=1.0,
               label_smoothing=0.0, logit_scale=1.0, softcap=0.0, teacher_temperature=1.0,
-              student_temperature=1.0, eps_low=0.2, eps_high=0.2, ignore_index=None):
+              student_temperature=1.0, eps_low=0.2, eps_high=0.2, ignore_index=None, dual_clip=0.0,
+              cispo_weight=1.0, cispo_eps_high=0.0, kl_estimator="k3"):
     """Returns (scalars dict, per-token dict, gradient w.r.t. z) for raw logits z [N, V] (fp64)."""
     z = np.asarray(z, np.float64)
     N, V = z.shape
@@ -69,16 +70,23 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
     lo, hi = 1 - eps_low, 1 + eps_high
     if r is not None and adv is not None:
         A = np.asarray(adv, np.float64)
-        per["grpo"] = -np.minimum(r * A, np.clip(r, lo, hi) * A)
+        clipped = -np.minimum(r * A, np.clip(r, lo, hi) * A)
         active = ((A >= 0) & (r <= hi)) | ((A < 0) & (r >= lo))
-        grads["grpo"] = (A * r * active)[:, None] * (p - onehot)
+        # dual clip (verl's clip_ratio_c): negative advantages' loss capped at -c A, constant in r
+        dual = (A < 0) & (clipped > -dual_clip * A) if dual_clip > 0 else np.zeros(N, bool)
+        per["grpo"] = np.where(dual, -dual_clip * A, clipped)
+        grads["grpo"] = (A * r * (active & ~dual))[:, None] * (p - onehot)
+        wc = np.minimum(r, 1 + (cispo_eps_high or eps_high))  # stop-gradient weight
+        per["cispo"] = -wc * A * logp
+        grads["cispo"] = (wc * A)[:, None] * (p - onehot)
     if ref is not None:
         d = np.asarray(ref, np.float64) - logp
-        per["kl_ref"] = np.exp(d) - d - 1
-        grads["kl_ref"] = (1 - np.exp(d))[:, None] * (onehot - p)
+        per["kl_ref"], dk = {"k3": (np.exp(d) - d - 1, 1 - np.exp(d)), "k1": (-d, np.ones(N)),
+                             "k2": (d * d / 2, -d)}[kl_estimator]  # (KL, dKL/dlogp)
+        grads["kl_ref"] = dk[:, None] * (onehot - p)
     weight_of = {"ce": ce_weight, "z": z_weight, "entropy": entropy_weight,
                  "distill_fwd": distill_weight, "distill_rev": distill_weight,
-                 "grpo": grpo_weight, "kl_ref": kl_ref_beta}
+                 "grpo": grpo_weight, "kl_ref": kl_ref_beta, "cispo": cispo_weight}
     tok = np.zeros(N)
     g = np.zeros_like(z)
     for t in terms:
@@ -92,9 +100,8 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
     wsum = lambda x: float((w * x).sum())  # noqa: E731
     sc = {"loss": wsum(tok) * inv_d, "divisor": D, "weight_sum": W, "valid_rows": float(valid.sum()),
           "lse_mean": wsum(lse) * inv_w, "entropy_mean": wsum(H) * inv_w}
-    for name, key in (("ce", "ce"), ("z", "z"), ("entropy", "entropy"), ("grpo", "grpo"),
-                      ("kl_ref", "kl_ref")):
-        sc[name] = wsum(per[key]) * inv_d if key in terms else 0.0
+    for name in ("ce", "z", "entropy", "grpo", "kl_ref", "cispo"):
+        sc[name] = wsum(per[name]) * inv_d if name in terms else 0.0
     dist = [t for t in ("distill_fwd", "distill_rev") if t in terms]
     sc["distill"] = wsum(per[dist[0]]) * inv_d if dist else 0.0
     sc["distill_kl_mean"] = wsum(per[dist[0]]) * inv_w if dist else 0.0
@@ -110,6 +117,7 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
         if adv is not None:
             sc["clip_low"] = wsum((A < 0) & (r < lo)) * inv_w
             sc["clip_high"] = wsum((A > 0) & (r > hi)) * inv_w
+            sc["dual_clip"] = wsum(dual) * inv_w
     if adv is not None:
         A = np.asarray(adv, np.float64)
         sc["adv_mean"] = wsum(A) * inv_w

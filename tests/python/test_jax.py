@@ -278,7 +278,8 @@ def _split_linear(inp, device):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("case", ["ce", "ce_smooth_weights_cap", "distill_fwd", "grpo_kl", "all"])
+@pytest.mark.parametrize("case", ["ce", "ce_smooth_weights_cap", "distill_fwd", "grpo_kl", "all",
+                                  "rl", "rl_cispo"])
 def test_linear_loss_against_reference(device, case, dtype):
     """jit(value_and_grad) w.r.t. hidden and weight, cotangent 2.5, against the fp64 reference of
     matmul + loss: the loss, every metric, both gradients (in the operands' dtypes)."""

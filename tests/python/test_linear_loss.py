@@ -11,7 +11,8 @@ import pytest
 import headloss
 from headloss.loss import SCALARS, LinearLossPlan, LossPlan
 from ref_loss import reference
-from test_loss import CASES, GRAD_TOL, NP_DTYPES, be, rel, run_ref  # noqa: F401  (be: fixture)
+from test_loss import (CASES, GRAD_TOL, NP_DTYPES, be, old_logprobs, rel,  # noqa: F401  (be: fixture)
+                       run_ref)
 
 # The CUDA path rounds the logits to the 16-bit dtype between the products (the header says so):
 # its reference rounds them too (reference_linear's backend), and what is left is a logit rounded
@@ -43,7 +44,8 @@ def make(rng, N, H, V, dtype, case, *, Ht=0, labels="int64", scale=2.5):
             inp["teacher_logits"] = (rng.standard_normal((N, V)) * scale).astype(np_dt)
     if flags.get("grpo"):
         inp["advantages"] = rng.standard_normal(N).astype(np.float32)
-        inp["old_logprobs"] = (-rng.uniform(1, 8, N)).astype(np.float32)
+        logits = f64(inp["hidden"]) @ f64(inp["weight"]).T
+        inp["old_logprobs"] = old_logprobs(rng, logits, inp.get("labels"), flags["grpo"])
     if flags.get("ref"):
         inp["ref_logprobs"] = (-rng.uniform(5, 9, N)).astype(np.float32)
     return terms, opts, inp

@@ -79,24 +79,41 @@ def make_inputs(rng, N, V, dtype, *, labels="int64", weights=False, teacher=Fals
         inp["teacher_logits"] = (rng.standard_normal((N, V)) * scale).astype(NP_DTYPES[dtype])
     if grpo:
         inp["advantages"] = rng.standard_normal(N).astype(np.float32)
-        inp["old_logprobs"] = (-rng.uniform(1, 8, N)).astype(np.float32)
+        inp["old_logprobs"] = old_logprobs(rng, z, inp.get("labels"), grpo)
     if ref:
         inp["ref_logprobs"] = (-rng.uniform(5, 9, N)).astype(np.float32)
     return inp
 
 
-def run_ref(inp, terms, opts, divisor=0.0, grad_scale=1.0):
+def old_logprobs(rng, logits, labels, grpo):
+    """GRPO's old log-probs: far from the new ones (grpo=True), or with grpo="near" the label's
+    log-prob plus N(0, 1), so that r = exp(logp - old) lies on both sides of the clips."""
+    N = logits.shape[0]
+    if grpo != "near":
+        return (-rng.uniform(1, 8, N)).astype(np.float32)
+    z = np.asarray(logits, np.float64)
+    lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+    y = np.zeros(N, np.int64) if labels is None else np.maximum(labels, 0)
+    return (z[np.arange(N), y] - lse + rng.standard_normal(N)).astype(np.float32)
+
+
+def ref_inputs(inp, terms, opts):
+    """The reference's keywords for a case's inputs and plan options (as the plan sees them:
+    fp32 values, 0 for a default)."""
     f64 = lambda k: None if k not in inp else inp[k].astype(np.float64)  # noqa: E731
-    ropts = {k: float(np.float32(v)) for k, v in opts.items() if k != "ignore_index"}
-    if "ignore_index" in opts:
-        ropts["ignore_index"] = opts["ignore_index"]
+    exact = ("ignore_index", "kl_estimator")  # passed as they are: not fp32 values
+    ropts = {k: (v if k in exact else float(np.float32(v))) for k, v in opts.items()}
     for k, d in (("logit_scale", 1.0), ("teacher_temperature", 1.0), ("student_temperature", 1.0)):
         if ropts.get(k, 0.0) == 0.0:
             ropts[k] = d
+    return dict(terms=terms, weights=f64("weights"), teacher=f64("teacher_logits"),
+                adv=f64("advantages"), old=f64("old_logprobs"), ref=f64("ref_logprobs"), **ropts)
+
+
+def run_ref(inp, terms, opts, divisor=0.0, grad_scale=1.0):
     labels = inp["labels"] if "labels" in inp else None
-    return reference(f64("logits"), labels, terms=terms, weights=f64("weights"),
-                     teacher=f64("teacher_logits"), adv=f64("advantages"), old=f64("old_logprobs"),
-                     ref=f64("ref_logprobs"), divisor=divisor, grad_scale=grad_scale, **ropts)
+    return reference(inp["logits"].astype(np.float64), labels, divisor=divisor,
+                     grad_scale=grad_scale, **ref_inputs(inp, terms, opts))
 
 
 def run_lib(be, inp, terms, opts, *, grad="write", grad_dtype=None, divisor=0.0, grad_scale=0.0,
@@ -165,6 +182,21 @@ CASES = {
             {"ce_weight": 0.75, "z_weight": 1e-3, "entropy_weight": -0.125, "distill_weight": 0.5,
              "kl_ref_beta": 0.25, "label_smoothing": 0.0625, "softcap": 15.0, "ignore_index": 7},
             {"weights": True, "teacher": True, "grpo": True, "ref": True}),
+    "grpo_dual_clip": (("grpo",), {"dual_clip": 2.0, "eps_high": 0.25}, {"grpo": "near"}),
+    "cispo": (("cispo",), {"cispo_weight": 0.5}, {"grpo": "near"}),  # clipped at 1 + eps_high
+    "kl_k1": (("kl_ref",), {"kl_estimator": "k1", "kl_ref_beta": 0.5}, {"ref": True}),
+    "kl_k2": (("grpo", "kl_ref"), {"kl_estimator": "k2", "kl_ref_beta": 0.25},
+              {"grpo": True, "ref": True}),
+    # ref_logprobs without the term: kl_ref_mean only (kl_ref_beta unused)
+    "kl_metric_only": (("ce",), {"kl_estimator": "k2", "kl_ref_beta": 3.0}, {"ref": True}),
+    "rl": (("ce", "entropy", "grpo", "kl_ref"),
+           {"ce_weight": 0.25, "entropy_weight": -0.125, "dual_clip": 2.0, "kl_estimator": "k2",
+            "kl_ref_beta": 0.125, "softcap": 15.0, "ignore_index": 7},
+           {"weights": True, "grpo": "near", "ref": True}),
+    "rl_cispo": (("ce", "grpo", "cispo", "kl_ref"),
+                 {"ce_weight": 0.25, "dual_clip": 1.5, "cispo_weight": 0.75, "cispo_eps_high": 1.5,
+                  "kl_estimator": "k1", "kl_ref_beta": 0.0625, "logit_scale": 1.25},
+                 {"weights": True, "grpo": "near", "ref": True}),
 }
 
 
@@ -293,28 +325,98 @@ def test_gpu_deterministic(be, V):
     assert np.array_equal(g1, g2)
 
 
-def test_finite_differences():
+@pytest.mark.parametrize("case", ["all", "rl", "cispo_clipped"])
+def test_finite_differences(case):
     """The reference's combined gradient against central differences of its own loss, and the
-    library's gradient against the reference: together the library's gradient is the loss's."""
+    library's gradient against the reference: together the library's gradient is the loss's.
+    CISPO's weight min(r, 1 + eps) is a constant by definition (stop-gradient), so its case puts
+    every row's r far above the clip, where the loss's own gradient is CISPO's."""
     rng = np.random.default_rng(3)
-    terms, opts, inp = build(rng, 4, 9, "float32", "all")
+    terms, opts, inp = build(rng, 4, 9, "float32", "rl_cispo" if case == "cispo_clipped" else case)
+    if case == "cispo_clipped":
+        inp["old_logprobs"] -= 20.0
     opts = dict(opts, z_weight=0.125)
     _, _, g = run_ref(inp, terms, opts)
     z = inp["logits"].astype(np.float64)
-    fkw = {k: v for k, v in opts.items()}
+    args = ref_inputs(inp, terms, opts)
     h = 1e-6
     for i, j in [(0, 0), (0, 3), (2, 8), (3, 1)] + [(r, int(inp["labels"][r])) for r in (0, 2, 3)
                                                     if inp["labels"][r] >= 0]:
         zp, zm = z.copy(), z.copy()
         zp[i, j] += h
         zm[i, j] -= h
-        args = dict(terms=terms, weights=inp["weights"].astype(np.float64),
-                    teacher=inp["teacher_logits"].astype(np.float64),
-                    adv=inp["advantages"].astype(np.float64), old=inp["old_logprobs"].astype(np.float64),
-                    ref=inp["ref_logprobs"].astype(np.float64), **fkw)
         fd = (total_loss(zp, inp["labels"], **args) - total_loss(zm, inp["labels"], **args)) / (2 * h)
         assert abs(fd - g[i, j]) < 1e-6 + 1e-5 * abs(fd), (i, j, fd, g[i, j])
     check(CpuBackend(), run_lib(CpuBackend(), inp, terms, opts), run_ref(inp, terms, opts), "float32")
+
+
+def test_rl_cases_reach_their_branches():
+    """The policy-gradient CASES' data take both sides of every new branch (at test_terms' size):
+    the dual clip binds on some rows and not others, CISPO's weight is clipped on some rows."""
+    for case, dtype in (("grpo_dual_clip", "float32"), ("rl", "bfloat16"), ("rl_cispo", "float16")):
+        rng = np.random.default_rng(zlib.crc32(f"{case}-{dtype}".encode()))
+        terms, opts, inp = build(rng, 24, 300, dtype, case)
+        sc, toks, _ = run_ref(inp, terms, opts)
+        assert 0 < sc["dual_clip"] < 1, (case, sc["dual_clip"])
+        r = np.exp(toks["logp"] - inp["old_logprobs"])[inp["labels"] >= 0]
+        if "cispo" in terms:
+            assert (r > 1 + opts["cispo_eps_high"]).any() and (r < 1 + opts["cispo_eps_high"]).any()
+
+
+@pytest.mark.parametrize("estimator", ["k3", "k1", "k2"])
+def test_kl_ref_metric_only(be, estimator):
+    """ref_logprobs without GRPO_KL_REF: kl_ref_mean by the plan's estimator; the loss, gradient
+    and every other scalar as without ref_logprobs (kl_ref_beta is not used)."""
+    rng = np.random.default_rng(5)
+    terms, opts, inp = build(rng, 24, 300, "float32", "rl")
+    terms = tuple(t for t in terms if t != "kl_ref")
+    opts = dict(opts, kl_estimator=estimator, kl_ref_beta=7.0)
+    with_ref = run_lib(be, inp, terms, opts)
+    check(be, with_ref, run_ref(inp, terms, opts), "float32")
+    sc, toks, grad = with_ref
+    inp.pop("ref_logprobs")
+    sc0, toks0, grad0 = run_lib(be, inp, terms, opts)
+    assert sc["kl_ref"] == 0 and sc["kl_ref_mean"] != 0
+    assert {k: v for k, v in sc.items() if k != "kl_ref_mean"} == {k: v for k, v in sc0.items()
+                                                                   if k != "kl_ref_mean"}
+    assert np.array_equal(grad, grad0) and np.array_equal(toks["loss"], toks0["loss"])
+
+
+BAD_OPTIONS = [
+    ({"dual_clip": 1.0}, "dual_clip is 1; must be finite and > 1 \\(or 0: off\\)"),
+    ({"dual_clip": 0.5}, "dual_clip is 0.5"),
+    ({"dual_clip": -2.0}, "dual_clip is -2"),
+    ({"dual_clip": float("inf")}, "dual_clip is inf"),
+    ({"kl_estimator": 3}, "kl_estimator is 3; use HL_LOSS_KL_K3 \\(0\\)"),
+    ({"kl_estimator": -1}, "kl_estimator is -1"),
+    ({"cispo_eps_high": -0.25}, "cispo_eps_high is -0.25"),
+    ({"cispo_weight": float("nan")}, "cispo_weight is not finite"),
+]
+
+
+@pytest.mark.parametrize("bad,msg", BAD_OPTIONS)
+def test_bad_rl_options(be, bad, msg):
+    with pytest.raises(headloss.HeadlossError, match=msg):
+        LossPlan(50, "float32", terms=("grpo", "cispo"), device=be.name, **bad)
+
+
+def test_kl_estimator_names():
+    with pytest.raises(ValueError, match="kl_estimator 'k4'"):
+        LossPlan(50, "float32", kl_estimator="k4")
+
+
+@pytest.mark.parametrize("missing", ["advantages", "old_logprobs"])
+def test_cispo_needs_its_inputs(be, missing):
+    """CISPO without advantages or old log-probs fails, naming the input, and writes nothing."""
+    rng = np.random.default_rng(2)
+    terms, opts, inp = build(rng, 6, 50, "float32", "cispo")
+    inp.pop(missing)
+    dev = {k: be.to_dev(v) for k, v in inp.items()}
+    scalars, grad = be.full((len(SCALARS),), "float32", 7.0), be.full((6, 50), "float32", 7.0)
+    plan = LossPlan(50, "float32", terms=terms, device=be.name, **opts)
+    with pytest.raises(headloss.HeadlossError, match=f"{missing} is NULL; CISPO needs it"):
+        plan(dev.pop("logits"), dev.pop("labels"), scalars=scalars, grad=grad, **dev)
+    assert np.all(be.to_np(scalars) == 7.0) and np.all(be.to_np(grad) == 7.0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

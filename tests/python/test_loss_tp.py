@@ -62,7 +62,8 @@ def run_sharded(be, inp, terms, opts, shards):
 
 
 @pytest.mark.parametrize("R", [2, 3, 4, 8])
-@pytest.mark.parametrize("case", ["all", "ce_smooth_weights_cap", "distill_fwd", "grpo_kl"])
+@pytest.mark.parametrize("case", ["all", "ce_smooth_weights_cap", "distill_fwd", "grpo_kl", "rl",
+                                  "rl_cispo"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sharded_matches_unsharded(be, rng, R, case, dtype):
     terms, opts, flags = CASES[case]
