@@ -38,10 +38,10 @@ extern "C" {
 /* ------------------------------------------------------------------------------------------------ */
 
 #define HL_VERSION_MAJOR 0
-#define HL_VERSION_MINOR 2
+#define HL_VERSION_MINOR 3
 #define HL_VERSION_PATCH 0
 /* HL_VERSION_MAJOR * 10000 + HL_VERSION_MINOR * 100 + HL_VERSION_PATCH */
-#define HL_VERSION 200
+#define HL_VERSION 300
 
 typedef enum {
   HL_STATUS_SUCCESS = 0,
@@ -447,7 +447,8 @@ typedef struct {
   float grad_scale;   /* 0 means 1 */
   void *grad;         /* [rows, vocab] in grad_dtype; required with a gradient */
   int64_t grad_stride;
-  float *scalars;     /* optional [HL_LOSS_NUM_SCALARS] */
+  float *scalars;     /* optional [HL_LOSS_NUM_SCALARS]; a plan whose descriptor ends before
+                         kl_estimator (0.2's header) writes the 26 scalars that header had */
   float *token_loss;  /* optional [rows]: sum_k weight_k l_k (unweighted by w_t, D); 0 if ignored */
   float *token_logp;  /* optional [rows]: z_hat_y - lse; 0 if ignored */
   float *token_entropy; /* optional [rows] */

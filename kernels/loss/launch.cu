@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a
 // latency-bound loop took 14 us at 8192 rows (a third of the fixed cost of a call there).
 __global__ void __launch_bounds__(kReduceThreads)
 reduce_kernel(const float *rec, int64_t rows, float *partials, unsigned *ticket, const PrepOut *prep,
-              bool has_ratio, bool has_adv, unsigned terms, float *out) {
+              bool has_ratio, bool has_adv, unsigned terms, int n, float *out) {
   __shared__ float part[kReduceThreads / 32][kSumFields];
   __shared__ bool last;
   float acc[kSumFields];
@@ -192,7 +192,7 @@ reduce_kernel(const float *rec, int64_t rows, float *partials, unsigned *ticket,
     for (int k = 0; k < kSumFields; ++k) acc[k] = combine(k, acc[k], o[k]);
   }
   block_combine<kReduceThreads>(acc, part);
-  if (threadIdx.x == 0) write_scalars(acc, prep->D, has_ratio, has_adv, terms, out);
+  if (threadIdx.x == 0) write_scalars(acc, prep->D, has_ratio, has_adv, terms, n, out);
 }
 
 const void *pick_bulk(hl_dtype_t dt, int phase, bool grad, bool cap) {
@@ -356,7 +356,7 @@ hl_status_t cuda::rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, vo
   return launch_small(reduce_kernel, kReduceThreads, reduce_ctas(a.rows), 1, stream, records, a.rows,
                       partials, counters + kTicket, reinterpret_cast<const PrepOut *>(w),
                       a.labels && a.old_logprobs, a.advantages != nullptr, unsigned(p.desc.terms),
-                      a.scalars);
+                      p.opt.scalars, a.scalars);
 }
 
 namespace cuda {
@@ -365,7 +365,7 @@ namespace {
 // prep, rows (kWhole or kFinish), reduce.
 hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase,
                      const void *gathered, void *workspace, cudaStream_t stream) {
-  if (a.rows == 0) return zero_scalars(a, stream);
+  if (a.rows == 0) return zero_scalars(p, a, stream);
   HL_TRY(rows_begin(fn, p, a, gathered, workspace, stream));
   HL_TRY(rows_run(p, a, phase, 0, a.rows, gathered, nullptr, workspace, stream, true));
   return rows_end(p, a, workspace, stream);
@@ -374,8 +374,8 @@ hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_loss_arg
 }  // namespace
 }  // namespace cuda
 
-hl_status_t cuda::zero_scalars(const hl_loss_args_t &a, cudaStream_t stream) {
-  if (a.scalars) HL_CUDA_TRY(cudaMemsetAsync(a.scalars, 0, HL_LOSS_NUM_SCALARS * sizeof(float), stream));
+hl_status_t cuda::zero_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, cudaStream_t stream) {
+  if (a.scalars) HL_CUDA_TRY(cudaMemsetAsync(a.scalars, 0, size_t(p.opt.scalars) * sizeof(float), stream));
   return HL_STATUS_SUCCESS;
 }
 

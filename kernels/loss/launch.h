@@ -24,7 +24,7 @@ hl_status_t rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase ph
 // The reduce kernel: the scalars from the records of all of a call's rows (when a.scalars).
 hl_status_t rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,
                      cudaStream_t stream);
-hl_status_t zero_scalars(const hl_loss_args_t &a, cudaStream_t stream);
+hl_status_t zero_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, cudaStream_t stream);
 
 // The fused linear form (linear.cu).
 void linear_workspace(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes);

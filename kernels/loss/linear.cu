@@ -115,7 +115,7 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
     if (grad_weight && d.grad_weight_mode == HL_LOSS_GRAD_WRITE)
       HL_CUDA_TRY(cudaMemset2DAsync(a.grad_weight, size_t(a.grad_weight_stride) * dtype_size(d.grad_weight_dtype),
                                     0, size_t(H) * dtype_size(d.grad_weight_dtype), size_t(V), stream));
-    return zero_scalars(a, stream);
+    return zero_scalars(p, a, stream);
   }
   const Layout L = layout(p, N, workspace_bytes);
   char *w = static_cast<char *>(workspace);

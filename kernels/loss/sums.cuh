@@ -65,9 +65,9 @@ __device__ __forceinline__ void block_combine(float (&acc)[kSumFields], float (*
 
 // The scalars from the merged sums (thread 0); D is the divisor the prep kernel used.
 __device__ __forceinline__ void write_scalars(const float (&acc)[kSumFields], float D, bool has_ratio,
-                                              bool has_adv, unsigned terms, float *out) {
+                                              bool has_adv, unsigned terms, int n, float *out) {
   finish_scalars<float>(acc, acc[kRecFields], acc[kRecFields + 1], acc[kRecFields + 2],
-                        acc[kRecFields + 3], D, has_ratio, has_adv, terms, out);
+                        acc[kRecFields + 3], D, has_ratio, has_adv, terms, n, out);
 }
 
 // N floats of a 16-byte aligned workspace row, in 16-byte packs; L2: bypassing L1 (what other

@@ -137,6 +137,10 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
     return fail(HL_STATUS_INVALID_VALUE, "%s: kl_estimator is %d; use HL_LOSS_KL_K3 (0), "
                 "HL_LOSS_KL_K1 (1) or HL_LOSS_KL_K2 (2)", fn, d.kl_estimator);
   o.kl_estimator = d.kl_estimator;
+  // A caller built against a header without the policy-gradient options (0.2) has room for the
+  // scalars that header listed, which ended before HL_LOSS_OUT_CISPO.
+  o.scalars = d.struct_size >= offsetof(hl_loss_plan_desc_t, kl_estimator) + sizeof(int)
+                  ? HL_LOSS_NUM_SCALARS : HL_LOSS_OUT_CISPO;
   HL_TRY(check_finite(fn, "softcap", d.softcap));
   if (d.softcap < 0.0f)
     return fail(HL_STATUS_INVALID_VALUE, "%s: softcap is %g; must be >= 0 (0: no cap)", fn,
@@ -211,7 +215,7 @@ std::vector<Buffer> arg_buffers(const hl_loss_plan_st &p, const hl_loss_args_t &
       {"grad", a.grad, N, V, a.grad_stride, d.grad_dtype, true},
       {"grad_hidden", a.grad_hidden, N, H, a.grad_hidden_stride, d.grad_hidden_dtype, true},
       {"grad_weight", a.grad_weight, V, H, a.grad_weight_stride, d.grad_weight_dtype, true},
-      {"scalars", a.scalars, 1, HL_LOSS_NUM_SCALARS, HL_LOSS_NUM_SCALARS, f32, true},
+      {"scalars", a.scalars, 1, p.opt.scalars, p.opt.scalars, f32, true},
       {"token_loss", a.token_loss, N, 1, 1, f32, true},
       {"token_logp", a.token_logp, N, 1, 1, f32, true},
       {"token_entropy", a.token_entropy, N, 1, 1, f32, true},

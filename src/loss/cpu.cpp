@@ -235,7 +235,7 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
   rows.finish();
   if (a.scalars)
     finish_scalars<double>(sum.data(), rmin, rmax, amin, amax, D, a.labels && a.old_logprobs,
-                           a.advantages != nullptr, o.terms, a.scalars);
+                           a.advantages != nullptr, o.terms, o.scalars, a.scalars);
   return HL_STATUS_SUCCESS;
 }
 

@@ -37,6 +37,7 @@ struct Options {
   float cispo_eps;    // CISPO's upper clip of r is 1 + cispo_eps
   int distill;        // DistillMode
   int kl_estimator;   // HL_LOSS_KL_*
+  int scalars;        // how many scalars the caller's header has (an older one: fewer)
   unsigned terms;     // HL_LOSS_* bits
   int64_t vocab;
 };
@@ -268,10 +269,12 @@ HL_HD F grad_elem(const RowResult<F> &r, const Options &o, F z, F v, F p, Exp ex
 }
 
 // Final scalars (hl_loss_scalar_t) from the row sums (sum of w * field; plain sums for R_W and
-// R_VALID), the min / max of the ratio and advantage over rows with w > 0, and D as used.
+// R_VALID), the min / max of the ratio and advantage over rows with w > 0, and D as used. The
+// first n go to `scalars`.
 template <class F>
 HL_HD void finish_scalars(const F *sum, F ratio_min, F ratio_max, F adv_min, F adv_max, F D,
-                          bool has_ratio, bool has_adv, unsigned terms, float *out) {
+                          bool has_ratio, bool has_adv, unsigned terms, int n, float *scalars) {
+  float out[HL_LOSS_NUM_SCALARS];
   const F W = sum[R_W];
   const F inv_d = D > F(0) ? F(1) / D : F(0), inv_w = W > F(0) ? F(1) / W : F(0);
   const auto term = [&](unsigned bits, int field) {
@@ -306,6 +309,7 @@ HL_HD void finish_scalars(const F *sum, F ratio_min, F ratio_max, F adv_min, F a
   out[HL_LOSS_OUT_DISTILL_KL_MEAN] = float(sum[R_DIST] * inv_w);
   out[HL_LOSS_OUT_CISPO] = term(HL_LOSS_CISPO, R_CISPO);
   out[HL_LOSS_OUT_DUAL_CLIP] = float(sum[R_DUAL] * inv_w);
+  for (int k = 0; k < n; ++k) scalars[k] = out[k];
 }
 
 }  // namespace hl::loss
