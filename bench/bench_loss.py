@@ -3,7 +3,8 @@
 Rows: N x V bf16 logits. Columns: the time of a device-to-device copy of the logits (the floor:
 one read + one write), headloss CE with gradient (and % of the copy bandwidth), headloss CE + z,
 headloss CE + z + entropy + GRPO + KL-ref with every metric and per-token output (and its ratio
-to CE alone), Liger CE + z (if importable), torch.compile and eager PyTorch CE + z + entropy
+to CE alone), every policy-gradient option on top (GRPO's dual clip, CISPO, the k2 KL estimator;
+its ratio to CE alone: issue #31's one-pass bar is <= 1.02x), Liger CE + z (if importable), torch.compile and eager PyTorch CE + z + entropy
 (forward + backward). Times are medians of CUDA-event timings after warm-up.
 
 Usage: python3 bench/bench_loss.py [--out table.md] [--shapes 8192x32000,...] [--no-compile]
@@ -90,7 +91,7 @@ def main():
     liger = liger_ce_z()
     compiled = None if args.no_compile else compile_per_shape(torch_ce_z_ent)
     head = ("| N x V | copy floor | CE+grad | % of copy BW | CE+z | CE+z+H+GRPO+KL+metrics | ratio to CE | "
-            "Liger CE+z | CE vs Liger | torch.compile CE+z+H | eager CE+z+H |")
+            "+ dual clip, CISPO, k2 | ratio to CE | Liger CE+z | CE vs Liger | torch.compile CE+z+H | eager CE+z+H |")
     lines = [f"Device: {dev}; bf16 logits, bf16 gradient to its own buffer; headloss library "
              f"{headloss.version()}; median of CUDA-event timings (ms).", "", head,
              "|" + "---|" * (head.count("|") - 1)]
@@ -112,11 +113,16 @@ def main():
         cez = Direct(logits, labels, ("ce", "z"), z_weight=1e-4)
         t_cez = median_ms(cez)
         del cez
-        full = Direct(logits, labels, ("ce", "z", "entropy", "grpo", "kl_ref"),
-                      {"advantages": adv, "old_logprobs": old, "ref_logprobs": ref},
+        rows = {"advantages": adv, "old_logprobs": old, "ref_logprobs": ref}
+        full = Direct(logits, labels, ("ce", "z", "entropy", "grpo", "kl_ref"), rows,
                       token_outputs=True, z_weight=1e-4, entropy_weight=-1e-2, kl_ref_beta=0.04)
         t_full = median_ms(full)
         del full
+        rl = Direct(logits, labels, ("ce", "z", "entropy", "grpo", "cispo", "kl_ref"), rows,
+                    token_outputs=True, z_weight=1e-4, entropy_weight=-1e-2, kl_ref_beta=0.04,
+                    dual_clip=3.0, cispo_weight=0.5, cispo_eps_high=4.0, kl_estimator="k2")
+        t_rl = median_ms(rl)
+        del rl
         torch.cuda.empty_cache()
         t_liger = t_comp = t_eager = None
         if liger is not None:
@@ -137,7 +143,7 @@ def main():
         f = lambda t: "n/a" if t is None else f"{t:.3f}"  # noqa: E731
         r = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
         line = (f"| {N} x {V} | {t_copy:.3f} | {t_ce:.3f} | {100 * t_copy / t_ce:.0f}% | {t_cez:.3f} | "
-                f"{t_full:.3f} | {t_full / t_ce:.3f} | {f(t_liger)} | {r(t_liger, t_ce)} | "
+                f"{t_full:.3f} | {t_full / t_ce:.3f} | {t_rl:.3f} | {t_rl / t_ce:.3f} | {f(t_liger)} | {r(t_liger, t_ce)} | "
                 f"{f(t_comp)} | {f(t_eager)} |")
         lines.append(line)
         print(line, flush=True)
