@@ -320,6 +320,10 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  * D: the divisor, default the sum of valid weights); loss = sum of weight_k * term_k; the gradient
  * row t is (grad_scale / D) w_t d(loss_t)/dz, formed in fp32 and rounded once. Metrics are weighted
  * means over valid rows (sum w x / sum w) or min / max over rows with w > 0.
+ * RL loss aggregations are a choice of w and D (the Python package's headloss.aggregation forms
+ * them from cu_seqlens): token mean (DAPO) w = 1, D = 0; the mean over sequences of their token
+ * means (GRPO) w_t = 1 / (valid tokens of t's sequence), D = sequences; of their token sums w = 1,
+ * D = sequences; the token sum over a constant (Dr. GRPO) w = 1, D = the constant.
  *
  * Logits and teacher logits share a dtype (F32, F16, BF16) and have row strides; labels are I32 or
  * I64; weights, advantages, old / reference log-probs and every per-token output are fp32 [rows].

@@ -13,10 +13,10 @@ flash-linear-attention's chunked backward).
 from ._lib import HeadlossError, cuda_available, version
 from .rmsnorm import RMSNormGrads, RMSNormOutput, rmsnorm, rmsnorm_bwd, rmsnorm_fwd
 from .gdn import GDNGrads, gdn_bwd_dqkwg
-from .loss import LinearLossOutput, LinearLossPlan, LossOutput, LossPlan, fused_loss
+from .loss import LinearLossOutput, LinearLossPlan, LossOutput, LossPlan, aggregation, fused_loss
 
 __version__ = version()
 __all__ = ["HeadlossError", "cuda_available", "version", "rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd",
            "RMSNormOutput", "RMSNormGrads"]
 __all__ += ["gdn_bwd_dqkwg", "GDNGrads"]
-__all__ += ["LossPlan", "LossOutput", "fused_loss", "LinearLossPlan", "LinearLossOutput"]
+__all__ += ["LossPlan", "LossOutput", "fused_loss", "LinearLossPlan", "LinearLossOutput", "aggregation"]

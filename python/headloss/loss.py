@@ -476,3 +476,66 @@ def fused_loss(logits, labels=None, *, terms=("ce",), weights=None, teacher_logi
     return plan(logits, labels, weights=weights, teacher_logits=teacher_logits,
                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                 divisor=divisor, grad_scale=grad_scale, token_outputs=token_outputs)
+
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
+
+
+def aggregation(labels, cu_seqlens, mode: str = "token_mean", *, constant: Optional[float] = None,
+                ignore_index: Optional[int] = None, check: bool = True):
+    """The plan's `weights` and `divisor` for an RL loss aggregation over sequences: returns
+    (weights or None, divisor), to pass to a plan call (either input form, sharded or not: every
+    rank passes the same). Each term is sum_t w_t l_t / D, and each metric the w-weighted mean,
+    so the metrics' denominators follow the mode:
+
+    - "token_mean": every valid token alike over the batch (DAPO; the plan's default): (None, 0).
+    - "seq_mean_token_mean": each sequence's token mean, averaged over the sequences (the original
+      GRPO): w_t = 1 / (valid tokens of t's sequence), D = the number of sequences (one with no
+      valid token counts as a zero, where verl's mean would be NaN).
+    - "seq_mean_token_sum": each sequence's token sum, averaged over the sequences: w = 1, D = the
+      number of sequences.
+    - "token_sum_norm": the token sum over a constant (Dr. GRPO; e.g. sequences x the generation
+      budget): w = 1, D = constant.
+
+    labels [rows] (negative, or ignore_index: not valid, as the plan), cu_seqlens [sequences + 1]
+    (0, the running ends, rows), both NumPy, CuPy or PyTorch arrays; weights come back as fp32 on
+    labels' device, without a host synchronisation (check=False skips the one the cu_seqlens check
+    costs on a device)."""
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregation mode {mode!r}; expected one of {AGGREGATIONS}")
+    if mode == "token_sum_norm" and not (constant is not None and constant > 0 and np.isfinite(constant)):
+        raise ValueError(f"token_sum_norm needs a positive constant, got {constant!r}")
+    if labels.ndim != 1 or cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"labels must be [rows] and cu_seqlens [sequences + 1]; got shapes "
+                         f"{tuple(labels.shape)} and {tuple(cu_seqlens.shape)}")
+    rows, sequences = int(labels.shape[0]), int(cu_seqlens.shape[0]) - 1
+    module = type(labels).__module__.split(".")[0]  # numpy, cupy or torch
+    if check:
+        cu = (cu_seqlens.cpu().numpy() if module == "torch" else
+              cu_seqlens.get() if module == "cupy" else np.asarray(cu_seqlens))
+        if cu[0] != 0 or cu[-1] != rows or np.any(np.diff(cu) < 0):
+            raise ValueError(f"cu_seqlens must rise from 0 to rows ({rows}); got {cu.tolist()}")
+    if mode == "token_mean":
+        return None, 0.0
+    if mode == "token_sum_norm":
+        return None, float(constant)
+    if mode == "seq_mean_token_sum":
+        return None, float(sequences)
+    valid = labels >= 0
+    if ignore_index is not None:
+        valid = valid & (labels != ignore_index)
+    if module == "torch":
+        import torch as t
+        cu = cu_seqlens.to(labels.device, t.int64)
+        counts = t.cat([t.zeros(1, dtype=t.float64, device=labels.device), t.cumsum(valid.double(), 0)])
+        n = counts[cu[1:]] - counts[cu[:-1]]
+        seq = t.searchsorted(cu[1:], t.arange(rows, device=labels.device), right=True)
+        inv = t.where(n > 0, 1.0 / t.clamp(n, min=1.0), t.zeros_like(n))
+        return inv[seq].float(), float(sequences)
+    xp = np if module == "numpy" else __import__(module)
+    cu = xp.asarray(cu_seqlens).astype(np.int64)
+    counts = xp.concatenate([xp.zeros(1), xp.cumsum(valid.astype(np.float64))])
+    n = counts[cu[1:]] - counts[cu[:-1]]
+    seq = xp.searchsorted(cu[1:], xp.arange(rows), side="right")
+    inv = xp.where(n > 0, 1.0 / xp.maximum(n, 1.0), 0.0)
+    return inv[seq].astype(np.float32), float(sequences)

@@ -460,3 +460,81 @@ def test_torch_module(be):
     assert abs(loss.item() - want_sc["loss"]) < 1e-4 * (1 + abs(want_sc["loss"]))
     assert abs(metrics["ratio_mean"].item() - want_sc["ratio_mean"]) < 1e-4
     assert rel(x.grad.cpu().numpy().astype(np.float64), want_grad) < 1e-4
+
+
+# ---- RL aggregation modes (headloss.aggregation: the plan's weights and divisor) ----------------
+
+def _aggregation_case(seed=0):
+    """Ragged sequences (one empty, one with every token ignored), labels with -100 and 7."""
+    rng = np.random.default_rng(seed)
+    lens = np.array([5, 0, 1, 9, 4, 3])
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    N = int(cu[-1])
+    y = rng.integers(0, 40, N).astype(np.int64)
+    y[rng.random(N) < 0.3] = -100
+    y[cu[4]:cu[5]] = -100  # sequence 4: nothing valid
+    y[2] = 7
+    return y, cu
+
+
+@pytest.mark.parametrize("ignore", [None, 7])
+def test_aggregation_weights(ignore):
+    y, cu = _aggregation_case()
+    valid = (y >= 0) & (y != (ignore if ignore is not None else -1))
+    w, D = headloss.aggregation(y, cu, "seq_mean_token_mean", ignore_index=ignore)
+    assert w.dtype == np.float32 and w.shape == y.shape and D == len(cu) - 1
+    for s in range(len(cu) - 1):
+        n = valid[cu[s]:cu[s + 1]].sum()
+        assert np.all(w[cu[s]:cu[s + 1]] == np.float32(1 / n if n else 0.0)), s
+    assert headloss.aggregation(y, cu, "token_mean") == (None, 0.0)
+    assert headloss.aggregation(y, cu, "seq_mean_token_sum") == (None, 6.0)
+    assert headloss.aggregation(y, cu, "token_sum_norm", constant=96) == (None, 96.0)
+
+
+def test_aggregation_losses(be):
+    """Each mode's loss (CE + GRPO) equals its definition from the reference's per-token losses,
+    and the metrics are the same weighted means."""
+    y, cu = _aggregation_case(1)
+    rng = np.random.default_rng(2)
+    terms, opts = ("ce", "grpo"), {}
+    inp = make_inputs(rng, len(y), 40, "float32", grpo=True)
+    inp["labels"] = y
+    _, toks, _ = run_ref(inp, terms, opts)
+    valid = y >= 0
+    seqs = [slice(cu[s], cu[s + 1]) for s in range(len(cu) - 1)]
+    tok = toks["loss"]
+    want = {
+        "token_mean": tok[valid].sum() / valid.sum(),
+        "seq_mean_token_mean": np.mean([tok[s][valid[s]].mean() if valid[s].any() else 0.0 for s in seqs]),
+        "seq_mean_token_sum": np.mean([tok[s][valid[s]].sum() for s in seqs]),
+        "token_sum_norm": tok[valid].sum() / 120.0,
+    }
+    for mode, loss in want.items():
+        w, D = headloss.aggregation(y, cu, mode, constant=120.0)
+        case = dict(inp, **({} if w is None else {"weights": w}))
+        sc = run_lib(be, case, terms, opts, divisor=D)[0]
+        assert abs(sc["loss"] - loss) <= 1e-5 * (1 + abs(loss)), mode
+        if mode == "seq_mean_token_mean":  # metrics: means of the sequences' token means
+            lse = np.mean([toks["lse"][s][valid[s]].mean() for s in seqs if valid[s].any()])
+            assert abs(sc["lse_mean"] - lse) <= 1e-5 * abs(lse)
+
+
+def test_aggregation_torch_matches_numpy():
+    torch = pytest.importorskip("torch")
+    y, cu = _aggregation_case(3)
+    want, D = headloss.aggregation(y, cu, "seq_mean_token_mean", ignore_index=7)
+    got, Dt = headloss.aggregation(torch.from_numpy(y), torch.from_numpy(cu), "seq_mean_token_mean", ignore_index=7)
+    assert got.dtype == torch.float32 and D == Dt and np.array_equal(got.numpy(), want)
+
+
+def test_aggregation_bad_input():
+    y, cu = _aggregation_case()
+    with pytest.raises(ValueError, match="aggregation mode 'mean'"):
+        headloss.aggregation(y, cu, "mean")
+    with pytest.raises(ValueError, match="token_sum_norm needs a positive constant"):
+        headloss.aggregation(y, cu, "token_sum_norm")
+    for bad in (cu[1:], np.concatenate([cu[:-1], [cu[-1] + 1]]), np.array([0, 9, 4, len(y)])):
+        with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to rows"):
+            headloss.aggregation(y, bad, "seq_mean_token_mean")
+    with pytest.raises(ValueError, match=r"labels must be \[rows\]"):
+        headloss.aggregation(y.reshape(2, -1), cu, "seq_mean_token_mean")
