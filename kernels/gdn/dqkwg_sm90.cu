@@ -534,7 +534,7 @@ __global__ void __launch_bounds__(kThreads90, 1) dqkwg_sm90_kernel(const __grid_
   // consumers, whose accumulators need it (the register file is split in four: 56 + 3 x 152 words
   // per sub-partition a thread; with fp32 states the producer keeps 96 for its loads in flight,
   // 96 + 3 x 136).
-  constexpr int kProducerRegs = S32 ? 96 : 56, kConsumerRegs = (512 - kProducerRegs) / 24 * 8;
+  constexpr int kProducerRegs = S32 ? 96 : 56, kConsumerRegs = (512 - kProducerRegs) / 3 / 8 * 8;  // multiples of 8
   if (warp >= kConsumers / 32) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     if (S32 || warp == kConsumers / 32) produce<T, KH, VF, S32>(P, c, warp - kConsumers / 32);
