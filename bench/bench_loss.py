@@ -4,8 +4,12 @@ Rows: N x V bf16 logits. Columns: the time of a device-to-device copy of the log
 one read + one write), headloss CE with gradient (and % of the copy bandwidth), headloss CE + z,
 headloss CE + z + entropy + GRPO + KL-ref with every metric and per-token output (and its ratio
 to CE alone), every policy-gradient option on top (GRPO's dual clip, CISPO, the k2 KL estimator;
-its ratio to CE alone: issue #31's one-pass bar is <= 1.02x), Liger CE + z (if importable), torch.compile and eager PyTorch CE + z + entropy
-(forward + backward). Times are medians of CUDA-event timings after warm-up.
+its ratio to CE alone: issue #31's one-pass bar is <= 1.02x), then a sequence-level rollout
+correction on top (MIS over each sequence's geometric-mean ratio: a sequence kernel from the inputs,
+still one pass), then GSPO on top of that (the sequence ratio needs every row's log-prob before any
+gradient: statistics and finish, two passes over the logits; its floor is 1.5 copies), Liger CE + z
+(if importable), torch.compile and eager PyTorch CE + z + entropy (forward + backward). Sequences:
+512 rows each. Times are medians of CUDA-event timings after warm-up.
 
 Usage: python3 bench/bench_loss.py [--out table.md] [--shapes 8192x32000,...] [--no-compile]
 """
@@ -39,6 +43,8 @@ class Direct:
         a.labels = labels.data_ptr()
         for k, t in (extra or {}).items():
             setattr(a, k, t.data_ptr())
+            if k == "cu_seqlens":
+                a.num_seqs = t.numel() - 1
         a.grad, a.grad_stride, a.scalars = self.grad.data_ptr(), V, self.scalars.data_ptr()
         self.toks = []
         if token_outputs:
@@ -91,7 +97,8 @@ def main():
     liger = liger_ce_z()
     compiled = None if args.no_compile else compile_per_shape(torch_ce_z_ent)
     head = ("| N x V | copy floor | CE+grad | % of copy BW | CE+z | CE+z+H+GRPO+KL+metrics | ratio to CE | "
-            "+ dual clip, CISPO, k2 | ratio to CE | Liger CE+z | CE vs Liger | torch.compile CE+z+H | eager CE+z+H |")
+            "+ dual clip, CISPO, k2 | ratio to CE | + MIS (seq) | ratio to CE | + GSPO (2 passes) | ratio to CE | "
+            "Liger CE+z | CE vs Liger | torch.compile CE+z+H | eager CE+z+H |")
     lines = [f"Device: {dev}; bf16 logits, bf16 gradient to its own buffer; headloss library "
              f"{headloss.version()}; median of CUDA-event timings (ms).", "", head,
              "|" + "---|" * (head.count("|") - 1)]
@@ -123,6 +130,16 @@ def main():
                     dual_clip=3.0, cispo_weight=0.5, cispo_eps_high=4.0, kl_estimator="k2")
         t_rl = median_ms(rl)
         del rl
+        seq_rows = dict(rows, rollout_logprobs=old + 0.1 * torch.randn(N, device="cuda"),
+                        cu_seqlens=torch.arange(0, N + 512, 512, device="cuda", dtype=torch.int32).clamp_(max=N))
+        t_seq = {}
+        for name, level in (("mis", "token"), ("gspo", "seq_mean")):
+            p = Direct(logits, labels, ("ce", "z", "entropy", "grpo", "cispo", "kl_ref"), seq_rows,
+                       token_outputs=True, z_weight=1e-4, entropy_weight=-1e-2, kl_ref_beta=0.04,
+                       dual_clip=3.0, cispo_weight=0.5, cispo_eps_high=4.0, kl_estimator="k2",
+                       rollout_correction="mis", rollout_level="seq_mean", ratio_level=level)
+            t_seq[name] = median_ms(p)
+            del p
         torch.cuda.empty_cache()
         t_liger = t_comp = t_eager = None
         if liger is not None:
@@ -143,7 +160,9 @@ def main():
         f = lambda t: "n/a" if t is None else f"{t:.3f}"  # noqa: E731
         r = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
         line = (f"| {N} x {V} | {t_copy:.3f} | {t_ce:.3f} | {100 * t_copy / t_ce:.0f}% | {t_cez:.3f} | "
-                f"{t_full:.3f} | {t_full / t_ce:.3f} | {t_rl:.3f} | {t_rl / t_ce:.3f} | {f(t_liger)} | {r(t_liger, t_ce)} | "
+                f"{t_full:.3f} | {t_full / t_ce:.3f} | {t_rl:.3f} | {t_rl / t_ce:.3f} | {t_seq['mis']:.3f} | "
+                f"{t_seq['mis'] / t_ce:.3f} | {t_seq['gspo']:.3f} | {t_seq['gspo'] / t_ce:.3f} | "
+                f"{f(t_liger)} | {r(t_liger, t_ce)} | "
                 f"{f(t_comp)} | {f(t_eager)} |")
         lines.append(line)
         print(line, flush=True)

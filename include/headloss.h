@@ -38,10 +38,10 @@ extern "C" {
 /* ------------------------------------------------------------------------------------------------ */
 
 #define HL_VERSION_MAJOR 0
-#define HL_VERSION_MINOR 3
+#define HL_VERSION_MINOR 4
 #define HL_VERSION_PATCH 0
 /* HL_VERSION_MAJOR * 10000 + HL_VERSION_MINOR * 100 + HL_VERSION_PATCH */
-#define HL_VERSION 300
+#define HL_VERSION 400
 
 typedef enum {
   HL_STATUS_SUCCESS = 0,
@@ -320,6 +320,27 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  * D: the divisor, default the sum of valid weights); loss = sum of weight_k * term_k; the gradient
  * row t is (grad_scale / D) w_t d(loss_t)/dz, formed in fp32 and rounded once. Metrics are weighted
  * means over valid rows (sum w x / sum w) or min / max over rows with w > 0.
+ * Sequence-level options (the rows grouped into sequences by args.cu_seqlens, each sequence's
+ * "tokens" being its rows that are not ignored; weights do not enter these means):
+ *   ratio_level = SEQ_MEAN (GSPO, as verl's gspo loss / GSPO-token): GRPO's and CISPO's r is the
+ *            sequence's s = exp(min(mean over its tokens of (logp_y - old_logprob), 10)) for every
+ *            token of it, with the token's own gradient (d r / d logp_y = s), so the clip acts per
+ *            sequence; the ratio and clip metrics are then sequence-level values, averaged over
+ *            tokens. The mean needs every row's logp before any gradient: the plan runs as its
+ *            own statistics and finish steps (the tensor-parallel split with one rank; the logits
+ *            are read twice, the fused linear form keeps them in a workspace of fast_bytes)
+ * Rollout / trainer mismatch (rollout_logprobs: the inference engine's log-probs of the sampled
+ * tokens; needs old_logprobs, the trainer's): with d = old_logprob - rollout_logprob and x = d
+ * (rollout_level TOKEN), the sum of d over the token's sequence (SEQ_PRODUCT, verl's "sequence")
+ * or its mean (SEQ_MEAN, "geometric"), clamped to [-20, 20], rho = exp(x):
+ *   TIS    w_is = min(rho, rollout_cap)                              (truncated IS)
+ *   MIS    w_is = rho inside [rollout_floor, rollout_cap], else 0     (masked IS, IcePop)
+ *   REJECT w_is = 1 inside [rollout_floor, rollout_cap], else 0       (verl's rejection sampling)
+ * w_is (a constant) multiplies GRPO's and CISPO's loss and gradient; the other terms and D are
+ * unchanged (ms-swift's and slime's convention; verl's rejection also drops those tokens from its
+ * token-mean denominator: pass w_t = 0 for them to get that). Metrics: rollout_kl_k1 = mean of
+ * -d and rollout_kl_k3 = mean of exp(d) - d - 1 (KL(rollout || old), whenever both log-probs are
+ * passed), rollout_weight_mean (of w_is) and rollout_corrected (the fraction truncated / masked).
  * RL loss aggregations are a choice of w and D (the Python package's headloss.aggregation forms
  * them from cu_seqlens): token mean (DAPO) w = 1, D = 0; the mean over sequences of their token
  * means (GRPO) w_t = 1 / (valid tokens of t's sequence), D = sequences; of their token sums w = 1,
@@ -350,6 +371,18 @@ typedef struct hl_loss_plan_st *hl_loss_plan_t;
 #define HL_LOSS_KL_K3 0
 #define HL_LOSS_KL_K1 1
 #define HL_LOSS_KL_K2 2
+
+/* Levels of an importance ratio (ratio_level, rollout_level): the token's own, or over its
+ * sequence the product (exp of the sum of log-ratios) or the geometric mean (exp of their mean). */
+#define HL_LOSS_LEVEL_TOKEN 0
+#define HL_LOSS_LEVEL_SEQ_PRODUCT 1
+#define HL_LOSS_LEVEL_SEQ_MEAN 2
+
+/* Rollout / trainer mismatch corrections (rollout_correction). */
+#define HL_LOSS_ROLLOUT_NONE 0
+#define HL_LOSS_ROLLOUT_TIS 1
+#define HL_LOSS_ROLLOUT_MIS 2
+#define HL_LOSS_ROLLOUT_REJECT 3
 
 /* Options (hl_loss_plan_desc_t.flags). */
 /* CUDA: skip the checks of device data that need a stream synchronisation (labels in range, the
@@ -400,6 +433,13 @@ typedef struct {
   float cispo_weight;
   float cispo_eps_high; /* CISPO's upper clip of r is 1 + this; 0 means eps_high (as resolved) */
   int kl_estimator;     /* HL_LOSS_KL_K3 (0), _K1 or _K2 */
+  /* Sequence-level and rollout-correction options (see the formulas above); 0 is off. */
+  hl_dtype_t cu_seqlens_dtype; /* I32 or I64: args.cu_seqlens is passed; NONE: no sequences */
+  int ratio_level;             /* HL_LOSS_LEVEL_TOKEN (0) or _SEQ_MEAN (GSPO; needs sequences) */
+  int rollout_correction;      /* HL_LOSS_ROLLOUT_NONE (0), _TIS, _MIS or _REJECT */
+  int rollout_level;           /* HL_LOSS_LEVEL_TOKEN (0), _SEQ_PRODUCT or _SEQ_MEAN (sequences) */
+  float rollout_cap;           /* TIS's cap, MIS's and REJECT's upper bound; 0 means 2 */
+  float rollout_floor;         /* MIS's and REJECT's lower bound; 0 means 1 / rollout_cap */
 } hl_loss_plan_desc_t;
 
 /* Indices of hl_loss_args_t.scalars. A metric whose inputs were not passed is 0. */
@@ -432,6 +472,10 @@ typedef enum {
   HL_LOSS_OUT_DISTILL_KL_MEAN, /* needs teacher logits and a distillation term */
   HL_LOSS_OUT_CISPO,         /* the CISPO term */
   HL_LOSS_OUT_DUAL_CLIP,     /* fraction where the dual clip binds (A < 0, r > dual_clip) */
+  HL_LOSS_OUT_ROLLOUT_KL_K1, /* needs rollout_logprobs and old_logprobs: mean of -d */
+  HL_LOSS_OUT_ROLLOUT_KL_K3, /* mean of exp(d) - d - 1 */
+  HL_LOSS_OUT_ROLLOUT_WEIGHT_MEAN, /* mean of w_is (with a rollout correction) */
+  HL_LOSS_OUT_ROLLOUT_CORRECTED,   /* fraction with w_is != rho: truncated (TIS), masked (MIS, REJECT) */
   HL_LOSS_NUM_SCALARS
 } hl_loss_scalar_t;
 
@@ -451,8 +495,9 @@ typedef struct {
   float grad_scale;   /* 0 means 1 */
   void *grad;         /* [rows, vocab] in grad_dtype; required with a gradient */
   int64_t grad_stride;
-  float *scalars;     /* optional [HL_LOSS_NUM_SCALARS]; a plan whose descriptor ends before
-                         kl_estimator (0.2's header) writes the 26 scalars that header had */
+  float *scalars;     /* optional [HL_LOSS_NUM_SCALARS]; a plan whose descriptor is an older
+                         header's writes the scalars that header had: 26 if it ends before
+                         kl_estimator (0.2), 28 if before cu_seqlens_dtype (0.3) */
   float *token_loss;  /* optional [rows]: sum_k weight_k l_k (unweighted by w_t, D); 0 if ignored */
   float *token_logp;  /* optional [rows]: z_hat_y - lse; 0 if ignored */
   float *token_entropy; /* optional [rows] */
@@ -470,6 +515,10 @@ typedef struct {
   int64_t grad_hidden_stride;
   void *grad_weight;           /* [vocab, hidden] in grad_weight_dtype; with grad_weight_mode */
   int64_t grad_weight_stride;
+  /* Sequences and the rollout's log-probs (see the plan's sequence and rollout options). */
+  const void *cu_seqlens;          /* [num_seqs + 1] in cu_seqlens_dtype: 0, ..., rows (non-decreasing) */
+  int64_t num_seqs;
+  const float *rollout_logprobs;   /* [rows]; needed by a rollout correction, else optional (metrics) */
 } hl_loss_args_t;
 
 /*

@@ -224,8 +224,12 @@ int64_t slice_cols(int64_t vocab, int cluster, int vec) {
 constexpr size_t kRecordsAt = kPrepBytes + (kCounters * sizeof(unsigned) + 15) / 16 * 16;
 static int64_t reduce_ctas(int64_t rows) { return (rows + kReduceRows - 1) / kReduceRows; }
 static size_t partials_at(int64_t rows) { return kRecordsAt + size_t(rows) * kRecStride * sizeof(float); }
-static size_t gathered_at(int64_t rows) {
+// The rows' sequence values (seq_lr, then seq_roll: SeqValues) where the plan has sequences.
+static size_t seq_at(int64_t rows) {
   return partials_at(rows) + size_t(reduce_ctas(rows)) * kSumStride * sizeof(float);
+}
+static size_t gathered_at(const hl_loss_plan_st &p, int64_t rows) {
+  return seq_at(rows) + (p.sequences ? (size_t(rows) * 2 * sizeof(float) + 15) / 16 * 16 : 0);
 }
 
 // The kernel arguments every phase shares, for rows [row0, row0 + a.rows) of a call of `total`
@@ -234,9 +238,11 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
                           void *workspace, int64_t row0, int64_t total) {
   const hl_loss_plan_desc_t &d = p.desc;
   Params k{};
-  k.logits = a.logits, k.teacher = a.teacher_logits, k.labels = a.labels, k.grad = a.grad;
+  k.logits = a.logits, k.teacher = a.teacher_logits, k.grad = a.grad;
   k.logits_stride = a.logits_stride, k.teacher_stride = a.teacher_stride, k.grad_stride = a.grad_stride;
-  k.weights = a.weights, k.adv = a.advantages, k.old_logp = a.old_logprobs, k.ref_logp = a.ref_logprobs;
+  const float *seq = workspace && p.sequences ? reinterpret_cast<const float *>(
+                         static_cast<const char *>(workspace) + seq_at(total)) : nullptr;
+  k.src = row_source(p, a, seq ? seq + row0 : nullptr, seq ? seq + total + row0 : nullptr);
   k.tok_loss = a.token_loss, k.tok_logp = a.token_logp, k.tok_entropy = a.token_entropy;
   k.tok_lse = a.token_lse;
   if (workspace) {
@@ -248,8 +254,7 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
   k.has_ratio = a.labels && a.old_logprobs, k.has_adv = a.advantages != nullptr;
   k.rows = a.rows, k.vocab = d.vocab;
   k.slice = slice_cols(d.vocab, c.cluster, int(16 / dtype_size(d.logits_dtype)));
-  k.o = p.opt, k.ignore_index = d.ignore_index;
-  k.labels64 = d.labels_dtype == HL_DTYPE_I64, k.use_ignore = d.use_ignore_index != 0;
+  k.o = p.opt;
   k.grad_f32 = d.grad_dtype == HL_DTYPE_F32 && d.logits_dtype != HL_DTYPE_F32;
   k.accumulate = d.grad_mode == HL_LOSS_GRAD_ACCUMULATE, k.keep_row = c.keep_row;
   k.col0 = d.vocab_start;
@@ -308,14 +313,21 @@ hl_status_t cuda::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_
                     reinterpret_cast<unsigned *>(w + kPrepBytes)};
   const int cluster = prep_cluster(p, a.rows);
   HL_TRY(launch_small(prep_kernel, kPrepThreads, cluster, cluster, stream, pa, prep));
-  if ((d.flags & HL_LOSS_UNCHECKED) || (!a.labels && !gathered)) return HL_STATUS_SUCCESS;
+  // Before the checks, but no row is written until they pass (a bad cu_seqlens is clamped here).
+  if (p.sequences) HL_TRY(seq_run(p, a, gathered, reinterpret_cast<float *>(w + seq_at(a.rows)), stream));
+  if ((d.flags & HL_LOSS_UNCHECKED) || (!a.labels && !gathered && !p.sequences)) return HL_STATUS_SUCCESS;
   long long bad = LLONG_MAX;
   std::vector<BlockHeader> headers(gathered ? size_t(d.ranks) : 0);
+  const size_t cu_elt = dtype_size(d.cu_seqlens_dtype);
+  std::vector<char> cu(p.sequences ? size_t(a.num_seqs + 1) * cu_elt : 0);
   if (a.labels) HL_CUDA_TRY(cudaMemcpyAsync(&bad, &prep->bad, sizeof bad, cudaMemcpyDeviceToHost, stream));
   if (gathered)
     HL_CUDA_TRY(cudaMemcpy2DAsync(headers.data(), sizeof(BlockHeader), gathered, block_bytes(p, a.rows),
                                   sizeof(BlockHeader), size_t(d.ranks), cudaMemcpyDeviceToHost, stream));
+  if (p.sequences)
+    HL_CUDA_TRY(cudaMemcpyAsync(cu.data(), a.cu_seqlens, cu.size(), cudaMemcpyDeviceToHost, stream));
   HL_CUDA_TRY(cudaStreamSynchronize(stream));
+  if (p.sequences) HL_TRY(check_seqlens(fn, p, a, cu.data()));
   if (bad != LLONG_MAX) {
     int64_t y = 0;
     HL_CUDA_TRY(cudaMemcpy(&y, static_cast<const char *>(a.labels) + bad * (l64 ? 8 : 4),
@@ -443,7 +455,7 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
 }
 
 size_t cuda_base_workspace(const hl_loss_plan_st &p, int64_t rows) {
-  return cuda::gathered_at(rows) + size_t(p.desc.ranks) * block_bytes(p, rows);
+  return cuda::gathered_at(p, rows) + size_t(p.desc.ranks) * block_bytes(p, rows);
 }
 
 void cuda_workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes) {
@@ -451,12 +463,17 @@ void cuda_workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_by
   *min_bytes = *fast_bytes = cuda_base_workspace(p, rows);
 }
 
-void *cuda_gathered(const hl_loss_plan_st &, int64_t rows, void *workspace) {
-  return static_cast<char *>(workspace) + cuda::gathered_at(rows);
+void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace) {
+  return static_cast<char *>(workspace) + cuda::gathered_at(p, rows);
 }
 
 hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                          void *workspace, size_t workspace_bytes, hl_stream_t stream) {
+  if (p.seq_stats) {  // the split with one rank, its block in the workspace
+    void *block = cuda_gathered(p, a.rows, workspace);
+    HL_TRY(cuda_stats(fn, p, a, block, workspace, workspace_bytes, stream));
+    return cuda_finish(fn, p, a, block, workspace, workspace_bytes, stream);
+  }
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (p.linear) return cuda::linear_run(fn, p, a, kWhole, nullptr, nullptr, workspace, workspace_bytes, s);
   return cuda::run_loss(fn, p, a, kWhole, nullptr, workspace, s);

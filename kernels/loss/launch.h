@@ -10,8 +10,9 @@
 
 namespace hl::loss::cuda {
 
-// The prep kernel over all of a call's rows (a.rows > 0): D and zeroed counters; then, unless the
-// plan is unchecked, one synchronisation that checks the labels and the gathered blocks' headers.
+// The prep kernel over all of a call's rows (a.rows > 0): D and zeroed counters, and the rows'
+// sequence values where the plan has sequences; then, unless the plan is unchecked, one
+// synchronisation that checks the labels, cu_seqlens and the gathered blocks' headers.
 hl_status_t rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                        const void *gathered, void *workspace, cudaStream_t stream);
 // The row kernel of `phase` over rows [row0, row0 + a.rows) of a call of `total` rows, whose
@@ -24,6 +25,10 @@ hl_status_t rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase ph
 // The reduce kernel: the scalars from the records of all of a call's rows (when a.scalars).
 hl_status_t rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,
                      cudaStream_t stream);
+// The rows' sequence values (SeqValues) into out ([rows] seq_lr, then [rows] seq_roll), from the
+// inputs and, for GSPO, the gathered blocks (seq.cu).
+hl_status_t seq_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, const void *gathered,
+                    float *out, cudaStream_t stream);
 hl_status_t zero_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, cudaStream_t stream);
 
 // The fused linear form (linear.cu).

@@ -79,6 +79,7 @@ hl_loss_args_t chunk_args(const hl_loss_plan_st &p, const hl_loss_args_t &a, int
   const auto at = [i0](auto *x) { return x ? x + i0 : x; };
   c.weights = at(a.weights), c.advantages = at(a.advantages);
   c.old_logprobs = at(a.old_logprobs), c.ref_logprobs = at(a.ref_logprobs);
+  c.rollout_logprobs = at(a.rollout_logprobs);
   c.token_loss = at(a.token_loss), c.token_logp = at(a.token_logp);
   c.token_entropy = at(a.token_entropy), c.token_lse = at(a.token_lse);
   return c;
@@ -92,7 +93,8 @@ void linear_workspace(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes,
     return;
   }
   const Layout L = layout(p, rows, 0);
-  const int64_t fast_rows = p.desc.ranks > 1 ? rows : std::min(rows, kFastRows);
+  // A split (ranks, or GSPO's statistics first) keeps every row's logits for its finish.
+  const int64_t fast_rows = p.desc.ranks > 1 || p.seq_stats ? rows : std::min(rows, kFastRows);
   *min_bytes = L.logits + kSlack + L.row_bytes;  // a chunk of one row
   *fast_bytes = L.logits + kSlack + size_t(fast_rows) * L.row_bytes;
 }

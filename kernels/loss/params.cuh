@@ -24,10 +24,10 @@ struct PrepOut {
 };
 
 struct Params {
-  const void *logits, *teacher, *labels;
+  const void *logits, *teacher;
   void *grad;
   int64_t logits_stride, teacher_stride, grad_stride;
-  const float *weights, *adv, *old_logp, *ref_logp;
+  RowSource src;  // labels, weights, log-probs and sequence values
   float *tok_loss, *tok_logp, *tok_entropy, *tok_lse;
   PrepOut *prep;
   // kCounters counters the prep kernel zeroes: the next row to hand out, one per cluster rank
@@ -38,8 +38,7 @@ struct Params {
   int64_t rows, vocab;
   int64_t slice;       // columns per CTA, a multiple of the vector width
   Options o;
-  int64_t ignore_index;
-  bool labels64, use_ignore, grad_f32, accumulate, keep_row;
+  bool grad_f32, accumulate, keep_row;
   // Tensor parallelism: the shard's first global column (labels and the argmax are global ids);
   // kStats: this rank's block and its header; kFinish: the ranks' gathered blocks.
   int64_t col0;

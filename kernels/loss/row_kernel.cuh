@@ -461,9 +461,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     const T *u = DISTILL ? static_cast<const T *>(p.teacher) + r * p.teacher_stride + lo : nullptr;
     const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                          (!DISTILL || reinterpret_cast<uintptr_t>(u) % 16 == 0);
-    const RowInputs<float> in = read_inputs<float>(p.labels, p.labels64, p.weights, p.adv,
-                                                   p.old_logp, p.ref_logp, r, p.use_ignore,
-                                                   p.ignore_index);
+    const RowInputs<float> in = read_inputs<float>(p.src, r);
     const int64_t label = in.label - p.col0;  // in this shard's columns
     float t[VEC], z[VEC], v[VEC] = {};
     RowStats<float> all;  // the row's merged record (thread 0)

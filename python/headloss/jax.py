@@ -42,9 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from ._arrays import dtype_code
+from ._arrays import DTYPE_NAMES, dtype_code
 from ._lib import _HERE, lib_path
-from .loss import SCALARS, TERMS, LossPlan, kl_estimator_code
+from .loss import LEVELS, ROLLOUT_CORRECTIONS, SCALARS, TERMS, LossPlan, code_of, kl_estimator_code
 
 __all__ = ["rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "fused_loss", "sharded_fused_loss", "loss_stats",
            "loss_finish", "linear_loss", "sharded_linear_loss", "loss_plan_count", "adapter_path"]
@@ -52,7 +52,10 @@ __all__ = ["rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "fused_loss", "sharded_fused
 _CAST = {"llama": 0, "gemma": 1, "none": 2}
 _GRAD_MODES = {None: 0, "none": 0, "write": 1}
 _OPTIONAL_INPUTS = ("labels", "weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
-_LINEAR_INPUTS = _OPTIONAL_INPUTS + ("teacher_hidden", "teacher_weight")
+_TEACHER_INPUTS = ("teacher_hidden", "teacher_weight")  # the fused linear form's teacher
+_SEQ_INPUTS = ("rollout_logprobs", "cu_seqlens")
+# The per-row inputs in the adapter's order: input k is bit 1 << k of its `inputs` attribute.
+_INPUTS = _OPTIONAL_INPUTS + _TEACHER_INPUTS + _SEQ_INPUTS
 
 
 def _find_adapter() -> Path:
@@ -205,7 +208,9 @@ def rmsnorm(x, weight=None, *, eps: float = 1e-6, offset: float = 0.0, cast: str
 _OPTIONS = frozenset({"ce_weight", "z_weight", "entropy_weight", "distill_weight", "grpo_weight",
                       "kl_ref_beta", "label_smoothing", "logit_scale", "softcap",
                       "teacher_temperature", "student_temperature", "eps_low", "eps_high",
-                      "dual_clip", "cispo_weight", "cispo_eps_high", "kl_estimator"})
+                      "dual_clip", "cispo_weight", "cispo_eps_high", "kl_estimator", "ratio_level",
+                      "rollout_correction", "rollout_level", "rollout_cap", "rollout_floor",
+                      "cu_seqlens_dtype"})
 
 
 class _Cfg(NamedTuple):
@@ -229,8 +234,12 @@ def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_d
     labels = extras[0]
     if labels is not None and labels.dtype not in (jnp.int32, jnp.int64):
         raise TypeError(f"labels: dtype {labels.dtype}; expected int32 or int64")
-    for name, x in zip(_OPTIONAL_INPUTS, extras):
-        if x is None:
+    for name, x in zip(_INPUTS, extras):
+        if x is None or name in _TEACHER_INPUTS:
+            continue
+        if name == "cu_seqlens":
+            if x.ndim != 1 or x.dtype not in (jnp.int32, jnp.int64):
+                raise TypeError(f"cu_seqlens must be int32 or int64 [sequences + 1], got {x.dtype}{list(x.shape)}")
             continue
         want = logits.shape if name == "teacher_logits" else logits.shape[:-1]
         if tuple(x.shape) != tuple(want):
@@ -243,6 +252,20 @@ def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_d
     opts = dict(options, terms=bits, flags=0 if check else 1, divisor=float(divisor), **shard)
     if "kl_estimator" in opts:  # an int attribute, whatever the caller named it by
         opts["kl_estimator"] = kl_estimator_code(opts["kl_estimator"])
+    for k, table in (("ratio_level", LEVELS), ("rollout_level", LEVELS),
+                     ("rollout_correction", ROLLOUT_CORRECTIONS)):
+        if k in opts:
+            opts[k] = code_of(table, k, opts[k])
+    for k in ("rollout_cap", "rollout_floor"):
+        if k in opts:
+            opts[k] = float(opts[k])
+    cu = extras[_INPUTS.index("cu_seqlens")]
+    # cu_seqlens' own dtype is used (without jax_enable_x64 an int64 array arrives as int32)
+    opts.pop("cu_seqlens_dtype", None)
+    if cu is not None:
+        opts["cu_seqlens_dtype"] = dtype_code(cu.dtype)
+    elif opts.get("ratio_level") or opts.get("rollout_level"):
+        raise ValueError(f"{fn}: a sequence-level ratio_level or rollout_level needs cu_seqlens")
     if ignore_index is not None:
         opts.update(use_ignore_index=1, ignore_index=int(ignore_index))
     return _Cfg(tuple(sorted(opts.items())), bool(token_outputs),
@@ -253,7 +276,8 @@ def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_d
 def _kwargs_config(fn: str, logits, labels, kwargs: dict, **shard):
     """(cfg, extras) from fused_loss's keyword arguments as a dict."""
     kw = dict(kwargs)
-    extras = (labels, *(kw.pop(k, None) for k in _OPTIONAL_INPUTS[1:]))
+    extras = tuple(labels if k == "labels" else None if k in _TEACHER_INPUTS else kw.pop(k, None)
+                   for k in _INPUTS)
     cfg = _config(fn, logits, extras, kw.pop("terms", ("ce",)), kw.pop("divisor", 0.0),
                   kw.pop("ignore_index", None), kw.pop("check", True), kw.pop("grad_dtype", None),
                   kw.pop("token_outputs", False), kw, **shard)
@@ -262,9 +286,9 @@ def _kwargs_config(fn: str, logits, labels, kwargs: dict, **shard):
 
 def _linear_config(fn: str, hidden, weight, labels, kwargs: dict, **shard):
     """(cfg, extras) of the fused linear form from linear_loss's keyword arguments as a dict;
-    extras: _LINEAR_INPUTS."""
+    extras: _INPUTS."""
     kw = dict(kwargs)
-    extras = (labels, *(kw.pop(k, None) for k in _LINEAR_INPUTS[1:]))
+    extras = (labels, *(kw.pop(k, None) for k in _INPUTS[1:]))
     _check_float(hidden, "hidden")
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight has shape {weight.shape}; expected [vocab, {hidden.shape[-1]}]")
@@ -279,7 +303,7 @@ def _linear_config(fn: str, hidden, weight, labels, kwargs: dict, **shard):
             raise TypeError(f"{name} is {x.dtype}; the fused linear form takes it in hidden's dtype {hidden.dtype}")
     cap = kw.pop("max_workspace_bytes", None)
     logits = jax.ShapeDtypeStruct(hidden.shape[:-1] + (weight.shape[0],), hidden.dtype)
-    cfg = _config(fn, logits, extras[:6], kw.pop("terms", ("ce",)), kw.pop("divisor", 0.0),
+    cfg = _config(fn, logits, extras, kw.pop("terms", ("ce",)), kw.pop("divisor", 0.0),
                   kw.pop("ignore_index", None), kw.pop("check", True), kw.pop("grad_weight_dtype", None),
                   kw.pop("token_outputs", False), kw, **shard)
     if cap is not None:
@@ -354,6 +378,8 @@ def _stats_bytes(device: str, vocab: int, dtype: str, labels_dtype: Optional[str
     """The library's size of one block (its records are fp64 on the CPU backend, fp32 on CUDA;
     the same for both forms): XLA needs the result's shape when tracing."""
     kw = {k: v for k, v in opts if k not in ("flags", "divisor", "use_ignore_index", "max_workspace_bytes")}
+    if "cu_seqlens_dtype" in kw:  # an hl_dtype_t attribute; LossPlan takes a name
+        kw["cu_seqlens_dtype"] = DTYPE_NAMES[kw["cu_seqlens_dtype"]]
     plan = LossPlan(vocab, dtype, device=device, labels_dtype=labels_dtype, grad=None, **kw)
     return plan.stats_bytes(rows)
 
@@ -427,7 +453,7 @@ def _loss_bwd(cfg, gs, cts):
     # the operand's dtype (a gradient formed in fp32 on request is cast here).
     d = tuple(None if g is None or zero else (g.astype(jnp.float32) * dloss).astype(dt)
               for g, dt in zip(gs, cfg.dtypes))
-    return d, (None,) * len(_LINEAR_INPUTS if cfg.linear else _OPTIONAL_INPUTS)
+    return d, (None,) * len(_INPUTS)
 
 
 _loss.defvjp(_loss_fwd, _loss_bwd, symbolic_zeros=True)
@@ -446,7 +472,8 @@ def _metrics(scalars) -> Dict[str, Any]:
 
 def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=None,
                teacher_logits=None, advantages=None, old_logprobs=None, ref_logprobs=None,
-               divisor: float = 0.0, token_outputs: bool = False, ignore_index: Optional[int] = None,
+               rollout_logprobs=None, cu_seqlens=None, divisor: float = 0.0,
+               token_outputs: bool = False, ignore_index: Optional[int] = None,
                check: bool = True, grad_dtype=None, **options
                ) -> Tuple[Any, Dict[str, Any]] | Tuple[Any, Dict[str, Any], Tuple[Any, ...]]:
     """The fused LM-head loss plan (see headloss.h and headloss.LossPlan for the options).
@@ -456,7 +483,10 @@ def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=N
     terms: names from headloss.loss.TERMS ("ce", "z", "entropy", "distill_fwd", "distill_rev",
     "grpo", "kl_ref", "cispo"); options: ce_weight, z_weight, entropy_weight, distill_weight,
     grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap, teacher_temperature,
-    student_temperature, eps_low, eps_high, dual_clip, cispo_weight, cispo_eps_high, kl_estimator.
+    student_temperature, eps_low, eps_high, dual_clip, cispo_weight, cispo_eps_high, kl_estimator,
+    ratio_level, rollout_correction, rollout_level, rollout_cap, rollout_floor (names as
+    headloss.LossPlan's); rollout_logprobs [...] float32 and cu_seqlens int32 / int64
+    [sequences + 1] over the flattened rows as LossPlan's call.
     divisor (static): D, 0 = sum of valid weights.
 
     Returns (loss, metrics) where metrics maps every name of headloss.loss.SCALARS to a 0-d fp32
@@ -464,7 +494,8 @@ def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=N
     token_lse) when token_outputs. jax.grad of the loss w.r.t. the logits uses the gradient formed
     in the same pass (the forward of a jax.grad / jax.vjp computes and keeps it).
     """
-    extras = (labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs)
+    extras = (labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs, None, None,
+              rollout_logprobs, cu_seqlens)
     cfg = _config("fused_loss", logits, extras, terms, divisor, ignore_index, check, grad_dtype,
                   token_outputs, options)
     return _results(cfg, (logits,), extras)
@@ -499,7 +530,8 @@ def sharded_fused_loss(logits_shard, labels=None, *, axis_name, vocab_global: in
 
 def linear_loss(hidden, weight, labels=None, *, terms: Sequence[str] = ("ce",), weights=None,
                 teacher_logits=None, teacher_hidden=None, teacher_weight=None, advantages=None,
-                old_logprobs=None, ref_logprobs=None, divisor: float = 0.0, token_outputs: bool = False,
+                old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, cu_seqlens=None,
+                divisor: float = 0.0, token_outputs: bool = False,
                 ignore_index: Optional[int] = None, check: bool = True, grad_weight_dtype=None,
                 max_workspace_bytes: Optional[int] = None, **options):
     """The fused linear form of the loss plan: the loss of the logits hidden @ weight.T without
@@ -517,8 +549,9 @@ def linear_loss(hidden, weight, labels=None, *, terms: Sequence[str] = ("ce",), 
     """
     kw = dict(options, terms=terms, weights=weights, teacher_logits=teacher_logits,
               teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, advantages=advantages,
-              old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, divisor=divisor,
-              token_outputs=token_outputs, ignore_index=ignore_index, check=check,
+              old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+              cu_seqlens=cu_seqlens, divisor=divisor, token_outputs=token_outputs,
+              ignore_index=ignore_index, check=check,
               grad_weight_dtype=grad_weight_dtype, max_workspace_bytes=max_workspace_bytes)
     cfg, extras = _linear_config("linear_loss", hidden, weight, labels, kw)
     return _results(cfg, (hidden, weight), extras)

@@ -24,12 +24,18 @@ c_i64, c_ptr, c_int, c_uint, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c
 TERMS = {"ce": 1, "z": 2, "entropy": 4, "distill_fwd": 8, "distill_rev": 16, "grpo": 32, "kl_ref": 64,
          "cispo": 128}
 KL_ESTIMATORS = {"k3": 0, "k1": 1, "k2": 2}  # HL_LOSS_KL_*: kl_estimator by name (or the int)
+LEVELS = {"token": 0, "seq_product": 1, "seq_mean": 2}  # HL_LOSS_LEVEL_*: ratio_level, rollout_level
+ROLLOUT_CORRECTIONS = {None: 0, "none": 0, "tis": 1, "mis": 2, "reject": 3}  # HL_LOSS_ROLLOUT_*
 UNCHECKED = 1  # HL_LOSS_UNCHECKED: no checks that synchronise with the device
 GRAD_MODES = {None: 0, "none": 0, "write": 1, "accumulate": 2}
 SCALARS = ("loss", "ce", "z", "entropy", "distill", "grpo", "kl_ref", "divisor", "weight_sum",
            "valid_rows", "lse_mean", "entropy_mean", "logp_mean", "accuracy", "ratio_mean",
            "ratio_min", "ratio_max", "clip_low", "clip_high", "clip_any", "k3_old", "kl_ref_mean",
-           "adv_mean", "adv_min", "adv_max", "distill_kl_mean", "cispo", "dual_clip")
+           "adv_mean", "adv_min", "adv_max", "distill_kl_mean", "cispo", "dual_clip",
+           "rollout_kl_k1", "rollout_kl_k3", "rollout_weight_mean", "rollout_corrected")
+# The optional per-row inputs of a call, by keyword (cu_seqlens: [sequences + 1]).
+INPUTS = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs",
+          "rollout_logprobs", "cu_seqlens")
 
 
 class _Desc(ctypes.Structure):
@@ -46,7 +52,9 @@ class _Desc(ctypes.Structure):
                 ("grad_hidden_mode", c_int), ("grad_hidden_dtype", c_int),
                 ("grad_weight_mode", c_int), ("grad_weight_dtype", c_int),
                 ("dual_clip", c_float), ("cispo_weight", c_float), ("cispo_eps_high", c_float),
-                ("kl_estimator", c_int)]
+                ("kl_estimator", c_int), ("cu_seqlens_dtype", c_int), ("ratio_level", c_int),
+                ("rollout_correction", c_int), ("rollout_level", c_int), ("rollout_cap", c_float),
+                ("rollout_floor", c_float)]
 
 
 class _Args(ctypes.Structure):
@@ -59,7 +67,8 @@ class _Args(ctypes.Structure):
                 ("token_lse", c_ptr), ("hidden", c_ptr), ("hidden_stride", c_i64), ("weight", c_ptr),
                 ("weight_stride", c_i64), ("teacher_hidden", c_ptr), ("teacher_hidden_stride", c_i64),
                 ("teacher_weight", c_ptr), ("teacher_weight_stride", c_i64), ("grad_hidden", c_ptr),
-                ("grad_hidden_stride", c_i64), ("grad_weight", c_ptr), ("grad_weight_stride", c_i64)]
+                ("grad_hidden_stride", c_i64), ("grad_weight", c_ptr), ("grad_weight_stride", c_i64),
+                ("cu_seqlens", c_ptr), ("num_seqs", c_i64), ("rollout_logprobs", c_ptr)]
 
 
 _create = declare("hl_loss_plan_create", ctypes.POINTER(_Desc), ctypes.POINTER(c_ptr))
@@ -78,7 +87,8 @@ _nccl = declare("hl_loss_plan_execute_nccl", c_ptr, ctypes.POINTER(_Args), c_ptr
 _ITEMSIZE = {DTYPE_F32: 4, DTYPE_F16: 2, DTYPE_BF16: 2, DTYPE_I32: 4, DTYPE_I64: 8}
 
 
-_PER_ROW_F32 = ("weights", "advantages", "old_logprobs", "ref_logprobs", "scalars", "token")
+_PER_ROW_F32 = ("weights", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "scalars",
+                "token")
 
 
 def _packed(v) -> bool:
@@ -104,17 +114,31 @@ def _check_arrays(views, expected=None) -> None:
         want = expected.get(name, DTYPE_F32 if name in _PER_ROW_F32 else DTYPE_NONE)
         if want != DTYPE_NONE and v.dtype != want:
             raise TypeError(f"{name} is {DTYPE_NAMES[v.dtype]}; the plan expects {DTYPE_NAMES[want]}")
-        if (name in _PER_ROW_F32 or name == "labels") and not _packed(v):
+        if (name in _PER_ROW_F32 or name in ("labels", "cu_seqlens")) and not _packed(v):
             raise ValueError(f"{name} (shape {v.shape}, strides {v.strides}) must be contiguous")
 
 
-def kl_estimator_code(name) -> int:
-    """HL_LOSS_KL_* of a KL_ESTIMATORS name; an int passes through (the library checks it)."""
-    if isinstance(name, str):
-        if name not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator {name!r}; expected one of {sorted(KL_ESTIMATORS)}")
-        return KL_ESTIMATORS[name]
+def code_of(table, what, name) -> int:
+    """The code of a name in table; an int passes through (the library checks it)."""
+    if isinstance(name, str) or name is None:
+        if name not in table:
+            raise ValueError(f"{what} {name!r}; expected one of {sorted(k for k in table if k)}")
+        return table[name]
     return int(name)
+
+
+def kl_estimator_code(name) -> int:
+    """HL_LOSS_KL_* of a KL_ESTIMATORS name (or the int)."""
+    return code_of(KL_ESTIMATORS, "kl_estimator", name)
+
+
+def _set_inputs(a, views, d) -> None:
+    """The optional per-row inputs' pointers (and num_seqs) into the hl_loss_args_t a."""
+    for k, v in views.items():
+        if v is not None:
+            setattr(a, k, v.ptr)
+    if views.get("cu_seqlens") is not None:
+        a.num_seqs = max(int(views["cu_seqlens"].shape[0]) - 1, 0)
 
 
 class LossOutput(NamedTuple):
@@ -136,6 +160,11 @@ class LossPlan:
     """A validated loss description. Options mirror hl_loss_plan_desc_t: `terms` is an iterable of
     names from TERMS (or an int of HL_LOSS_* bits); weights default to 1 for each term named.
     kl_estimator: a name of KL_ESTIMATORS (or its int); dual_clip, cispo_eps_high: 0 is the default.
+    Sequence-level options (calls pass cu_seqlens): ratio_level="seq_mean" is GSPO; a
+    rollout_correction ("tis", "mis", "reject"; calls pass rollout_logprobs) at rollout_level
+    "token", "seq_product" or "seq_mean", with rollout_cap / rollout_floor (0: 2 and 1 / cap).
+    cu_seqlens_dtype: the calls' cu_seqlens dtype (default "int32" where an option is
+    sequence-level, as flash-attn's).
 
     Tensor parallelism: with vocab_global and ranks set, the plan is the shard [vocab_start,
     vocab_start + vocab) of the vocabulary; run it with stats(), an all-gather of the blocks, and
@@ -149,7 +178,9 @@ class LossPlan:
                  eps_high=0.0, ignore_index: Optional[int] = None, grad: Optional[str] = "write",
                  grad_dtype=None, check: bool = True, vocab_start: int = 0,
                  vocab_global: int = 0, ranks: int = 0, dual_clip=0.0, cispo_weight=1.0,
-                 cispo_eps_high=0.0, kl_estimator="k3", _linear: Optional[dict] = None):
+                 cispo_eps_high=0.0, kl_estimator="k3", ratio_level="token", rollout_correction=None,
+                 rollout_level="token", rollout_cap=0.0, rollout_floor=0.0, cu_seqlens_dtype=None,
+                 _linear: Optional[dict] = None):
         bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
         d = _Desc(ctypes.sizeof(_Desc), BACKEND_CUDA if device == "cuda" else BACKEND_CPU, vocab,
                   DTYPE_NONE if dtype is None else dtype_code(dtype),
@@ -164,6 +195,13 @@ class LossPlan:
         d.vocab_start, d.vocab_global, d.ranks = vocab_start, vocab_global, ranks
         d.dual_clip, d.cispo_weight, d.cispo_eps_high = dual_clip, cispo_weight, cispo_eps_high
         d.kl_estimator = kl_estimator_code(kl_estimator)
+        d.ratio_level = code_of(LEVELS, "ratio_level", ratio_level)
+        d.rollout_correction = code_of(ROLLOUT_CORRECTIONS, "rollout_correction", rollout_correction)
+        d.rollout_level = code_of(LEVELS, "rollout_level", rollout_level)
+        d.rollout_cap, d.rollout_floor = rollout_cap, rollout_floor
+        if cu_seqlens_dtype is None and (d.ratio_level or d.rollout_level):
+            cu_seqlens_dtype = "int32"
+        d.cu_seqlens_dtype = DTYPE_NONE if cu_seqlens_dtype is None else dtype_code(cu_seqlens_dtype)
         for k, v in (_linear or {}).items():
             setattr(d, k, v)
         self.vocab, self.terms, self.desc = vocab, bits, d
@@ -192,15 +230,17 @@ class LossPlan:
         return lo.value, hi.value
 
     def __call__(self, logits, labels=None, *, weights=None, teacher_logits=None, advantages=None,
-                 old_logprobs=None, ref_logprobs=None, divisor: float = 0.0, grad_scale: float = 0.0,
-                 grad=None, token_outputs: bool = False, in_place: bool = False,
-                 scalars=None, tokens=None) -> LossOutput:
+                 old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, cu_seqlens=None,
+                 divisor: float = 0.0, grad_scale: float = 0.0, grad=None, token_outputs: bool = False,
+                 in_place: bool = False, scalars=None, tokens=None) -> LossOutput:
         """Runs the plan. grad: an existing gradient (written, or accumulated into with
         grad='accumulate'); in_place writes the gradient over the logits. scalars / tokens
         (4 arrays: loss, logp, entropy, lse): optional preallocated fp32 outputs."""
-        a, lv, out = self._args(logits, labels, weights, teacher_logits, advantages, old_logprobs,
-                                ref_logprobs, divisor, grad_scale, grad, token_outputs, in_place,
-                                scalars, tokens)
+        inputs = dict(weights=weights, teacher_logits=teacher_logits, advantages=advantages,
+                      old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                      rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens)
+        a, lv, out = self._args(logits, labels, inputs, divisor, grad_scale, grad, token_outputs,
+                                in_place, scalars, tokens)
         ws, wp, nbytes = self._workspace(lv, a.rows)
         _check(_execute(self._handle, ctypes.byref(a), wp, nbytes, lv.stream))
         return out
@@ -231,8 +271,8 @@ class LossPlan:
         """Step 1 of the sharded loss: this rank's block of per-row statistics, an int64 array on
         the logits' device, to all-gather across the ranks (torch.distributed.all_gather_into_tensor,
         cupy / NCCL, ...)."""
-        a, lv, _ = self._args(logits, labels, None, teacher_logits, None, None, None, 0.0, 0.0,
-                              None, False, False, None, None, outputs=False)
+        a, lv, _ = self._args(logits, labels, dict(teacher_logits=teacher_logits), 0.0, 0.0, None,
+                              False, False, None, None, outputs=False)
         return self._stats_call(a, lv, None)
 
     def _stats_call(self, a, lv, workspace):
@@ -265,36 +305,30 @@ class LossPlan:
 
     def _call_args(self, logits, labels, kwargs):
         kwargs = dict(kwargs)  # the caller's keeps its arrays alive through the call (bare pointers)
-        names = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
-        opt = {k: kwargs.pop(k, None) for k in names}
+        inputs = {k: kwargs.pop(k, None) for k in INPUTS}
         rest = (kwargs.pop("divisor", 0.0), kwargs.pop("grad_scale", 0.0), kwargs.pop("grad", None),
                 kwargs.pop("token_outputs", False), kwargs.pop("in_place", False),
                 kwargs.pop("scalars", None), kwargs.pop("tokens", None))
         if kwargs:
             raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
-        return self._args(logits, labels, *opt.values(), *rest)
+        return self._args(logits, labels, inputs, *rest)
 
-    def _args(self, logits, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
-              divisor, grad_scale, grad, token_outputs, in_place, scalars, tokens, outputs=True):
-        """The hl_loss_args_t of one call, its logits' view and the LossOutput it fills (outputs
-        allocated here unless passed; none for the statistics step)."""
+    def _args(self, logits, labels, inputs, divisor, grad_scale, grad, token_outputs, in_place, scalars,
+              tokens, outputs=True):
+        """The hl_loss_args_t of one call (inputs: the INPUTS given, by name), its logits' view and
+        the LossOutput it fills (outputs allocated here unless passed; none for the statistics step)."""
         lv = view(logits, "logits")
         rows, cols, ls = lv.rows_view("logits")
         if cols != self.vocab:
             raise ValueError(f"logits have {cols} columns; the plan's vocab is {self.vocab}")
-        opt = {k: (None if x is None else view(x, k)) for k, x in
-               (("labels", labels), ("weights", weights), ("teacher_logits", teacher_logits),
-                ("advantages", advantages), ("old_logprobs", old_logprobs),
-                ("ref_logprobs", ref_logprobs))}
+        opt = {k: (None if x is None else view(x, k)) for k, x in dict(inputs, labels=labels).items()}
         same_place([lv] + [v for v in opt.values()], "loss plan")
         d = self.desc
         _check_arrays(dict(opt, logits=lv).items(), {"logits": d.logits_dtype, "teacher_logits": d.logits_dtype,
-                                              "labels": d.labels_dtype})
+                                              "labels": d.labels_dtype, "cu_seqlens": d.cu_seqlens_dtype})
         a = _Args(ctypes.sizeof(_Args), rows, lv.ptr, ls)
-        for k, v in opt.items():
-            if v is not None:
-                setattr(a, k, v.ptr)
-        if opt["teacher_logits"] is not None:
+        _set_inputs(a, opt, d)
+        if opt.get("teacher_logits") is not None:
             a.teacher_stride = opt["teacher_logits"].rows_view("teacher_logits")[2]
         a.divisor, a.grad_scale = divisor, grad_scale
         if not outputs:
@@ -390,8 +424,7 @@ class LinearLossPlan(LossPlan):
     def _linear_args(self, hidden, weight, labels, kwargs, grad_hidden, grad_weight, outputs=True):
         kwargs = dict(kwargs)
         th, tw = kwargs.pop("teacher_hidden", None), kwargs.pop("teacher_weight", None)
-        names = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
-        opt = {k: kwargs.pop(k, None) for k in names}
+        opt = {k: kwargs.pop(k, None) for k in INPUTS}
         divisor, grad_scale = kwargs.pop("divisor", 0.0), kwargs.pop("grad_scale", 0.0)
         token_outputs, scalars, tokens = (kwargs.pop("token_outputs", False), kwargs.pop("scalars", None),
                                           kwargs.pop("tokens", None))
@@ -411,12 +444,10 @@ class LinearLossPlan(LossPlan):
         wd = d.weight_dtype
         _check_arrays(dict(views, hidden=hv, weight=wv).items(),
                        dict(hidden=wd, weight=wd, teacher_hidden=wd, teacher_weight=wd, teacher_logits=wd,
-                            labels=d.labels_dtype))
+                            labels=d.labels_dtype, cu_seqlens=d.cu_seqlens_dtype))
         a = _Args(ctypes.sizeof(_Args), rows)
         a.hidden, a.hidden_stride, a.weight, a.weight_stride = hv.ptr, hs, wv.ptr, ws
-        for k, v in views.items():
-            if v is not None:
-                setattr(a, k, v.ptr)
+        _set_inputs(a, views, d)
         for k, field in (("teacher_logits", "teacher_stride"), ("teacher_hidden", "teacher_hidden_stride"),
                          ("teacher_weight", "teacher_weight_stride")):
             if views[k] is not None:
@@ -462,20 +493,23 @@ def _cached_plan(vocab, dtype, device, key):
 
 
 def fused_loss(logits, labels=None, *, terms=("ce",), weights=None, teacher_logits=None,
-               advantages=None, old_logprobs=None, ref_logprobs=None, divisor: float = 0.0,
-               grad_scale: float = 0.0, token_outputs: bool = False, grad: Optional[str] = "write",
-               **options) -> LossOutput:
+               advantages=None, old_logprobs=None, ref_logprobs=None, rollout_logprobs=None,
+               cu_seqlens=None, divisor: float = 0.0, grad_scale: float = 0.0,
+               token_outputs: bool = False, grad: Optional[str] = "write", **options) -> LossOutput:
     """One call: builds (and caches) the plan for these options and runs it. Returns the scalars
     (see SCALARS and LossOutput.as_dict), the gradient and, on request, per-token outputs."""
     lv = view(logits, "logits")
     device = "cuda" if lv.backend == BACKEND_CUDA else "cpu"
     ldt = None if labels is None else view(labels, "labels").dtype
+    if cu_seqlens is not None:
+        options.setdefault("cu_seqlens_dtype", DTYPE_NAMES[view(cu_seqlens, "cu_seqlens").dtype])
     key = dict(options, terms=tuple(terms) if not isinstance(terms, int) else terms, grad=grad,
                labels_dtype={None: None, DTYPE_I32: "int32", DTYPE_I64: "int64"}[ldt])
     plan = _cached_plan(lv.shape[-1], DTYPE_NAMES[lv.dtype], device, tuple(sorted(key.items())))
     return plan(logits, labels, weights=weights, teacher_logits=teacher_logits,
                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                divisor=divisor, grad_scale=grad_scale, token_outputs=token_outputs)
+                rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens, divisor=divisor,
+                grad_scale=grad_scale, token_outputs=token_outputs)
 
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")

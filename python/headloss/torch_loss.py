@@ -23,8 +23,17 @@ import torch
 
 from .loss import SCALARS, LinearLossPlan, LossPlan
 
-_INPUTS = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
-LINEAR_INPUTS = _INPUTS + ("teacher_hidden", "teacher_weight")
+_BASE = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
+_SEQ = ("rollout_logprobs", "cu_seqlens")  # 0.4: after the inputs of earlier versions' order
+_INPUTS = _BASE + _SEQ
+LINEAR_INPUTS = _BASE + ("teacher_hidden", "teacher_weight") + _SEQ
+
+
+def seq_options(options: dict, cu_seqlens) -> dict:
+    """The plan options with cu_seqlens_dtype taken from the cu_seqlens passed, unless set."""
+    if cu_seqlens is None or "cu_seqlens_dtype" in options:
+        return options
+    return dict(options, cu_seqlens_dtype=str(cu_seqlens.dtype).replace("torch.", ""))
 
 
 def scale_saved(g: torch.Tensor, dloss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -104,21 +113,24 @@ class FusedLMHeadLoss(torch.nn.Module):
         self.terms, self.in_place, self.options = tuple(terms), in_place, options
         self._plans = {}
 
-    def _plan(self, logits, labels) -> LossPlan:
+    def _plan(self, logits, labels, cu_seqlens) -> LossPlan:
         key = (logits.shape[-1], logits.dtype, logits.device,
-               None if labels is None else labels.dtype)
+               None if labels is None else labels.dtype, None if cu_seqlens is None else cu_seqlens.dtype)
         if key not in self._plans:
             self._plans[key] = LossPlan(
                 logits.shape[-1], logits.dtype, terms=self.terms,
                 device="cuda" if logits.is_cuda else "cpu",
-                labels_dtype=None if labels is None else labels.dtype, **self.options)
+                labels_dtype=None if labels is None else labels.dtype,
+                **seq_options(self.options, cu_seqlens))
         return self._plans[key]
 
     def forward(self, logits, labels=None, *, weights=None, teacher_logits=None, advantages=None,
-                old_logprobs=None, ref_logprobs=None, divisor: float = 0.0):
-        plan = self._plan(logits, labels)
+                old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, cu_seqlens=None,
+                divisor: float = 0.0):
+        plan = self._plan(logits, labels, cu_seqlens)
         loss, scalars = FusedLossFunction.apply(logits, labels, plan, self.in_place, divisor, weights,
-                                                teacher_logits, advantages, old_logprobs, ref_logprobs)
+                                                teacher_logits, advantages, old_logprobs, ref_logprobs,
+                                                rollout_logprobs, cu_seqlens)
         return loss, dict(zip(SCALARS, scalars.unbind(0)))
 
 

@@ -13,7 +13,9 @@
 //   hl_jax_rmsnorm_bwd  args dy, s, [rstd: has_rstd], [weight: has_weight], [dres_out: has_dres]
 //                       rets dx, [dw: has_weight]       attrs eps, offset, cast, has_* (as above)
 //   hl_jax_loss         args logits, then one buffer per bit of `inputs` (1 labels, 2 weights,
-//                       4 teacher_logits, 8 advantages, 16 old_logprobs, 32 ref_logprobs)
+//                       4 teacher_logits, 8 advantages, 16 old_logprobs, 32 ref_logprobs,
+//                       256 rollout_logprobs, 512 cu_seqlens [sequences + 1] in the attribute
+//                       cu_seqlens_dtype)
 //                       rets scalars f32[HL_LOSS_NUM_SCALARS], [grad: grad_mode != 0],
 //                       [token_loss, token_logp, token_entropy, token_lse: token_outputs]
 //                       attrs: the hl_loss_plan_desc_t fields by name (terms, flags, ce_weight, ...,
@@ -325,6 +327,13 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
   d.cispo_weight = Get<float>(attrs, "cispo_weight", 1.0f);
   d.cispo_eps_high = Get<float>(attrs, "cispo_eps_high", 0.0f);
   d.kl_estimator = Get<int32_t>(attrs, "kl_estimator", HL_LOSS_KL_K3);
+  d.ratio_level = Get<int32_t>(attrs, "ratio_level", HL_LOSS_LEVEL_TOKEN);
+  d.rollout_correction = Get<int32_t>(attrs, "rollout_correction", HL_LOSS_ROLLOUT_NONE);
+  d.rollout_level = Get<int32_t>(attrs, "rollout_level", HL_LOSS_LEVEL_TOKEN);
+  d.rollout_cap = Get<float>(attrs, "rollout_cap", 0.0f);
+  d.rollout_floor = Get<float>(attrs, "rollout_floor", 0.0f);
+  // An attribute (the statistics step gets no cu_seqlens, and its plan must be the finish's).
+  d.cu_seqlens_dtype = static_cast<hl_dtype_t>(Get<int32_t>(attrs, "cu_seqlens_dtype", HL_DTYPE_NONE));
   d.use_ignore_index = Get<int32_t>(attrs, "use_ignore_index", 0);
   d.ignore_index = Get<int64_t>(attrs, "ignore_index", -100);
   d.vocab_global = Get<int64_t>(attrs, "vocab_global", 0);
@@ -350,8 +359,9 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
                    {reinterpret_cast<const void **>(&a.old_logprobs), HL_DTYPE_F32, "old_logprobs"},
                    {reinterpret_cast<const void **>(&a.ref_logprobs), HL_DTYPE_F32, "ref_logprobs"},
                    {&a.teacher_hidden, mat, "teacher_hidden"},
-                   {&a.teacher_weight, mat, "teacher_weight"}};
-  for (int bit = 1; bit < 8; ++bit) {
+                   {&a.teacher_weight, mat, "teacher_weight"},
+                   {reinterpret_cast<const void **>(&a.rollout_logprobs), HL_DTYPE_F32, "rollout_logprobs"}};
+  for (int bit = 1; bit < 9; ++bit) {
     if (!(inputs & (1 << bit))) continue;
     HL_JAX_ARG(b, args, c->ai++);
     HL_JAX_TRY(CheckDtype(b, opt[bit - 1].dtype, opt[bit - 1].name));
@@ -361,6 +371,12 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
     if (bit == 6) d.teacher_hidden = cols;
     if (bit == 7 && (rows != d.vocab || cols != d.teacher_hidden))
       return Invalid("teacher_weight must be [vocab, teacher_hidden's last dimension]");
+  }
+  if (inputs & 512) {
+    HL_JAX_ARG(b, args, c->ai++);
+    HL_JAX_TRY(CheckDtype(b, d.cu_seqlens_dtype, "cu_seqlens"));
+    a.cu_seqlens = b.untyped_data();
+    a.num_seqs = std::max<int64_t>(int64_t(b.element_count()) - 1, 0);
   }
   return ffi::Error::Success();
 }

@@ -91,6 +91,49 @@ hl_status_t validate_linear_desc(const char *fn, hl_loss_plan_desc_t &d) {
   return HL_STATUS_SUCCESS;
 }
 
+// The sequence-level and rollout-correction options.
+hl_status_t validate_sequence_options(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
+  const bool seqs = d.cu_seqlens_dtype != HL_DTYPE_NONE;
+  if (seqs && d.cu_seqlens_dtype != HL_DTYPE_I32 && d.cu_seqlens_dtype != HL_DTYPE_I64)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: cu_seqlens_dtype is %s (%d); expected I32, I64 or NONE",
+                fn, dtype_name(d.cu_seqlens_dtype), int(d.cu_seqlens_dtype));
+  if (d.ratio_level != HL_LOSS_LEVEL_TOKEN && d.ratio_level != HL_LOSS_LEVEL_SEQ_MEAN)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: ratio_level is %d; use HL_LOSS_LEVEL_TOKEN (0) or "
+                "HL_LOSS_LEVEL_SEQ_MEAN (2: GSPO)", fn, d.ratio_level);
+  if (d.rollout_correction < HL_LOSS_ROLLOUT_NONE || d.rollout_correction > HL_LOSS_ROLLOUT_REJECT)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: rollout_correction is %d; use HL_LOSS_ROLLOUT_NONE (0), "
+                "_TIS (1), _MIS (2) or _REJECT (3)", fn, d.rollout_correction);
+  if (d.rollout_level < HL_LOSS_LEVEL_TOKEN || d.rollout_level > HL_LOSS_LEVEL_SEQ_MEAN)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: rollout_level is %d; use HL_LOSS_LEVEL_TOKEN (0), "
+                "_SEQ_PRODUCT (1) or _SEQ_MEAN (2)", fn, d.rollout_level);
+  const bool correct = d.rollout_correction != HL_LOSS_ROLLOUT_NONE;
+  if (!correct && (d.rollout_level || d.rollout_cap != 0.0f || d.rollout_floor != 0.0f))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: rollout_level / rollout_cap / rollout_floor are set "
+                "but rollout_correction is NONE", fn);
+  if (correct && !(d.terms & (HL_LOSS_GRPO | HL_LOSS_CISPO)))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: a rollout correction weights GRPO and CISPO, but the "
+                "plan has neither", fn);
+  const bool seq_ratio = d.ratio_level == HL_LOSS_LEVEL_SEQ_MEAN;
+  if (seq_ratio && !(d.terms & (HL_LOSS_GRPO | HL_LOSS_CISPO)))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: ratio_level SEQ_MEAN (GSPO) sets GRPO's and CISPO's "
+                "ratio, but the plan has neither", fn);
+  const bool wants = seq_ratio || d.rollout_level != HL_LOSS_LEVEL_TOKEN;
+  if (wants != seqs)
+    return fail(HL_STATUS_INVALID_VALUE, wants ? "%s: a sequence-level ratio_level or rollout_level "
+                "needs sequences: set cu_seqlens_dtype (I32 or I64)" : "%s: cu_seqlens_dtype is set "
+                "but no option is sequence-level (ratio_level, rollout_level)", fn);
+  HL_TRY(positive_or_default(fn, "rollout_cap", d.rollout_cap, 2.0f, &o.rollout_cap));
+  HL_TRY(check_finite(fn, "rollout_floor", d.rollout_floor));
+  o.rollout_floor = d.rollout_floor == 0.0f ? 1.0f / o.rollout_cap : d.rollout_floor;
+  if (d.rollout_floor < 0.0f || o.rollout_floor >= o.rollout_cap)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: rollout_floor is %g; must be in [0, rollout_cap = %g) "
+                "(0: 1 / rollout_cap)", fn, double(d.rollout_floor), double(o.rollout_cap));
+  o.seq_ratio = seq_ratio;
+  o.rollout = d.rollout_correction;
+  o.rollout_level = d.rollout_level;
+  return HL_STATUS_SUCCESS;
+}
+
 hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   HL_TRY(check_backend(fn, d.backend));
   HL_TRY(validate_linear_desc(fn, d));
@@ -137,10 +180,13 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
     return fail(HL_STATUS_INVALID_VALUE, "%s: kl_estimator is %d; use HL_LOSS_KL_K3 (0), "
                 "HL_LOSS_KL_K1 (1) or HL_LOSS_KL_K2 (2)", fn, d.kl_estimator);
   o.kl_estimator = d.kl_estimator;
-  // A caller built against a header without the policy-gradient options (0.2) has room for the
-  // scalars that header listed, which ended before HL_LOSS_OUT_CISPO.
-  o.scalars = d.struct_size >= offsetof(hl_loss_plan_desc_t, kl_estimator) + sizeof(int)
-                  ? HL_LOSS_NUM_SCALARS : HL_LOSS_OUT_CISPO;
+  HL_TRY(validate_sequence_options(fn, d, o));
+  // A caller built against an older header has room for the scalars that header listed: 0.2's
+  // descriptor ended before kl_estimator, 0.3's before cu_seqlens_dtype.
+  const auto has = [&](size_t end) { return d.struct_size >= end; };
+  o.scalars = has(offsetof(hl_loss_plan_desc_t, rollout_floor) + sizeof(float)) ? HL_LOSS_NUM_SCALARS
+              : has(offsetof(hl_loss_plan_desc_t, kl_estimator) + sizeof(int))  ? HL_LOSS_OUT_ROLLOUT_KL_K1
+                                                                                 : HL_LOSS_OUT_CISPO;
   HL_TRY(check_finite(fn, "softcap", d.softcap));
   if (d.softcap < 0.0f)
     return fail(HL_STATUS_INVALID_VALUE, "%s: softcap is %g; must be >= 0 (0: no cap)", fn,
@@ -212,6 +258,8 @@ std::vector<Buffer> arg_buffers(const hl_loss_plan_st &p, const hl_loss_args_t &
       {"advantages", a.advantages, N, 1, 1, f32, false},
       {"old_logprobs", a.old_logprobs, N, 1, 1, f32, false},
       {"ref_logprobs", a.ref_logprobs, N, 1, 1, f32, false},
+      {"rollout_logprobs", a.rollout_logprobs, N, 1, 1, f32, false},
+      {"cu_seqlens", a.cu_seqlens, a.num_seqs + 1, 1, 1, d.cu_seqlens_dtype, false},
       {"grad", a.grad, N, V, a.grad_stride, d.grad_dtype, true},
       {"grad_hidden", a.grad_hidden, N, H, a.grad_hidden_stride, d.grad_hidden_dtype, true},
       {"grad_weight", a.grad_weight, V, H, a.grad_weight_stride, d.grad_weight_dtype, true},
@@ -271,6 +319,21 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
   HL_TRY(check_finite(fn, "grad_scale", a.grad_scale));
   if (a.labels && d.labels_dtype == HL_DTYPE_NONE)
     return fail(HL_STATUS_INVALID_VALUE, "%s: labels is set but the plan's labels_dtype is NONE", fn);
+  if ((a.cu_seqlens || a.num_seqs) && !p.sequences)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: cu_seqlens / num_seqs are set but the plan's "
+                "cu_seqlens_dtype is NONE", fn);
+  if (p.sequences && phase != kStats) {
+    HL_TRY(require(fn, "cu_seqlens", a.cu_seqlens, "a sequence-level option"));
+    if (a.num_seqs < 1 && a.rows > 0)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: num_seqs is %lld; %lld rows need >= 1 sequence", fn,
+                  (long long)a.num_seqs, (long long)a.rows);
+  }
+  if (a.num_seqs < 0)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: num_seqs is %lld; must be >= 0", fn, (long long)a.num_seqs);
+  if (p.opt.rollout != HL_LOSS_ROLLOUT_NONE && phase != kStats && a.rows > 0) {
+    HL_TRY(require(fn, "rollout_logprobs", a.rollout_logprobs, "a rollout correction"));
+    HL_TRY(require(fn, "old_logprobs", a.old_logprobs, "a rollout correction"));
+  }
   if ((a.teacher_logits || a.teacher_hidden) && p.opt.distill == kDistillNone)
     return fail(HL_STATUS_INVALID_VALUE,
                 "%s: a teacher is set but the plan has no distillation term", fn);
@@ -328,8 +391,27 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
   return check_aliasing(fn, bufs.data(), int(bufs.size()));
 }
 
-// Host labels: the first one that is out of range and not ignored.
-hl_status_t check_host_labels(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a) {
+}  // namespace
+
+hl_status_t check_seqlens(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                          const void *host_cu) {
+  int64_t prev = 0;
+  for (int64_t s = 0; s <= a.num_seqs; ++s) {
+    const int64_t v = int64_t(cpu::load(host_cu, p.desc.cu_seqlens_dtype, s));
+    if (v < prev || v > a.rows || (s == 0 && v != 0) || (s == a.num_seqs && v != a.rows))
+      return fail(HL_STATUS_INVALID_VALUE, "%s: cu_seqlens[%lld] is %lld; cu_seqlens must start at 0, "
+                  "not decrease, and end at rows = %lld", fn, (long long)s, (long long)v,
+                  (long long)a.rows);
+    prev = v;
+  }
+  return HL_STATUS_SUCCESS;
+}
+
+namespace {
+
+// Host inputs: cu_seqlens, and the first label that is out of range and not ignored.
+hl_status_t check_host_inputs(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a) {
+  if (a.cu_seqlens) HL_TRY(check_seqlens(fn, p, a, a.cu_seqlens));
   if (!a.labels) return HL_STATUS_SUCCESS;
   for (int64_t i = 0; i < a.rows; ++i) {
     const int64_t y = int64_t(cpu::load(a.labels, p.desc.labels_dtype, i));
@@ -370,7 +452,7 @@ hl_status_t split_args(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t
   HL_TRY(check_not_null(fn, "plan", plan));
   HL_TRY(read_descriptor(fn, args, a));
   HL_TRY(validate_args(fn, *plan, *a, phase));
-  return plan->desc.backend == HL_BACKEND_CPU ? check_host_labels(fn, *plan, *a) : HL_STATUS_SUCCESS;
+  return plan->desc.backend == HL_BACKEND_CPU ? check_host_inputs(fn, *plan, *a) : HL_STATUS_SUCCESS;
 }
 
 // A buffer of `ranks` blocks: present, large enough, 8-byte aligned, in the backend's memory,
@@ -490,6 +572,8 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
     p->linear = d.hidden > 0;
     p->dlogits = p->linear ? d.grad_hidden_mode != HL_LOSS_GRAD_NONE || d.grad_weight_mode != HL_LOSS_GRAD_NONE
                            : d.grad_mode != HL_LOSS_GRAD_NONE;
+    p->sequences = d.cu_seqlens_dtype != HL_DTYPE_NONE;
+    p->seq_stats = o.seq_ratio;
     p->fingerprint = fingerprint(d);
 #if HL_HAVE_CUDA
     if (d.backend == HL_BACKEND_CUDA) HL_TRY(cuda_plan(fn, *p));
@@ -536,7 +620,7 @@ HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_
       return cuda_execute(fn, *plan, a, workspace, workspace_bytes, stream);
 #endif
     (void)stream;
-    HL_TRY(check_host_labels(fn, *plan, a));
+    HL_TRY(check_host_inputs(fn, *plan, a));
     return cpu_execute(*plan, a);
   });
 }

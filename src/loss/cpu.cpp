@@ -158,10 +158,33 @@ CpuStats row_stats(const std::vector<double> &z, const std::vector<double> &v, i
 
 // Row i's inputs; the label as a global id.
 RowInputs<double> row_inputs(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i) {
-  const hl_loss_plan_desc_t &d = p.desc;
-  return read_inputs<double>(a.labels, d.labels_dtype == HL_DTYPE_I64, a.weights, a.advantages,
-                             a.old_logprobs, a.ref_logprobs, i, d.use_ignore_index != 0,
-                             d.ignore_index);
+  return read_inputs<double>(row_source(p, a, nullptr, nullptr), i);
+}
+
+// Every row's sequence values (SeqValues: seq_lr, seq_roll), from the merged statistics and the
+// inputs; cu_seqlens already checked.
+void seq_values_of_rows(const hl_loss_plan_st &p, const hl_loss_args_t &a, const CpuStats *merged,
+                        std::vector<double> &lr, std::vector<double> &roll) {
+  lr.assign(size_t(a.rows), 0.0), roll.assign(size_t(a.rows), 0.0);
+  const bool want_lr = p.seq_stats && a.old_logprobs;
+  const bool want_roll = p.opt.rollout_level != HL_LOSS_LEVEL_TOKEN && a.old_logprobs && a.rollout_logprobs;
+  const RowSource src = row_source(p, a, nullptr, nullptr);
+  const auto bound = [&](int64_t s) { return int64_t(cpu::load(a.cu_seqlens, p.desc.cu_seqlens_dtype, s)); };
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    const int64_t b = bound(s), e = bound(s + 1);
+    SeqSums<double> sum{0.0, 0.0, 0.0};
+    for (int64_t i = b; i < e; ++i) {
+      if (src.labels && read_label(src, i) < 0) continue;
+      const CpuStats &st = merged[i];
+      const double old = a.old_logprobs ? a.old_logprobs[i] : 0.0;
+      sum.n += 1.0;
+      if (want_lr) sum.lr += st.zy - (st.m + std::log(st.s)) - old;
+      if (want_roll) sum.roll += old - a.rollout_logprobs[i];
+    }
+    double vl = 0.0, vr = 0.0;
+    seq_values(sum, p.opt, &vl, &vr);
+    for (int64_t i = b; i < e; ++i) lr[size_t(i)] = vl, roll[size_t(i)] = vr;
+  }
 }
 
 bool has_teacher(const hl_loss_args_t &a) { return a.teacher_logits || a.teacher_hidden; }
@@ -208,10 +231,12 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
   const bool grads = a.grad || a.grad_hidden || a.grad_weight;
   Rows rows(p, a, grads);
   std::vector<double> z(size_t(p.desc.vocab)), v(has_teacher(a) ? z.size() : 0), g(z.size());
-  std::vector<double> sum(kRecFields, 0.0);
+  std::vector<double> sum(kRecFields, 0.0), seq_lr, seq_roll;
+  if (p.sequences) seq_values_of_rows(p, a, merged, seq_lr, seq_roll);
   double rmin = INFINITY, rmax = -INFINITY, amin = INFINITY, amax = -INFINITY;
   for (int64_t i = 0; i < a.rows; ++i) {
-    const RowInputs<double> in = row_inputs(p, a, i);
+    RowInputs<double> in = row_inputs(p, a, i);
+    if (p.sequences) in.seq_lr = seq_lr[size_t(i)], in.seq_roll = seq_roll[size_t(i)];
     const RowResult<double> r = finish_row(merged[i], in, o, kd);
     if (grads) {
       rows.load_row(i, z, v);

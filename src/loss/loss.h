@@ -39,6 +39,9 @@ struct hl_loss_plan_st {
   bool needs_labels;         // CE, GRPO, CISPO or GRPO_KL_REF is on
   bool linear;               // the fused linear form (desc.hidden > 0)
   bool dlogits;              // a gradient w.r.t. the logits is formed (stored, or multiplied on)
+  bool sequences;            // calls pass cu_seqlens: rows read their sequence's values (SeqValues)
+  bool seq_stats;            // those values need every row's statistics first (GSPO): a call runs
+                             // as its statistics step, then its finish
   uint64_t fingerprint;      // of every field the ranks of a sharded plan must share
   hl::loss::CudaChoice cuda;
   std::shared_ptr<hl::loss::Gemms> gemms;  // CUDA linear form: released with the plan
@@ -55,6 +58,15 @@ static_assert(sizeof(BlockHeader) == 64, "the header is documented as 64 bytes")
 constexpr uint64_t kBlockTag = 0x31534c48u;  // "HLS1"
 
 using CpuStats = RowStats<double>;
+
+// A call's per-row pointers; seq_lr / seq_roll: its rows' sequence values, where the plan has them.
+inline RowSource row_source(const hl_loss_plan_st &p, const hl_loss_args_t &a, const float *seq_lr,
+                            const float *seq_roll) {
+  const hl_loss_plan_desc_t &d = p.desc;
+  return RowSource{a.labels, a.weights, a.advantages, a.old_logprobs, a.ref_logprobs,
+                   a.rollout_logprobs, seq_lr, seq_roll, d.labels_dtype == HL_DTYPE_I64,
+                   d.use_ignore_index != 0, d.ignore_index};
+}
 
 // Bytes of one row's record in a block: fp64 RowStats on the CPU; fp32 on CUDA, without the
 // distillation fields when the plan has none.
@@ -75,6 +87,11 @@ hl_status_t cpu_execute(const hl_loss_plan_st &p, const hl_loss_args_t &a);
 void cpu_stats(const hl_loss_plan_st &p, const hl_loss_args_t &a, CpuStats *out);
 // Losses, metrics, per-token outputs and this shard's gradient from every row's merged statistics.
 hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const CpuStats *merged);
+
+// cu_seqlens as read from host memory (num_seqs + 1 values): starts at 0, non-decreasing, ends at
+// rows.
+hl_status_t check_seqlens(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                          const void *host_cu);
 
 #if HL_HAVE_CUDA
 hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p);

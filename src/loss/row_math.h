@@ -37,6 +37,10 @@ struct Options {
   float cispo_eps;    // CISPO's upper clip of r is 1 + cispo_eps
   int distill;        // DistillMode
   int kl_estimator;   // HL_LOSS_KL_*
+  bool seq_ratio;     // GSPO: r is the sequence's (RowInputs::seq_lr)
+  int rollout;        // HL_LOSS_ROLLOUT_*
+  int rollout_level;  // HL_LOSS_LEVEL_*
+  float rollout_cap, rollout_floor;
   int scalars;        // how many scalars the caller's header has (an older one: fewer)
   unsigned terms;     // HL_LOSS_* bits
   int64_t vocab;
@@ -105,18 +109,29 @@ HL_HD RowStats<F> merge(const RowStats<F> &a, const RowStats<F> &b, F inv_ts) {
 // Per-row record reduced over rows into the scalars (fields are unweighted; W is w_t, 0 if ignored).
 enum Rec : int {
   R_W, R_VALID, R_LOSS, R_CE, R_Z, R_ENT, R_DIST, R_GRPO, R_KLREF, R_LSE, R_H, R_LOGP, R_ACC,
-  R_RATIO, R_CLIP_LO, R_CLIP_HI, R_CLIP_ANY, R_K3OLD, R_ADV, R_CISPO, R_DUAL, kRecFields
+  R_RATIO, R_CLIP_LO, R_CLIP_HI, R_CLIP_ANY, R_K3OLD, R_ADV, R_CISPO, R_DUAL, R_RKL1, R_RKL3,
+  R_RWEIGHT, R_RCORR, kRecFields
 };
 
-// What the caller passed for this row.
+// What the caller passed for this row, and its sequence's values (SeqValues).
 template <class F>
 struct RowInputs {
   int64_t label;  // < 0: ignored (or no labels)
   bool valid;     // the row counts
   bool has_label;
   F w;            // per-token weight (1 without weights)
-  F adv, old_logp, ref_logp;
-  bool has_adv, has_old, has_ref;
+  F adv, old_logp, ref_logp, rollout_logp;
+  bool has_adv, has_old, has_ref, has_rollout;
+  F seq_lr, seq_roll;  // see SeqValues (0 without sequences)
+};
+
+// Per-row pointers of a call (device pointers on CUDA, host ones on the CPU); seq_lr and
+// seq_roll are the sequence values of each row (SeqValues), where the plan needs them.
+struct RowSource {
+  const void *labels;
+  const float *weights, *adv, *old_logp, *ref_logp, *rollout_logp, *seq_lr, *seq_roll;
+  bool labels64, use_ignore;
+  int64_t ignore_index;
 };
 
 // A row is ignored when its label is negative or equals the plan's ignore_index.
@@ -124,27 +139,64 @@ HL_HD bool label_counts(int64_t label, bool use_ignore, int64_t ignore_index) {
   return label >= 0 && !(use_ignore && label == ignore_index);
 }
 
-// Row i's inputs as the caller passed them (device pointers on CUDA, host ones on the CPU).
+// The label of row i; -1 where the row is ignored (or there are no labels).
+HL_HD int64_t read_label(const RowSource &s, int64_t i) {
+  if (!s.labels) return -1;
+  const int64_t y = s.labels64 ? static_cast<const int64_t *>(s.labels)[i]
+                               : int64_t(static_cast<const int32_t *>(s.labels)[i]);
+  return label_counts(y, s.use_ignore, s.ignore_index) ? y : -1;
+}
+
+// Row i's inputs.
 template <class F>
-HL_HD RowInputs<F> read_inputs(const void *labels, bool labels64, const float *weights,
-                               const float *adv, const float *old_logp, const float *ref_logp,
-                               int64_t i, bool use_ignore, int64_t ignore_index) {
+HL_HD RowInputs<F> read_inputs(const RowSource &s, int64_t i) {
   RowInputs<F> in;
-  in.has_label = labels != nullptr;
-  in.label = -1;
-  if (in.has_label)
-    in.label = labels64 ? static_cast<const int64_t *>(labels)[i]
-                        : int64_t(static_cast<const int32_t *>(labels)[i]);
-  in.valid = !in.has_label || label_counts(in.label, use_ignore, ignore_index);
-  if (!in.valid) in.label = -1;
-  in.w = weights ? F(weights[i]) : F(1);
-  in.has_adv = adv != nullptr;
-  in.has_old = old_logp != nullptr;
-  in.has_ref = ref_logp != nullptr;
-  in.adv = in.has_adv ? F(adv[i]) : F(0);
-  in.old_logp = in.has_old ? F(old_logp[i]) : F(0);
-  in.ref_logp = in.has_ref ? F(ref_logp[i]) : F(0);
+  in.has_label = s.labels != nullptr;
+  in.label = read_label(s, i);
+  in.valid = !in.has_label || in.label >= 0;
+  in.w = s.weights ? F(s.weights[i]) : F(1);
+  const auto opt = [i](const float *p, bool &has) { has = p != nullptr; return has ? F(p[i]) : F(0); };
+  in.adv = opt(s.adv, in.has_adv);
+  in.old_logp = opt(s.old_logp, in.has_old);
+  in.ref_logp = opt(s.ref_logp, in.has_ref);
+  in.rollout_logp = opt(s.rollout_logp, in.has_rollout);
+  bool unused;
+  in.seq_lr = opt(s.seq_lr, unused);
+  in.seq_roll = opt(s.seq_roll, unused);
   return in;
+}
+
+// A sequence's sums over its tokens (rows not ignored), which SeqValues turns into the values
+// every row of it reads: n tokens, sum of logp_y - old_logprob (GSPO), sum of old_logprob -
+// rollout_logprob (the rollout correction's sequence levels).
+template <class F>
+struct SeqSums {
+  F n, lr, roll;
+};
+// seq_lr: GSPO's log-ratio, the mean clamped at 10 (verl); seq_roll: the rollout log-ratio x of
+// the plan's rollout_level (before the clamp to [-20, 20] of rollout_weight).
+template <class F>
+HL_HD void seq_values(const SeqSums<F> &s, const Options &o, F *seq_lr, F *seq_roll) {
+  const F inv = s.n > F(0) ? F(1) / s.n : F(0);
+  *seq_lr = m_min(s.lr * inv, F(10));
+  *seq_roll = o.rollout_level == HL_LOSS_LEVEL_SEQ_MEAN ? s.roll * inv : s.roll;
+}
+
+// The rollout correction's weight w_is of a token (1 without one); *corrected: w_is != rho.
+template <class F>
+HL_HD F rollout_weight(const RowInputs<F> &in, const Options &o, bool *corrected) {
+  *corrected = false;
+  if (o.rollout == HL_LOSS_ROLLOUT_NONE) return F(1);
+  const F x = o.rollout_level == HL_LOSS_LEVEL_TOKEN ? in.old_logp - in.rollout_logp : in.seq_roll;
+  const F rho = m_exp(m_min(m_max(x, F(-20)), F(20)));
+  const F hi = F(o.rollout_cap), lo = F(o.rollout_floor);
+  if (o.rollout == HL_LOSS_ROLLOUT_TIS) {
+    *corrected = rho > hi;
+    return m_min(rho, hi);
+  }
+  const bool in_band = rho >= lo && rho <= hi;
+  *corrected = !in_band;
+  return !in_band ? F(0) : o.rollout == HL_LOSS_ROLLOUT_MIS ? rho : F(1);
 }
 
 // Gradient of row t w.r.t. the raw logit z_j (before the soft-cap chain factor):
@@ -192,12 +244,24 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
     const F eps = F(o.smoothing);
     ce = (F(1) - eps) * (lse - st.zy) + eps * (lse - st.sum / F(o.vocab));
     r.rec[R_ACC] = st.amax == in.label ? F(1) : F(0);
+    if (in.has_old && in.has_rollout) {
+      const F d = in.old_logp - in.rollout_logp;
+      r.rec[R_RKL1] = -d;
+      r.rec[R_RKL3] = m_exp(d) - d - F(1);
+    }
     if (in.has_old) {
-      const F lr = logp - in.old_logp, ratio = m_exp(lr);
+      const F lr = o.seq_ratio ? in.seq_lr : logp - in.old_logp, ratio = m_exp(lr);
       const F lo = F(1) - F(o.eps_low), hi = F(1) + F(o.eps_high);
       r.rec[R_RATIO] = ratio;
       r.rec[R_K3OLD] = ratio - lr - F(1);
       r.rec[R_CLIP_ANY] = (ratio < lo || ratio > hi) ? F(1) : F(0);
+      // The rollout correction's constant weight on the policy-gradient terms.
+      bool corrected = false;
+      const F wis = in.has_rollout ? rollout_weight(in, o, &corrected) : F(1);
+      if (in.has_rollout && o.rollout != HL_LOSS_ROLLOUT_NONE) {
+        r.rec[R_RWEIGHT] = wis;
+        r.rec[R_RCORR] = corrected ? F(1) : F(0);
+      }
       if (in.has_adv) {
         const F A = in.adv, clipped = m_min(m_max(ratio, lo), hi);
         grpo = -m_min(ratio * A, clipped * A);
@@ -211,6 +275,7 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
         const F wcis = m_min(ratio, F(1) + F(o.cispo_eps));  // a constant weight (stop-gradient)
         cispo = -wcis * A * logp;
         cg = F(o.grpo_w) * (active ? A * ratio : F(0)) + F(o.cispo_w) * wcis * A;
+        grpo *= wis, cispo *= wis, cg *= wis;
         r.rec[R_CLIP_LO] = (A < F(0) && ratio < lo) ? F(1) : F(0);
         r.rec[R_CLIP_HI] = (A > F(0) && ratio > hi) ? F(1) : F(0);
       }
@@ -309,6 +374,10 @@ HL_HD void finish_scalars(const F *sum, F ratio_min, F ratio_max, F adv_min, F a
   out[HL_LOSS_OUT_DISTILL_KL_MEAN] = float(sum[R_DIST] * inv_w);
   out[HL_LOSS_OUT_CISPO] = term(HL_LOSS_CISPO, R_CISPO);
   out[HL_LOSS_OUT_DUAL_CLIP] = float(sum[R_DUAL] * inv_w);
+  out[HL_LOSS_OUT_ROLLOUT_KL_K1] = float(sum[R_RKL1] * inv_w);
+  out[HL_LOSS_OUT_ROLLOUT_KL_K3] = float(sum[R_RKL3] * inv_w);
+  out[HL_LOSS_OUT_ROLLOUT_WEIGHT_MEAN] = float(sum[R_RWEIGHT] * inv_w);
+  out[HL_LOSS_OUT_ROLLOUT_CORRECTED] = float(sum[R_RCORR] * inv_w);
   for (int k = 0; k < n; ++k) scalars[k] = out[k];
 }
 

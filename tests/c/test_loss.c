@@ -194,37 +194,44 @@ static void bad_arguments(void **state) {
   free(b);
 }
 
-/* CE of one row by hand, and the workspace the CPU backend asks for; from a descriptor of the
- * size before the policy-gradient options (the fields it lacks read as zero: off). */
+/* CE of one row by hand, and the workspace the CPU backend asks for; from descriptors of older
+ * headers' sizes (the fields they lack read as zero: off): 0.2's, before the policy-gradient
+ * options, and 0.3's, before the sequence options. */
 static void small_exact_case(void **state) {
   (void)state;
-  Bufs *b = calloc(1, sizeof *b);
-  fill(b);
-  hl_loss_plan_desc_t d = desc_ce();
-  d.struct_size = offsetof(hl_loss_plan_desc_t, dual_clip);
-  hl_loss_plan_t p;
-  assert_ok(hl_loss_plan_create(&d, &p));
-  size_t ws = 1;
-  assert_ok(hl_loss_plan_get_workspace_size(p, N, &ws));
-  assert_int_equal(ws, 0);
-  hl_loss_args_t a = args_for(b);
-  a.rows = 1;
-  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
-  /* that header's caller has room for the scalars before HL_LOSS_OUT_CISPO, and no more */
-  for (int k = HL_LOSS_OUT_CISPO; k < HL_LOSS_NUM_SCALARS; ++k) assert_true(b->scalars[k] == -7.0f);
-  double m = -INFINITY, s = 0;
-  for (int j = 0; j < V; ++j) m = fmax(m, b->logits[j]);
-  for (int j = 0; j < V; ++j) s += exp(b->logits[j] - m);
-  const double ce = m + log(s) - b->logits[0];
-  assert_float_equal(b->scalars[HL_LOSS_OUT_CE], ce, 1e-6);
-  assert_float_equal(b->scalars[HL_LOSS_OUT_LOSS], ce, 1e-6);
-  assert_float_equal(b->scalars[HL_LOSS_OUT_VALID_ROWS], 1.0, 0);
-  double gsum = 0;
-  for (int j = 0; j < V; ++j) gsum += b->grad[j];
-  assert_float_equal(gsum, 0.0, 1e-6); /* softmax minus one-hot sums to 0 */
-  assert_true(b->grad[V] == -7.0f);     /* row 1 not part of the call */
-  assert_ok(hl_loss_plan_destroy(p));
-  free(b);
+  const struct { size_t size; int scalars; } older[] = {
+      {offsetof(hl_loss_plan_desc_t, dual_clip), HL_LOSS_OUT_CISPO},
+      {offsetof(hl_loss_plan_desc_t, cu_seqlens_dtype), HL_LOSS_OUT_ROLLOUT_KL_K1}};
+  for (int c = 0; c < 2; ++c) {
+    Bufs *b = calloc(1, sizeof *b);
+    fill(b);
+    hl_loss_plan_desc_t d = desc_ce();
+    d.struct_size = older[c].size;
+    hl_loss_plan_t p;
+    assert_ok(hl_loss_plan_create(&d, &p));
+    size_t ws = 1;
+    assert_ok(hl_loss_plan_get_workspace_size(p, N, &ws));
+    assert_int_equal(ws, 0);
+    hl_loss_args_t a = args_for(b);
+    a.rows = 1;
+    assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+    /* that header's caller has room for the scalars it listed, and no more */
+    assert_true(b->scalars[older[c].scalars - 1] != -7.0f);
+    for (int k = older[c].scalars; k < HL_LOSS_NUM_SCALARS; ++k) assert_true(b->scalars[k] == -7.0f);
+    double m = -INFINITY, s = 0;
+    for (int j = 0; j < V; ++j) m = fmax(m, b->logits[j]);
+    for (int j = 0; j < V; ++j) s += exp(b->logits[j] - m);
+    const double ce = m + log(s) - b->logits[0];
+    assert_float_equal(b->scalars[HL_LOSS_OUT_CE], ce, 1e-6);
+    assert_float_equal(b->scalars[HL_LOSS_OUT_LOSS], ce, 1e-6);
+    assert_float_equal(b->scalars[HL_LOSS_OUT_VALID_ROWS], 1.0, 0);
+    double gsum = 0;
+    for (int j = 0; j < V; ++j) gsum += b->grad[j];
+    assert_float_equal(gsum, 0.0, 1e-6); /* softmax minus one-hot sums to 0 */
+    assert_true(b->grad[V] == -7.0f);     /* row 1 not part of the call */
+    assert_ok(hl_loss_plan_destroy(p));
+    free(b);
+  }
 }
 
 /* The split (tensor-parallel) calls: their buffers are checked, NCCL needs a CUDA plan, and a

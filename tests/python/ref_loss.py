@@ -18,8 +18,12 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
               entropy_weight=1.0, distill_weight=1.0, grpo_weight=1.0, kl_ref_beta=1.0,
               label_smoothing=0.0, logit_scale=1.0, softcap=0.0, teacher_temperature=1.0,
               student_temperature=1.0, eps_low=0.2, eps_high=0.2, ignore_index=None, dual_clip=0.0,
-              cispo_weight=1.0, cispo_eps_high=0.0, kl_estimator="k3"):
-    """Returns (scalars dict, per-token dict, gradient w.r.t. z) for raw logits z [N, V] (fp64)."""
+              cispo_weight=1.0, cispo_eps_high=0.0, kl_estimator="k3", rollout=None, cu_seqlens=None,
+              ratio_level="token", rollout_correction=None, rollout_level="token", rollout_cap=0.0,
+              rollout_floor=0.0, cu_seqlens_dtype=None):
+    """Returns (scalars dict, per-token dict, gradient w.r.t. z) for raw logits z [N, V] (fp64).
+    GSPO (ratio_level "seq_mean") as verl's GSPO-token: each token's ratio has the value of its
+    sequence's and the gradient of its own log-prob."""
     z = np.asarray(z, np.float64)
     N, V = z.shape
     s = logit_scale
@@ -66,7 +70,33 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
         kl = (ps * (logps - logq)).sum(1)
         per["distill_rev"] = kl
         grads["distill_rev"] = ps * (logps - logq - kl[:, None]) / student_temperature
-    r = np.exp(logp - old) if old is not None else None
+    def seq_reduce(x, mean):
+        """Per row: the sum (or mean) of x over the valid rows of its sequence."""
+        out = np.zeros(N)
+        for b, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            v = valid[b:e]
+            s = x[b:e][v].sum()
+            out[b:e] = s / max(v.sum(), 1) if mean else s
+        return out
+
+    if old is not None:
+        old = np.asarray(old, np.float64)
+        lr = logp - old
+        if ratio_level == "seq_mean":
+            lr = np.minimum(seq_reduce(lr, True), 10.0)
+    r = np.exp(lr) if old is not None else None
+    w_is = np.ones(N)
+    if rollout is not None and old is not None:
+        dr = old - np.asarray(rollout, np.float64)
+        if rollout_correction:
+            x = dr if rollout_level == "token" else seq_reduce(dr, rollout_level == "seq_mean")
+            rho = np.exp(np.clip(x, -20, 20))
+            cap = rollout_cap or 2.0
+            floor = rollout_floor or 1 / cap
+            inside = (rho >= floor) & (rho <= cap)
+            w_is, corrected = {"tis": (np.minimum(rho, cap), rho > cap),
+                               "mis": (np.where(inside, rho, 0.0), ~inside),
+                               "reject": (inside.astype(float), ~inside)}[rollout_correction]
     lo, hi = 1 - eps_low, 1 + eps_high
     if r is not None and adv is not None:
         A = np.asarray(adv, np.float64)
@@ -79,6 +109,9 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
         wc = np.minimum(r, 1 + (cispo_eps_high or eps_high))  # stop-gradient weight
         per["cispo"] = -wc * A * logp
         grads["cispo"] = (wc * A)[:, None] * (p - onehot)
+        for t in ("grpo", "cispo"):  # the rollout correction's constant weight
+            per[t] = per[t] * w_is
+            grads[t] = grads[t] * w_is[:, None]
     if ref is not None:
         d = np.asarray(ref, np.float64) - logp
         per["kl_ref"], dk = {"k3": (np.exp(d) - d - 1, 1 - np.exp(d)), "k1": (-d, np.ones(N)),
@@ -124,6 +157,12 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
         sc["adv_min"], sc["adv_max"] = float(A[pos].min()), float(A[pos].max())
     if ref is not None:
         sc["kl_ref_mean"] = wsum(per["kl_ref"]) * inv_w
+    if rollout is not None and old is not None:
+        sc["rollout_kl_k1"] = wsum(-dr) * inv_w
+        sc["rollout_kl_k3"] = wsum(np.exp(dr) - dr - 1) * inv_w
+        if rollout_correction:
+            sc["rollout_weight_mean"] = wsum(w_is) * inv_w
+            sc["rollout_corrected"] = wsum(corrected) * inv_w
     tokens = {"loss": tok, "logp": np.where(valid & (labels is not None), logp, 0.0), "entropy": H, "lse": lse}
     return sc, tokens, grad
 

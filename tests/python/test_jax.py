@@ -279,7 +279,7 @@ def _split_linear(inp, device):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", ["ce", "ce_smooth_weights_cap", "distill_fwd", "grpo_kl", "all",
-                                  "rl", "rl_cispo"])
+                                  "rl", "rl_cispo", "gspo_all", "mis_seq_mean"])
 def test_linear_loss_against_reference(device, case, dtype):
     """jit(value_and_grad) w.r.t. hidden and weight, cotangent 2.5, against the fp64 reference of
     matmul + loss: the loss, every metric, both gradients (in the operands' dtypes)."""
@@ -322,6 +322,32 @@ def test_linear_loss_fused_teacher_tokens_f32_grad(device):
     tol = 1e-6 if device.platform == "cpu" else 0.1
     for got, k in zip(toks, ("loss", "logp", "entropy", "lse")):
         assert rel(got, rtoks[k]) < tol, k
+
+
+@pytest.mark.parametrize("case", ["gspo_all", "reject_seq_product", "rollout_metrics"])
+def test_fused_loss_sequence_options(device, case):
+    """GSPO, the rollout corrections and their metrics (rollout_logprobs, cu_seqlens) through
+    jit(value_and_grad) of the logits form, against the fp64 reference."""
+    from test_loss import build, check, run_ref
+    terms, opts, inp = build(np.random.default_rng(zlib.crc32(case.encode())), 24, 300, "float32", case)
+    put = {k: jax.device_put(jnp.asarray(v), device) for k, v in inp.items()}
+    z, y = put.pop("logits"), put.pop("labels")
+    opts = {k: v for k, v in opts.items() if k != "ignore_index"}
+    ignore = CASES_IGNORE.get(case)
+
+    @jax.jit
+    def step(z):
+        return jax.value_and_grad(lambda z: hlj.fused_loss(z, y, terms=terms, ignore_index=ignore, **put,
+                                                           **opts), has_aux=True)(z)
+
+    (loss, metrics), g = step(z)
+    sc = {k: float(v) for k, v in metrics.items()}
+    be = types.SimpleNamespace(name="cpu" if device.platform == "cpu" else "cuda")
+    rsc, _, rgrad = run_ref(inp, terms, dict(opts, ignore_index=ignore) if ignore is not None else opts)
+    check(be, (sc, {}, np.asarray(g, np.float64)), (rsc, {}, rgrad), "float32")
+
+
+CASES_IGNORE = {"gspo_all": 7, "reject_seq_product": 7}
 
 
 def _ffi_params(jaxpr):

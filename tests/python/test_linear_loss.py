@@ -11,7 +11,7 @@ import pytest
 import headloss
 from headloss.loss import SCALARS, LinearLossPlan, LossPlan
 from ref_loss import reference
-from test_loss import (CASES, GRAD_TOL, NP_DTYPES, be, old_logprobs, rel,  # noqa: F401  (be: fixture)
+from test_loss import (CASES, GRAD_TOL, NP_DTYPES, be, old_logprobs, rel, seq_inputs,  # noqa: F401  (be: fixture)
                        run_ref)
 
 # The CUDA path rounds the logits to the 16-bit dtype between the products (the header says so):
@@ -48,6 +48,7 @@ def make(rng, N, H, V, dtype, case, *, Ht=0, labels="int64", scale=2.5):
         inp["old_logprobs"] = old_logprobs(rng, logits, inp.get("labels"), flags["grpo"])
     if flags.get("ref"):
         inp["ref_logprobs"] = (-rng.uniform(5, 9, N)).astype(np.float32)
+    seq_inputs(rng, inp, N, rollout=flags.get("rollout"), seqs=flags.get("seqs"))
     return terms, opts, inp
 
 

@@ -65,7 +65,7 @@ def be(request):
 
 
 def make_inputs(rng, N, V, dtype, *, labels="int64", weights=False, teacher=False, grpo=False,
-                ref=False, scale=2.0):
+                ref=False, rollout=False, seqs=None, scale=2.0):
     z = (rng.standard_normal((N, V)) * scale).astype(NP_DTYPES[dtype])
     inp = {"logits": z}
     if labels:
@@ -82,7 +82,19 @@ def make_inputs(rng, N, V, dtype, *, labels="int64", weights=False, teacher=Fals
         inp["old_logprobs"] = old_logprobs(rng, z, inp.get("labels"), grpo)
     if ref:
         inp["ref_logprobs"] = (-rng.uniform(5, 9, N)).astype(np.float32)
+    seq_inputs(rng, inp, N, rollout=rollout, seqs=seqs)
     return inp
+
+
+def seq_inputs(rng, inp, N, *, rollout=False, seqs=None):
+    """rollout_logprobs: old_logprobs + N(0, 1), so that rho = exp(old - rollout) falls on both
+    sides of the corrections' bounds; seqs (a dtype): ragged cu_seqlens over the N rows, with a
+    sequence of one row and an empty one."""
+    if rollout:
+        inp["rollout_logprobs"] = (inp["old_logprobs"] + rng.normal(0, 1.0, N)).astype(np.float32)
+    if seqs:
+        cuts = np.sort(rng.choice(np.arange(3, N), max(1, N // 6), replace=False)).tolist()
+        inp["cu_seqlens"] = np.array([0, 1, 1, *cuts, N], seqs)
 
 
 def old_logprobs(rng, logits, labels, grpo):
@@ -101,13 +113,15 @@ def ref_inputs(inp, terms, opts):
     """The reference's keywords for a case's inputs and plan options (as the plan sees them:
     fp32 values, 0 for a default)."""
     f64 = lambda k: None if k not in inp else inp[k].astype(np.float64)  # noqa: E731
-    exact = ("ignore_index", "kl_estimator")  # passed as they are: not fp32 values
+    exact = ("ignore_index", "kl_estimator", "ratio_level", "rollout_correction", "rollout_level",
+             "cu_seqlens_dtype")  # passed as they are: not fp32 values
     ropts = {k: (v if k in exact else float(np.float32(v))) for k, v in opts.items()}
     for k, d in (("logit_scale", 1.0), ("teacher_temperature", 1.0), ("student_temperature", 1.0)):
         if ropts.get(k, 0.0) == 0.0:
             ropts[k] = d
     return dict(terms=terms, weights=f64("weights"), teacher=f64("teacher_logits"),
-                adv=f64("advantages"), old=f64("old_logprobs"), ref=f64("ref_logprobs"), **ropts)
+                adv=f64("advantages"), old=f64("old_logprobs"), ref=f64("ref_logprobs"),
+                rollout=f64("rollout_logprobs"), cu_seqlens=inp.get("cu_seqlens"), **ropts)
 
 
 def run_ref(inp, terms, opts, divisor=0.0, grad_scale=1.0):
@@ -197,6 +211,24 @@ CASES = {
                  {"ce_weight": 0.25, "dual_clip": 1.5, "cispo_weight": 0.75, "cispo_eps_high": 1.5,
                   "kl_estimator": "k1", "kl_ref_beta": 0.0625, "logit_scale": 1.25},
                  {"weights": True, "grpo": "near", "ref": True}),
+    # Sequence-level ratio (GSPO) and the rollout corrections (cu_seqlens: ragged, see seq_inputs)
+    "gspo": (("grpo",), {"ratio_level": "seq_mean", "eps_low": 0.125, "eps_high": 0.25},
+             {"grpo": "near", "seqs": "int32"}),
+    "gspo_all": (("ce", "grpo", "cispo", "kl_ref"),
+                 {"ratio_level": "seq_mean", "ce_weight": 0.25, "dual_clip": 2.5, "cispo_weight": 0.5, "eps_low": 0.5, "eps_high": 1.0,
+                  "kl_ref_beta": 0.125, "rollout_correction": "tis", "ignore_index": 7,
+                  "cu_seqlens_dtype": "int64"},
+                 {"weights": True, "grpo": "near", "ref": True, "rollout": True, "seqs": "int64"}),
+    "tis": (("grpo",), {"rollout_correction": "tis", "rollout_cap": 1.5}, {"grpo": "near", "rollout": True}),
+    "mis_seq_mean": (("grpo", "cispo"), {"rollout_correction": "mis", "rollout_level": "seq_mean",
+                                         "rollout_cap": 1.5, "rollout_floor": 0.75},
+                     {"grpo": "near", "rollout": True, "seqs": "int32"}),
+    "reject_seq_product": (("ce", "grpo"), {"rollout_correction": "reject", "rollout_level": "seq_product",
+                                            "rollout_cap": 5.0, "cu_seqlens_dtype": "int64",
+                                            "ignore_index": 7},
+                           {"weights": True, "grpo": "near", "rollout": True, "seqs": "int64"}),
+    # rollout_logprobs without a correction: the mismatch metrics alone
+    "rollout_metrics": (("ce",), {}, {"grpo": "near", "rollout": True}),
 }
 
 
@@ -336,16 +368,22 @@ def test_finite_differences(case):
     if case == "cispo_clipped":
         inp["old_logprobs"] -= 20.0
     opts = dict(opts, z_weight=0.125)
+    check_finite_differences(inp, terms, opts, [(0, 0), (0, 3), (2, 8), (3, 1)])
+
+
+def check_finite_differences(inp, terms, opts, points):
+    """The reference's gradient at `points` and every valid row's label column against central
+    differences of its loss; then the library's gradient against the reference."""
     _, _, g = run_ref(inp, terms, opts)
     z = inp["logits"].astype(np.float64)
     args = ref_inputs(inp, terms, opts)
     h = 1e-6
-    for i, j in [(0, 0), (0, 3), (2, 8), (3, 1)] + [(r, int(inp["labels"][r])) for r in (0, 2, 3)
-                                                    if inp["labels"][r] >= 0]:
+    labels = inp["labels"]
+    for i, j in points + [(r, int(labels[r])) for r in range(len(labels)) if labels[r] >= 0]:
         zp, zm = z.copy(), z.copy()
         zp[i, j] += h
         zm[i, j] -= h
-        fd = (total_loss(zp, inp["labels"], **args) - total_loss(zm, inp["labels"], **args)) / (2 * h)
+        fd = (total_loss(zp, labels, **args) - total_loss(zm, labels, **args)) / (2 * h)
         assert abs(fd - g[i, j]) < 1e-6 + 1e-5 * abs(fd), (i, j, fd, g[i, j])
     check(CpuBackend(), run_lib(CpuBackend(), inp, terms, opts), run_ref(inp, terms, opts), "float32")
 
@@ -445,12 +483,15 @@ def test_bad_label_writes_nothing(be):
         run_lib(be, inp, terms, opts)
 
 
-def test_torch_module(be):
-    """The autograd front end: loss, metrics and .grad against the reference."""
+@pytest.mark.parametrize("case", ["grpo_kl", "gspo_all", "mis_seq_mean"])
+def test_torch_module(be, case):
+    """The autograd front end: loss, metrics and .grad against the reference (rollout_logprobs and
+    cu_seqlens too: the plan takes cu_seqlens' dtype)."""
     torch = pytest.importorskip("torch")
     from headloss.torch_loss import FusedLMHeadLoss
     rng = np.random.default_rng(11)
-    terms, opts, inp = build(rng, 16, 1000, "float32", "grpo_kl")
+    terms, opts, inp = build(rng, 16, 1000, "float32", case)
+    opts = {k: v for k, v in opts.items() if k != "cu_seqlens_dtype"}
     want_sc, _, want_grad = run_ref(inp, terms, opts, grad_scale=2.0)
     dev = "cuda" if be.name == "cuda" else "cpu"
     x = torch.tensor(inp["logits"], device=dev, requires_grad=True)
@@ -458,7 +499,8 @@ def test_torch_module(be):
     loss, metrics = FusedLMHeadLoss(terms, **opts)(x, t.pop("labels"), **t)
     (2.0 * loss).backward()
     assert abs(loss.item() - want_sc["loss"]) < 1e-4 * (1 + abs(want_sc["loss"]))
-    assert abs(metrics["ratio_mean"].item() - want_sc["ratio_mean"]) < 1e-4
+    for k in ("ratio_mean", "clip_any", "rollout_kl_k3", "rollout_corrected"):
+        assert abs(metrics[k].item() - want_sc.get(k, 0.0)) < 1e-4, k
     assert rel(x.grad.cpu().numpy().astype(np.float64), want_grad) < 1e-4
 
 
@@ -538,3 +580,128 @@ def test_aggregation_bad_input():
             headloss.aggregation(y, bad, "seq_mean_token_mean")
     with pytest.raises(ValueError, match=r"labels must be \[rows\]"):
         headloss.aggregation(y.reshape(2, -1), cu, "seq_mean_token_mean")
+
+
+# ---- Sequence-level ratio (GSPO) and rollout / trainer mismatch corrections ---------------------
+
+@pytest.mark.parametrize("case", ["gspo", "gspo_all", "tis", "mis_seq_mean", "reject_seq_product"])
+def test_sequence_cases_reach_their_branches(case):
+    """At test_terms' size the cases' data take both sides of every new branch: GSPO clips some
+    sequences and not others (with several sequence ratios), the corrections truncate or mask some
+    tokens and not others."""
+    for dtype in ("float32", "float16", "bfloat16"):
+        rng = np.random.default_rng(zlib.crc32(f"{case}-{dtype}".encode()))
+        terms, opts, inp = build(rng, 24, 300, dtype, case)
+        sc, toks, _ = run_ref(inp, terms, opts)
+        if opts.get("ratio_level"):
+            assert 0 < sc["clip_any"] < 1 and sc["ratio_min"] < sc["ratio_max"], (case, dtype, sc)
+        if opts.get("rollout_correction"):
+            assert 0 < sc["rollout_corrected"] < 1, (case, dtype, sc["rollout_corrected"])
+
+
+def test_gspo_finite_differences():
+    """GSPO's gradient (GSPO-token: each token's ratio has its sequence's value and its own
+    log-prob's gradient) is the sequence-level loss's true gradient where each sequence's
+    advantage, weight and rollout correction are constant, as in GRPO: central differences of the reference's loss,
+    whose ratio is exp(mean of the sequence's log-ratios), against the library's gradient. (CISPO's
+    weight is a constant by definition, which differences cannot see: test_finite_differences.)"""
+    rng = np.random.default_rng(4)
+    terms, opts, inp = build(rng, 9, 11, "float32", "gspo_all")
+    terms = tuple(t for t in terms if t != "cispo")
+    # a sequence-level correction: constant within a sequence too (a token-level one is not)
+    opts = dict(opts, rollout_correction="tis", rollout_level="seq_mean", rollout_cap=1.25)
+    cu = inp["cu_seqlens"] = np.array([0, 1, 1, 5, 9], np.int64)
+    for b, e in zip(cu[:-1], cu[1:]):
+        inp["advantages"][b:e] = inp["advantages"][b]
+        inp["weights"][b:e] = inp["weights"][b]
+    check_finite_differences(inp, terms, opts, [(0, 2), (2, 0), (3, 7), (6, 5), (8, 10)])
+
+
+@pytest.mark.parametrize("case", ["gspo_all", "mis_seq_mean"])
+def test_long_sequences(be, case):
+    """Sequences longer than a CTA's threads (the CUDA sequence kernel's rows loop) and more
+    sequences than rows in a CTA of the prep kernel; twice, the same bits."""
+    rng = np.random.default_rng(6)
+    terms, opts, inp = build(rng, 1500, 200, "bfloat16", case)
+    inp["cu_seqlens"] = np.array([0, 1, 700, 701, 701, 1290, 1500], inp["cu_seqlens"].dtype)
+    got = run_lib(be, inp, terms, opts)
+    check(be, got, run_ref(inp, terms, opts), "bfloat16")
+    again = run_lib(be, inp, terms, opts)
+    assert got[0] == again[0] and np.array_equal(got[2], again[2])
+
+
+BAD_SEQUENCE_OPTIONS = [
+    ({"ratio_level": "seq_mean", "cu_seqlens_dtype": "float32"}, "cu_seqlens_dtype is F32"),
+    ({"ratio_level": 1}, "ratio_level is 1; use HL_LOSS_LEVEL_TOKEN"),
+    ({"rollout_correction": 4}, "rollout_correction is 4"),
+    ({"rollout_correction": "tis", "rollout_level": 3}, "rollout_level is 3"),
+    ({"rollout_level": "seq_mean"}, "rollout_level / rollout_cap / rollout_floor are set but rollout_correction is NONE"),
+    ({"rollout_cap": 3.0}, "rollout_correction is NONE"),
+    ({"cu_seqlens_dtype": "int32"}, "cu_seqlens_dtype is set but no option is sequence-level"),
+    ({"rollout_correction": "mis", "rollout_cap": 1.5, "rollout_floor": 1.5}, "rollout_floor is 1.5; must be in"),
+    ({"rollout_correction": "mis", "rollout_floor": -0.5}, "rollout_floor is -0.5"),
+    ({"rollout_correction": "tis", "rollout_cap": -2.0}, "rollout_cap is -2"),
+]
+
+
+@pytest.mark.parametrize("bad,msg", BAD_SEQUENCE_OPTIONS)
+def test_bad_sequence_options(be, bad, msg):
+    with pytest.raises(headloss.HeadlossError, match=msg):
+        LossPlan(50, "float32", terms=("grpo", "cispo"), device=be.name, **bad)
+
+
+def test_sequence_options_need_a_policy_term(be):
+    for opts, msg in (({"ratio_level": "seq_mean"}, "GSPO\\) sets GRPO's and CISPO's ratio"),
+                      ({"rollout_correction": "tis"}, "weights GRPO and CISPO, but the plan has neither")):
+        with pytest.raises(headloss.HeadlossError, match=msg):
+            LossPlan(50, "float32", terms=("ce",), device=be.name, **opts)
+    with pytest.raises(ValueError, match="rollout_correction 'is'"):
+        LossPlan(50, "float32", terms=("grpo",), rollout_correction="is")
+
+
+BAD_SEQUENCE_CALLS = [
+    ("cu_seqlens", lambda cu: cu[:-1], "cu_seqlens\\[3\\] is 7; cu_seqlens must start at 0, not decrease, and end at rows = 12"),
+    ("cu_seqlens", lambda cu: np.array([0, 5, 3, 12], cu.dtype), "cu_seqlens\\[2\\] is 3"),
+    ("cu_seqlens", lambda cu: np.array([1, 5, 12], cu.dtype), "cu_seqlens\\[0\\] is 1"),
+    ("cu_seqlens", lambda cu: np.array([0, 5, 13], cu.dtype), "cu_seqlens\\[2\\] is 13"),
+    ("cu_seqlens", lambda cu: None, "cu_seqlens is NULL; a sequence-level option needs it"),
+    ("rollout_logprobs", lambda r: None, "rollout_logprobs is NULL; a rollout correction needs it"),
+]
+
+
+@pytest.mark.parametrize("key,change,msg", BAD_SEQUENCE_CALLS)
+def test_bad_sequence_calls_write_nothing(be, key, change, msg):
+    rng = np.random.default_rng(8)
+    terms, opts, inp = build(rng, 12, 50, "float32", "mis_seq_mean")
+    inp["cu_seqlens"] = np.array([0, 1, 1, 7, 12], np.int32)
+    inp[key] = change(inp[key])
+    if inp[key] is None:
+        inp.pop(key)
+    dev = {k: be.to_dev(v) for k, v in inp.items()}
+    scalars, grad = be.full((len(SCALARS),), "float32", 7.0), be.full((12, 50), "float32", 7.0)
+    tokens = [be.full((12,), "float32", 7.0) for _ in range(4)]
+    plan = LossPlan(50, "float32", terms=terms, device=be.name, **opts)
+    with pytest.raises(headloss.HeadlossError, match=msg):
+        plan(dev.pop("logits"), dev.pop("labels"), scalars=scalars, grad=grad, tokens=tokens, **dev)
+    for out in [scalars, grad] + tokens:
+        assert np.all(be.to_np(out) == 7.0)
+
+
+def test_cu_seqlens_without_sequences(be):
+    rng = np.random.default_rng(9)
+    terms, opts, inp = build(rng, 12, 50, "float32", "tis")
+    with pytest.raises(headloss.HeadlossError, match="cu_seqlens / num_seqs are set but the plan's "
+                       "cu_seqlens_dtype is NONE"):
+        run_lib(be, dict(inp, cu_seqlens=np.array([0, 12], np.int32)), terms, opts)
+
+
+def test_gspo_equals_grpo_on_one_token_sequences(be):
+    """Sequences of one token: GSPO's ratio is the token's own, so the plan is GRPO's to rounding."""
+    rng = np.random.default_rng(10)
+    terms, opts, inp = build(rng, 30, 128, "float32", "gspo")
+    inp["cu_seqlens"] = np.arange(31, dtype=np.int32)
+    sc, toks, grad = run_lib(be, inp, terms, opts)
+    grpo_opts = {k: v for k, v in opts.items() if k != "ratio_level"}
+    inp.pop("cu_seqlens")
+    sc0, toks0, grad0 = run_lib(be, inp, terms, grpo_opts)
+    assert rel(grad, grad0) < 1e-6 and abs(sc["loss"] - sc0["loss"]) < 1e-6 * (1 + abs(sc0["loss"]))

@@ -37,8 +37,8 @@ def columns(be, inp, key, shard):
 
 
 def per_row(be, inp):
-    return {k: be.to_dev(inp[k]) for k in ("weights", "advantages", "old_logprobs", "ref_logprobs")
-            if k in inp}
+    return {k: be.to_dev(inp[k]) for k in ("weights", "advantages", "old_logprobs", "ref_logprobs",
+                                            "rollout_logprobs", "cu_seqlens") if k in inp}
 
 
 def concat(be, blocks):
@@ -63,7 +63,7 @@ def run_sharded(be, inp, terms, opts, shards):
 
 @pytest.mark.parametrize("R", [2, 3, 4, 8])
 @pytest.mark.parametrize("case", ["all", "ce_smooth_weights_cap", "distill_fwd", "grpo_kl", "rl",
-                                  "rl_cispo"])
+                                  "rl_cispo", "gspo_all", "mis_seq_mean"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sharded_matches_unsharded(be, rng, R, case, dtype):
     terms, opts, flags = CASES[case]

@@ -171,3 +171,29 @@ def test_compile(dev):
     _close(loss_c.detach(), loss_e.detach(), 1e-5)
     for a, b in zip(gc, [h.grad, norm.weight.grad, head.weight.grad]):
         _close(a, b, 1e-4)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_loss_sequence_options(dev):
+    """lm_head_loss with GSPO and a rollout correction (rollout_logprobs, cu_seqlens: the custom
+    op's new inputs) against the fp64 reference, under torch.compile too."""
+    from test_loss import build, rel, run_ref
+    dev = _device(dev)
+    terms, opts, inp = build(np.random.default_rng(12), 24, 300, "float32", "gspo_all")
+    want_sc, _, want_grad = run_ref(inp, terms, opts)
+    t = {k: torch.from_numpy(v).to(dev) for k, v in inp.items()}
+    z = t.pop("logits").requires_grad_()
+
+    def step(z, t):
+        loss, metrics = lm_head_loss(z, t["labels"], terms=terms, **{k: v for k, v in t.items() if k != "labels"},
+                                     **opts)
+        return loss, metrics["rollout_corrected"]
+
+    backend = "inductor" if dev.type == "cuda" else "aot_eager"
+    for fn in (step, torch.compile(step, backend=backend, fullgraph=True)):
+        z.grad = None
+        loss, corrected = fn(z, t)
+        loss.backward()
+        assert abs(loss.item() - want_sc["loss"]) < 1e-4 * (1 + abs(want_sc["loss"]))
+        assert abs(corrected.item() - want_sc["rollout_corrected"]) < 1e-6
+        assert rel(z.grad.cpu().numpy().astype(np.float64), want_grad) < 1e-4
