@@ -8,8 +8,11 @@ its ratio to CE alone: issue #31's one-pass bar is <= 1.02x), then a sequence-le
 correction on top (MIS over each sequence's geometric-mean ratio: a sequence kernel from the inputs,
 still one pass), then GSPO on top of that (the sequence ratio needs every row's log-prob before any
 gradient: statistics and finish, two passes over the logits; its floor is 1.5 copies), Liger CE + z
-(if importable), torch.compile and eager PyTorch CE + z + entropy (forward + backward). Sequences:
-512 rows each. Times are medians of CUDA-event timings after warm-up.
+(if importable), torch.compile and eager PyTorch CE + z + entropy (forward + backward), and
+torch.compile of the RL plans' terms: CE + z + entropy + clipped GRPO + k3 KL with their metrics
+(ratio mean, clip fraction, KL mean), and the same with GSPO's sequence ratio (verl's GSPO-token).
+Sequences: 512 rows each. Times are medians of CUDA-event timings after warm-up. Fast-LLM's
+GRPO / GSPO: not on PyPI (a source checkout with its own build), so not a column.
 
 Usage: python3 bench/bench_loss.py [--out table.md] [--shapes 8192x32000,...] [--no-compile]
 """
@@ -69,6 +72,34 @@ def torch_ce_z_ent(logits, labels):
     return ce + 1e-4 * (lse ** 2).mean() - 1e-2 * ent
 
 
+def torch_rl(logits, labels, adv, old, ref, seg=None, nseq=0):
+    """The all-terms plan in PyTorch: CE + z + entropy + clipped GRPO + k3 KL-to-reference, the loss
+    and three metrics; seg (the sequence of each row): GSPO's ratio, exp(mean log-ratio over the
+    sequence) with each token's own gradient."""
+    x = logits.float()
+    valid = labels >= 0
+    lse = torch.logsumexp(x, -1)
+    logp = x.gather(-1, labels.clamp(min=0)[:, None])[:, 0] - lse
+    p = torch.softmax(x, -1)
+    ent = lse - (p * x).sum(-1)
+    lr = logp - old
+    if seg is not None:
+        v = valid.float()
+        seq = torch.zeros(nseq, device=x.device).index_add(0, seg, lr.detach() * v)
+        n = torch.zeros(nseq, device=x.device).index_add(0, seg, v).clamp(min=1)
+        lr = logp - logp.detach() + (seq / n)[seg]
+    r = torch.exp(lr)
+    pg = -torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv)
+    d = ref - logp
+    kl = torch.exp(d) - d - 1
+    tok = -logp + 1e-4 * lse * lse - 1e-2 * ent + pg + 0.04 * kl
+    w = valid.float()
+    cnt = w.sum()
+    metrics = torch.stack([(r.detach() * w).sum(), (((r < 0.8) | (r > 1.2)).float() * w).sum(),
+                           (kl.detach() * w).sum()]) / cnt
+    return (tok * w).sum() / cnt, metrics
+
+
 def fwd_bwd(fn, logits, labels):
     def run():
         logits.grad = None
@@ -96,9 +127,11 @@ def main():
     dev = torch.cuda.get_device_name()
     liger = liger_ce_z()
     compiled = None if args.no_compile else compile_per_shape(torch_ce_z_ent)
+    compiled_rl = None if args.no_compile else compile_per_shape(torch_rl)
     head = ("| N x V | copy floor | CE+grad | % of copy BW | CE+z | CE+z+H+GRPO+KL+metrics | ratio to CE | "
             "+ dual clip, CISPO, k2 | ratio to CE | + MIS (seq) | ratio to CE | + GSPO (2 passes) | ratio to CE | "
-            "Liger CE+z | CE vs Liger | torch.compile CE+z+H | eager CE+z+H |")
+            "Liger CE+z | CE vs Liger | torch.compile CE+z+H | eager CE+z+H | torch.compile RL | vs ours | "
+            "torch.compile GSPO | vs ours |")
     lines = [f"Device: {dev}; bf16 logits, bf16 gradient to its own buffer; headloss library "
              f"{headloss.version()}; median of CUDA-event timings (ms).", "", head,
              "|" + "---|" * (head.count("|") - 1)]
@@ -141,7 +174,7 @@ def main():
             t_seq[name] = median_ms(p)
             del p
         torch.cuda.empty_cache()
-        t_liger = t_comp = t_eager = None
+        t_liger = t_comp = t_eager = t_crl = t_cgspo = None
         if liger is not None:
             x = logits.detach().requires_grad_(True)
             t_liger = median_ms(fwd_bwd(lambda a, b: liger(a, b), x, labels))
@@ -155,6 +188,15 @@ def main():
                 print(f"# torch.compile warm-up {time.time() - t0:.1f} s", flush=True)
                 t_comp = median_ms(fwd_bwd(compiled, x, labels), iters=10)
             t_eager = median_ms(fwd_bwd(torch_ce_z_ent, x, labels), iters=5, warmup=1)
+            if compiled_rl is not None:
+                cu = seq_rows["cu_seqlens"].long()
+                seg = torch.repeat_interleave(torch.arange(cu.numel() - 1, device="cuda"), cu.diff())
+                rl_args = (adv, old, ref)
+                for name, extra in (("rl", ()), ("gspo", (seg, cu.numel() - 1))):
+                    fn = lambda a, b, extra=extra: compiled_rl(a, b, *rl_args, *extra)[0]  # noqa: E731
+                    fwd_bwd(fn, x, labels)()
+                    t = median_ms(fwd_bwd(fn, x, labels), iters=10)
+                    t_crl, t_cgspo = (t, t_cgspo) if name == "rl" else (t_crl, t)
             del x
         torch.cuda.empty_cache()
         f = lambda t: "n/a" if t is None else f"{t:.3f}"  # noqa: E731
@@ -163,7 +205,8 @@ def main():
                 f"{t_full:.3f} | {t_full / t_ce:.3f} | {t_rl:.3f} | {t_rl / t_ce:.3f} | {t_seq['mis']:.3f} | "
                 f"{t_seq['mis'] / t_ce:.3f} | {t_seq['gspo']:.3f} | {t_seq['gspo'] / t_ce:.3f} | "
                 f"{f(t_liger)} | {r(t_liger, t_ce)} | "
-                f"{f(t_comp)} | {f(t_eager)} |")
+                f"{f(t_comp)} | {f(t_eager)} | {f(t_crl)} | {r(t_crl, t_rl)} | {f(t_cgspo)} | "
+                f"{r(t_cgspo, t_seq['gspo'])} |")
         lines.append(line)
         print(line, flush=True)
         del logits
