@@ -383,6 +383,8 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   using namespace cuda;
   const hl_loss_plan_desc_t &d = p.desc;
   const bool grad = p.dlogits;
+  if (p.opt.distill == kDistillJsd || p.opt.distill == kDistillSparse)
+    return fail(HL_STATUS_NOT_SUPPORTED, "%s: DISTILL_JSD and sparse teachers are not yet on CUDA", fn);
   if (p.linear) HL_TRY(make_gemms(fn, d.weight_dtype, &p.gemms));
   int dev = 0, optin = 0;
   HL_CUDA_TRY(cudaGetDevice(&dev));

@@ -22,14 +22,14 @@ from ._lib import check as _check
 c_i64, c_ptr, c_int, c_uint, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_float
 
 TERMS = {"ce": 1, "z": 2, "entropy": 4, "distill_fwd": 8, "distill_rev": 16, "grpo": 32, "kl_ref": 64,
-         "cispo": 128}
+         "cispo": 128, "distill_jsd": 256}
 KL_ESTIMATORS = {"k3": 0, "k1": 1, "k2": 2}  # HL_LOSS_KL_*: kl_estimator by name (or the int)
 UNCHECKED = 1  # HL_LOSS_UNCHECKED: no checks that synchronise with the device
 GRAD_MODES = {None: 0, "none": 0, "write": 1, "accumulate": 2}
 SCALARS = ("loss", "ce", "z", "entropy", "distill", "grpo", "kl_ref", "divisor", "weight_sum",
            "valid_rows", "lse_mean", "entropy_mean", "logp_mean", "accuracy", "ratio_mean",
            "ratio_min", "ratio_max", "clip_low", "clip_high", "clip_any", "k3_old", "kl_ref_mean",
-           "adv_mean", "adv_min", "adv_max", "distill_kl_mean", "cispo", "dual_clip")
+           "adv_mean", "adv_min", "adv_max", "distill_kl_mean", "cispo", "dual_clip", "topk_mass")
 
 
 class _Desc(ctypes.Structure):
@@ -46,7 +46,8 @@ class _Desc(ctypes.Structure):
                 ("grad_hidden_mode", c_int), ("grad_hidden_dtype", c_int),
                 ("grad_weight_mode", c_int), ("grad_weight_dtype", c_int),
                 ("dual_clip", c_float), ("cispo_weight", c_float), ("cispo_eps_high", c_float),
-                ("kl_estimator", c_int)]
+                ("kl_estimator", c_int), ("jsd_beta", c_float), ("teacher_topk", c_int),
+                ("teacher_topk_ids_dtype", c_int)]
 
 
 class _Args(ctypes.Structure):
@@ -59,7 +60,9 @@ class _Args(ctypes.Structure):
                 ("token_lse", c_ptr), ("hidden", c_ptr), ("hidden_stride", c_i64), ("weight", c_ptr),
                 ("weight_stride", c_i64), ("teacher_hidden", c_ptr), ("teacher_hidden_stride", c_i64),
                 ("teacher_weight", c_ptr), ("teacher_weight_stride", c_i64), ("grad_hidden", c_ptr),
-                ("grad_hidden_stride", c_i64), ("grad_weight", c_ptr), ("grad_weight_stride", c_i64)]
+                ("grad_hidden_stride", c_i64), ("grad_weight", c_ptr), ("grad_weight_stride", c_i64),
+                ("teacher_topk_ids", c_ptr), ("teacher_topk_ids_stride", c_i64),
+                ("teacher_topk_logprobs", c_ptr), ("teacher_topk_logprobs_stride", c_i64)]
 
 
 _create = declare("hl_loss_plan_create", ctypes.POINTER(_Desc), ctypes.POINTER(c_ptr))
@@ -136,6 +139,9 @@ class LossPlan:
     """A validated loss description. Options mirror hl_loss_plan_desc_t: `terms` is an iterable of
     names from TERMS (or an int of HL_LOSS_* bits); weights default to 1 for each term named.
     kl_estimator: a name of KL_ESTIMATORS (or its int); dual_clip, cispo_eps_high: 0 is the default.
+    jsd_beta: DISTILL_JSD's beta ("distill_jsd"). teacher_topk = k > 0: a sparse teacher, its top-k
+    ids (topk_ids_dtype) and log-probs passed as teacher_topk_ids= / teacher_topk_logprobs=
+    [rows, k] instead of teacher_logits (ids < 0: padding).
 
     Tensor parallelism: with vocab_global and ranks set, the plan is the shard [vocab_start,
     vocab_start + vocab) of the vocabulary; run it with stats(), an all-gather of the blocks, and
@@ -149,7 +155,8 @@ class LossPlan:
                  eps_high=0.0, ignore_index: Optional[int] = None, grad: Optional[str] = "write",
                  grad_dtype=None, check: bool = True, vocab_start: int = 0,
                  vocab_global: int = 0, ranks: int = 0, dual_clip=0.0, cispo_weight=1.0,
-                 cispo_eps_high=0.0, kl_estimator="k3", _linear: Optional[dict] = None):
+                 cispo_eps_high=0.0, kl_estimator="k3", jsd_beta=0.0, teacher_topk: int = 0,
+                 topk_ids_dtype="int64", _linear: Optional[dict] = None):
         bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
         d = _Desc(ctypes.sizeof(_Desc), BACKEND_CUDA if device == "cuda" else BACKEND_CPU, vocab,
                   DTYPE_NONE if dtype is None else dtype_code(dtype),
@@ -164,6 +171,8 @@ class LossPlan:
         d.vocab_start, d.vocab_global, d.ranks = vocab_start, vocab_global, ranks
         d.dual_clip, d.cispo_weight, d.cispo_eps_high = dual_clip, cispo_weight, cispo_eps_high
         d.kl_estimator = kl_estimator_code(kl_estimator)
+        d.jsd_beta, d.teacher_topk = jsd_beta, teacher_topk
+        d.teacher_topk_ids_dtype = dtype_code(topk_ids_dtype) if teacher_topk else DTYPE_NONE
         for k, v in (_linear or {}).items():
             setattr(d, k, v)
         self.vocab, self.terms, self.desc = vocab, bits, d
@@ -194,13 +203,14 @@ class LossPlan:
     def __call__(self, logits, labels=None, *, weights=None, teacher_logits=None, advantages=None,
                  old_logprobs=None, ref_logprobs=None, divisor: float = 0.0, grad_scale: float = 0.0,
                  grad=None, token_outputs: bool = False, in_place: bool = False,
-                 scalars=None, tokens=None) -> LossOutput:
+                 scalars=None, tokens=None, teacher_topk_ids=None,
+                 teacher_topk_logprobs=None) -> LossOutput:
         """Runs the plan. grad: an existing gradient (written, or accumulated into with
         grad='accumulate'); in_place writes the gradient over the logits. scalars / tokens
         (4 arrays: loss, logp, entropy, lse): optional preallocated fp32 outputs."""
         a, lv, out = self._args(logits, labels, weights, teacher_logits, advantages, old_logprobs,
                                 ref_logprobs, divisor, grad_scale, grad, token_outputs, in_place,
-                                scalars, tokens)
+                                scalars, tokens, topk=(teacher_topk_ids, teacher_topk_logprobs))
         ws, wp, nbytes = self._workspace(lv, a.rows)
         _check(_execute(self._handle, ctypes.byref(a), wp, nbytes, lv.stream))
         return out
@@ -210,6 +220,11 @@ class LossPlan:
         as workspace= (the fused linear form's statistics and finish steps share one)."""
         nbytes = self.workspace_bytes(rows) if nbytes is None else nbytes
         return empty(view(like, "like"), ((nbytes + 15) // 16 * 4,), DTYPE_F32) if nbytes else None
+
+    def _topk_dtypes(self) -> dict:
+        """The dtypes a sparse teacher's arrays must have."""
+        return {"teacher_topk_ids": self.desc.teacher_topk_ids_dtype or DTYPE_I64,
+                "teacher_topk_logprobs": DTYPE_F32}
 
     def _workspace(self, lv, rows, ws=None):
         """(array, pointer, bytes) of the given or a fresh workspace (None, None, 0 if none)."""
@@ -227,12 +242,14 @@ class LossPlan:
         _check(_stats_size(self._handle, rows, ctypes.byref(n)))
         return n.value
 
-    def stats(self, logits, labels=None, *, teacher_logits=None):
+    def stats(self, logits, labels=None, *, teacher_logits=None, teacher_topk_ids=None,
+              teacher_topk_logprobs=None):
         """Step 1 of the sharded loss: this rank's block of per-row statistics, an int64 array on
         the logits' device, to all-gather across the ranks (torch.distributed.all_gather_into_tensor,
         cupy / NCCL, ...)."""
         a, lv, _ = self._args(logits, labels, None, teacher_logits, None, None, None, 0.0, 0.0,
-                              None, False, False, None, None, outputs=False)
+                              None, False, False, None, None, outputs=False,
+                              topk=(teacher_topk_ids, teacher_topk_logprobs))
         return self._stats_call(a, lv, None)
 
     def _stats_call(self, a, lv, workspace):
@@ -270,12 +287,14 @@ class LossPlan:
         rest = (kwargs.pop("divisor", 0.0), kwargs.pop("grad_scale", 0.0), kwargs.pop("grad", None),
                 kwargs.pop("token_outputs", False), kwargs.pop("in_place", False),
                 kwargs.pop("scalars", None), kwargs.pop("tokens", None))
+        topk = (kwargs.pop("teacher_topk_ids", None), kwargs.pop("teacher_topk_logprobs", None))
         if kwargs:
             raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
-        return self._args(logits, labels, *opt.values(), *rest)
+        return self._args(logits, labels, *opt.values(), *rest, topk=topk)
 
     def _args(self, logits, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
-              divisor, grad_scale, grad, token_outputs, in_place, scalars, tokens, outputs=True):
+              divisor, grad_scale, grad, token_outputs, in_place, scalars, tokens, outputs=True,
+              topk=(None, None)):
         """The hl_loss_args_t of one call, its logits' view and the LossOutput it fills (outputs
         allocated here unless passed; none for the statistics step)."""
         lv = view(logits, "logits")
@@ -285,17 +304,17 @@ class LossPlan:
         opt = {k: (None if x is None else view(x, k)) for k, x in
                (("labels", labels), ("weights", weights), ("teacher_logits", teacher_logits),
                 ("advantages", advantages), ("old_logprobs", old_logprobs),
-                ("ref_logprobs", ref_logprobs))}
+                ("ref_logprobs", ref_logprobs), ("teacher_topk_ids", topk[0]),
+                ("teacher_topk_logprobs", topk[1]))}
         same_place([lv] + [v for v in opt.values()], "loss plan")
         d = self.desc
         _check_arrays(dict(opt, logits=lv).items(), {"logits": d.logits_dtype, "teacher_logits": d.logits_dtype,
-                                              "labels": d.labels_dtype})
+                                              "labels": d.labels_dtype, **self._topk_dtypes()})
         a = _Args(ctypes.sizeof(_Args), rows, lv.ptr, ls)
         for k, v in opt.items():
             if v is not None:
                 setattr(a, k, v.ptr)
-        if opt["teacher_logits"] is not None:
-            a.teacher_stride = opt["teacher_logits"].rows_view("teacher_logits")[2]
+        _set_strides(a, opt, (("teacher_logits", "teacher_stride"),) + _TOPK_STRIDES)
         a.divisor, a.grad_scale = divisor, grad_scale
         if not outputs:
             return a, lv, None
@@ -390,7 +409,8 @@ class LinearLossPlan(LossPlan):
     def _linear_args(self, hidden, weight, labels, kwargs, grad_hidden, grad_weight, outputs=True):
         kwargs = dict(kwargs)
         th, tw = kwargs.pop("teacher_hidden", None), kwargs.pop("teacher_weight", None)
-        names = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
+        names = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs",
+                 "teacher_topk_ids", "teacher_topk_logprobs")
         opt = {k: kwargs.pop(k, None) for k in names}
         divisor, grad_scale = kwargs.pop("divisor", 0.0), kwargs.pop("grad_scale", 0.0)
         token_outputs, scalars, tokens = (kwargs.pop("token_outputs", False), kwargs.pop("scalars", None),
@@ -411,16 +431,14 @@ class LinearLossPlan(LossPlan):
         wd = d.weight_dtype
         _check_arrays(dict(views, hidden=hv, weight=wv).items(),
                        dict(hidden=wd, weight=wd, teacher_hidden=wd, teacher_weight=wd, teacher_logits=wd,
-                            labels=d.labels_dtype))
+                            labels=d.labels_dtype, **self._topk_dtypes()))
         a = _Args(ctypes.sizeof(_Args), rows)
         a.hidden, a.hidden_stride, a.weight, a.weight_stride = hv.ptr, hs, wv.ptr, ws
         for k, v in views.items():
             if v is not None:
                 setattr(a, k, v.ptr)
-        for k, field in (("teacher_logits", "teacher_stride"), ("teacher_hidden", "teacher_hidden_stride"),
-                         ("teacher_weight", "teacher_weight_stride")):
-            if views[k] is not None:
-                setattr(a, field, views[k].rows_view(k)[2])
+        _set_strides(a, views, (("teacher_logits", "teacher_stride"), ("teacher_hidden", "teacher_hidden_stride"),
+                                ("teacher_weight", "teacher_weight_stride")) + _TOPK_STRIDES)
         a.divisor, a.grad_scale = divisor, grad_scale
         if not outputs:
             return a, hv, None
@@ -438,6 +456,17 @@ class LinearLossPlan(LossPlan):
             grads.append(g)
         toks = _scalar_outputs(a, hv, (rows,), token_outputs, scalars, tokens)
         return a, hv, LinearLossOutput(toks[0], *grads, *toks[1:])
+
+
+_TOPK_STRIDES = (("teacher_topk_ids", "teacher_topk_ids_stride"),
+                 ("teacher_topk_logprobs", "teacher_topk_logprobs_stride"))
+
+
+def _set_strides(a, views, fields) -> None:
+    """a's row strides of the 2-D inputs passed: (name, stride field) pairs."""
+    for k, field in fields:
+        if views.get(k) is not None:
+            setattr(a, field, views[k].rows_view(k)[2])
 
 
 def _scalar_outputs(a, like, token_shape, token_outputs, scalars, tokens) -> list:
@@ -464,7 +493,7 @@ def _cached_plan(vocab, dtype, device, key):
 def fused_loss(logits, labels=None, *, terms=("ce",), weights=None, teacher_logits=None,
                advantages=None, old_logprobs=None, ref_logprobs=None, divisor: float = 0.0,
                grad_scale: float = 0.0, token_outputs: bool = False, grad: Optional[str] = "write",
-               **options) -> LossOutput:
+               teacher_topk_ids=None, teacher_topk_logprobs=None, **options) -> LossOutput:
     """One call: builds (and caches) the plan for these options and runs it. Returns the scalars
     (see SCALARS and LossOutput.as_dict), the gradient and, on request, per-token outputs."""
     lv = view(logits, "logits")
@@ -475,7 +504,8 @@ def fused_loss(logits, labels=None, *, terms=("ce",), weights=None, teacher_logi
     plan = _cached_plan(lv.shape[-1], DTYPE_NAMES[lv.dtype], device, tuple(sorted(key.items())))
     return plan(logits, labels, weights=weights, teacher_logits=teacher_logits,
                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                divisor=divisor, grad_scale=grad_scale, token_outputs=token_outputs)
+                divisor=divisor, grad_scale=grad_scale, token_outputs=token_outputs,
+                teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs)
 
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
