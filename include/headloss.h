@@ -312,7 +312,8 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  *            a_j = -q_j / p_s_j (FWD), log(p_s_j / q_j) + 1 (REV), (1 - b) log(p_s_j / m_j) (JSD).
  *            log m_j does not split into online sums: a dense JSD row takes one more pass over its
  *            columns (sum_j p_s log(p_s / m) and sum_j q log(q / m)) between the statistics and
- *            the gradient; not on sharded plans (NOT_SUPPORTED: it would need a second exchange).
+ *            the gradient; not on sharded plans (NOT_SUPPORTED: it would need a second exchange),
+ *            and such a plan runs whole: hl_loss_plan_execute (the split calls: NOT_SUPPORTED).
  *
  * Sparse teacher (teacher_topk = k in [1, 256]): instead of teacher logits, each row passes the
  * teacher's top-k token ids K (teacher_topk_ids, I32 or I64; ids < 0 are padding: a row may have
@@ -329,8 +330,9 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  * KD; the student's mass outside K then gets no gradient). Duplicate ids in a row, ids outside
  * [0, vocab_global) other than padding, and log-probs that are NaN, -inf or > 1e-3 are errors
  * (INVALID_VALUE, nothing written; on CUDA in the label check's synchronisation, which
- * HL_LOSS_UNCHECKED skips). Sharded plans: NOT_SUPPORTED with a sparse teacher (each rank would
- * need the k logits of the others in its record).
+ * HL_LOSS_UNCHECKED skips; unchecked, an id out of range counts as padding). Sharded plans:
+ * NOT_SUPPORTED with a sparse teacher (each rank would need the k logits of the others in its
+ * record); such a plan runs whole, like dense JSD. On CUDA, vocab <= INT_MAX.
  *   GRPO     -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp_y - old_logprob);
  *            with dual_clip = c > 1, for A < 0 then min(that, -c A) (dual-clip PPO, as verl's
  *            clip_ratio_c): no gradient where -c A binds (r > c)

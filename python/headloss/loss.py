@@ -226,6 +226,16 @@ class LossPlan:
         return {"teacher_topk_ids": self.desc.teacher_topk_ids_dtype or DTYPE_I64,
                 "teacher_topk_logprobs": DTYPE_F32}
 
+    def _check_topk(self, views: dict, rows: int) -> None:
+        """ValueError for a sparse teacher's array that is not [rows, teacher_topk] (the library
+        reads k entries a row through a bare pointer)."""
+        k = self.desc.teacher_topk
+        for name in ("teacher_topk_ids", "teacher_topk_logprobs"):
+            if views.get(name) is not None:
+                r, c, _ = views[name].rows_view(name)
+                if (r, c) != (rows, k):
+                    raise ValueError(f"{name} is [{r}, {c}]; the plan takes [rows = {rows}, teacher_topk = {k}]")
+
     def _workspace(self, lv, rows, ws=None):
         """(array, pointer, bytes) of the given or a fresh workspace (None, None, 0 if none)."""
         if ws is None:
@@ -310,6 +320,7 @@ class LossPlan:
         d = self.desc
         _check_arrays(dict(opt, logits=lv).items(), {"logits": d.logits_dtype, "teacher_logits": d.logits_dtype,
                                               "labels": d.labels_dtype, **self._topk_dtypes()})
+        self._check_topk(opt, rows)
         a = _Args(ctypes.sizeof(_Args), rows, lv.ptr, ls)
         for k, v in opt.items():
             if v is not None:
@@ -432,6 +443,7 @@ class LinearLossPlan(LossPlan):
         _check_arrays(dict(views, hidden=hv, weight=wv).items(),
                        dict(hidden=wd, weight=wd, teacher_hidden=wd, teacher_weight=wd, teacher_logits=wd,
                             labels=d.labels_dtype, **self._topk_dtypes()))
+        self._check_topk(views, rows)
         a = _Args(ctypes.sizeof(_Args), rows)
         a.hidden, a.hidden_stride, a.weight, a.weight_stride = hv.ptr, hs, wv.ptr, ws
         for k, v in views.items():

@@ -443,6 +443,9 @@ hl_status_t check_workspace(const char *fn, const hl_loss_plan_st &p, int64_t ro
 hl_status_t split_args(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t *args, Phase phase,
                        hl_loss_args_t *a) {
   HL_TRY(check_not_null(fn, "plan", plan));
+  if (plan->opt.distill == kDistillJsd || plan->opt.distill == kDistillSparse)
+    return fail(HL_STATUS_NOT_SUPPORTED, "%s: a plan with dense JSD or a sparse teacher runs whole "
+                "(hl_loss_plan_execute): its sums over the row come after the row's statistics", fn);
   HL_TRY(read_descriptor(fn, args, a));
   HL_TRY(validate_args(fn, *plan, *a, phase));
   return plan->desc.backend == HL_BACKEND_CPU ? check_host_labels(fn, *plan, *a) : HL_STATUS_SUCCESS;

@@ -536,12 +536,13 @@ def test_bad_label_writes_nothing(be):
         run_lib(be, inp, terms, opts)
 
 
-def test_torch_module(be):
+@pytest.mark.parametrize("case", ["grpo_kl", "sparse_rl", "jsd_ce"])
+def test_torch_module(be, case):
     """The autograd front end: loss, metrics and .grad against the reference."""
     torch = pytest.importorskip("torch")
     from headloss.torch_loss import FusedLMHeadLoss
     rng = np.random.default_rng(11)
-    terms, opts, inp = build(rng, 16, 1000, "float32", "grpo_kl")
+    terms, opts, inp = build(rng, 16, 1000, "float32", case)
     want_sc, _, want_grad = run_ref(inp, terms, opts, grad_scale=2.0)
     dev = "cuda" if be.name == "cuda" else "cpu"
     x = torch.tensor(inp["logits"], device=dev, requires_grad=True)
@@ -768,3 +769,31 @@ def test_sharded_distill_not_supported(be, kw):
     assert err.value.status == 2  # HL_STATUS_NOT_SUPPORTED
     LossPlan(150, "float32", device=be.name, vocab_start=150, vocab_global=300, ranks=2,
              terms=("distill_jsd",), jsd_beta=1.0)
+
+
+@pytest.mark.parametrize("case", ["sparse_rev", "jsd"])
+def test_distill_split_calls_refused(be, case):
+    """A plan of one rank may run stats + finish, but not with dense JSD or a sparse teacher,
+    whose sums over the row follow its statistics: NOT_SUPPORTED, saying to run it whole."""
+    rng = np.random.default_rng(6)
+    terms, opts, inp = build(rng, 6, 50, "float32", case)
+    if "teacher_topk_ids" in inp:
+        opts = dict(opts, teacher_topk=16)
+    dev = {k: be.to_dev(v) for k, v in inp.items()}
+    plan = LossPlan(50, "float32", terms=terms, device=be.name, **opts)
+    teacher = {k: v for k, v in dev.items() if k.startswith("teacher")}
+    with pytest.raises(headloss.HeadlossError, match="runs whole") as err:
+        plan.stats(dev["logits"], **teacher)
+    assert err.value.status == 2
+
+
+def test_topk_shape_checked_in_python():
+    """The Python plan refuses sparse-teacher arrays that are not [rows, k] or of another dtype
+    (the library reads k entries a row through a bare pointer)."""
+    terms, opts, inp = _sparse_plan_call(CpuBackend())
+    plan = LossPlan(50, "float32", terms=terms, **opts)
+    ids, lp = inp["teacher_topk_ids"], inp["teacher_topk_logprobs"]
+    with pytest.raises(ValueError, match=r"teacher_topk_ids is \[6, 7\]; the plan takes \[rows = 6, teacher_topk = 8\]"):
+        plan(inp["logits"], inp["labels"], teacher_topk_ids=ids[:, :7], teacher_topk_logprobs=lp)
+    with pytest.raises(TypeError, match="teacher_topk_ids is int32; the plan expects int64"):
+        plan(inp["logits"], inp["labels"], teacher_topk_ids=ids.astype(np.int32), teacher_topk_logprobs=lp)
