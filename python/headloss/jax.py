@@ -53,6 +53,9 @@ _CAST = {"llama": 0, "gemma": 1, "none": 2}
 _GRAD_MODES = {None: 0, "none": 0, "write": 1}
 _OPTIONAL_INPUTS = ("labels", "weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
 _LINEAR_INPUTS = _OPTIONAL_INPUTS + ("teacher_hidden", "teacher_weight")
+# Every optional input by its bit of the adapter's `inputs` (both forms; a sparse teacher: 8, 9).
+_TOPK_INPUTS = ("teacher_topk_ids", "teacher_topk_logprobs")
+_ALL_INPUTS = _LINEAR_INPUTS + _TOPK_INPUTS
 
 
 def _find_adapter() -> Path:
@@ -205,7 +208,7 @@ def rmsnorm(x, weight=None, *, eps: float = 1e-6, offset: float = 0.0, cast: str
 _OPTIONS = frozenset({"ce_weight", "z_weight", "entropy_weight", "distill_weight", "grpo_weight",
                       "kl_ref_beta", "label_smoothing", "logit_scale", "softcap",
                       "teacher_temperature", "student_temperature", "eps_low", "eps_high",
-                      "dual_clip", "cispo_weight", "cispo_eps_high", "kl_estimator"})
+                      "dual_clip", "cispo_weight", "cispo_eps_high", "kl_estimator", "jsd_beta"})
 
 
 class _Cfg(NamedTuple):
@@ -223,6 +226,8 @@ def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_d
     """Checks `fn`'s inputs and options; shard: vocab_global and ranks of a vocabulary shard.
     logits: the operand, or for the linear form a stand-in of the logits' shape and dtype."""
     _check_float(logits, "logits")
+    options = dict(options)
+    _check_topk(logits, extras[len(_LINEAR_INPUTS):], options.pop("teacher_topk", None))
     unknown = set(options) - _OPTIONS
     if unknown:
         raise TypeError(f"{fn}: unknown options {sorted(unknown)}")
@@ -250,10 +255,34 @@ def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_d
                 dtypes=(logits.dtype.name,))
 
 
+def _check_topk(logits, topk, k=None) -> None:
+    """A sparse teacher's ids and log-probs: both or neither, [..., k] over the logits' rows,
+    ids int32 / int64, log-probs float32. k, the plan's teacher_topk, is their last dimension (an
+    option teacher_topk, as LossPlan takes, must say the same)."""
+    ids, lp = topk if topk else (None, None)
+    if (ids is None) != (lp is None):
+        raise ValueError("teacher_topk_ids and teacher_topk_logprobs go together")
+    if k is not None and k != (0 if ids is None else ids.shape[-1]):
+        raise ValueError(f"teacher_topk is {k} but teacher_topk_ids is {None if ids is None else ids.shape}")
+    if ids is None:
+        return
+    if ids.shape[:-1] != logits.shape[:-1] or lp.shape != ids.shape:
+        raise ValueError(f"teacher_topk_ids {ids.shape} and teacher_topk_logprobs {lp.shape} must both "
+                         f"be {tuple(logits.shape[:-1])} + [k]")
+    if ids.dtype not in (jnp.int32, jnp.int64) or lp.dtype != jnp.float32:
+        raise TypeError(f"teacher_topk_ids must be int32 / int64 and teacher_topk_logprobs float32, got "
+                        f"{ids.dtype} and {lp.dtype}")
+
+
+def _extras(kw: dict, labels, names) -> tuple:
+    """The optional inputs by their bits (_ALL_INPUTS; None where not passed or not the form's)."""
+    return (labels, *(kw.pop(k, None) if k in names else None for k in _ALL_INPUTS[1:]))
+
+
 def _kwargs_config(fn: str, logits, labels, kwargs: dict, **shard):
     """(cfg, extras) from fused_loss's keyword arguments as a dict."""
     kw = dict(kwargs)
-    extras = (labels, *(kw.pop(k, None) for k in _OPTIONAL_INPUTS[1:]))
+    extras = _extras(kw, labels, _OPTIONAL_INPUTS + _TOPK_INPUTS)
     cfg = _config(fn, logits, extras, kw.pop("terms", ("ce",)), kw.pop("divisor", 0.0),
                   kw.pop("ignore_index", None), kw.pop("check", True), kw.pop("grad_dtype", None),
                   kw.pop("token_outputs", False), kw, **shard)
@@ -264,7 +293,7 @@ def _linear_config(fn: str, hidden, weight, labels, kwargs: dict, **shard):
     """(cfg, extras) of the fused linear form from linear_loss's keyword arguments as a dict;
     extras: _LINEAR_INPUTS."""
     kw = dict(kwargs)
-    extras = (labels, *(kw.pop(k, None) for k in _LINEAR_INPUTS[1:]))
+    extras = _extras(kw, labels, _ALL_INPUTS)
     _check_float(hidden, "hidden")
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight has shape {weight.shape}; expected [vocab, {hidden.shape[-1]}]")
@@ -279,7 +308,7 @@ def _linear_config(fn: str, hidden, weight, labels, kwargs: dict, **shard):
             raise TypeError(f"{name} is {x.dtype}; the fused linear form takes it in hidden's dtype {hidden.dtype}")
     cap = kw.pop("max_workspace_bytes", None)
     logits = jax.ShapeDtypeStruct(hidden.shape[:-1] + (weight.shape[0],), hidden.dtype)
-    cfg = _config(fn, logits, extras[:6], kw.pop("terms", ("ce",)), kw.pop("divisor", 0.0),
+    cfg = _config(fn, logits, extras[:6] + (None, None) + extras[8:], kw.pop("terms", ("ce",)), kw.pop("divisor", 0.0),
                   kw.pop("ignore_index", None), kw.pop("check", True), kw.pop("grad_weight_dtype", None),
                   kw.pop("token_outputs", False), kw, **shard)
     if cap is not None:
@@ -427,7 +456,7 @@ def _loss_bwd(cfg, gs, cts):
     # the operand's dtype (a gradient formed in fp32 on request is cast here).
     d = tuple(None if g is None or zero else (g.astype(jnp.float32) * dloss).astype(dt)
               for g, dt in zip(gs, cfg.dtypes))
-    return d, (None,) * len(_LINEAR_INPUTS if cfg.linear else _OPTIONAL_INPUTS)
+    return d, (None,) * len(_ALL_INPUTS)
 
 
 _loss.defvjp(_loss_fwd, _loss_bwd, symbolic_zeros=True)
@@ -446,17 +475,21 @@ def _metrics(scalars) -> Dict[str, Any]:
 
 def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=None,
                teacher_logits=None, advantages=None, old_logprobs=None, ref_logprobs=None,
+               teacher_topk_ids=None, teacher_topk_logprobs=None,
                divisor: float = 0.0, token_outputs: bool = False, ignore_index: Optional[int] = None,
                check: bool = True, grad_dtype=None, **options
                ) -> Tuple[Any, Dict[str, Any]] | Tuple[Any, Dict[str, Any], Tuple[Any, ...]]:
     """The fused LM-head loss plan (see headloss.h and headloss.LossPlan for the options).
 
     logits [..., V] float32 / float16 / bfloat16; labels [...] int32 / int64 (negative = ignored);
-    weights, advantages, old_logprobs, ref_logprobs [...] float32; teacher_logits like logits.
+    weights, advantages, old_logprobs, ref_logprobs [...] float32; teacher_logits like logits, or a
+    sparse teacher: teacher_topk_ids [..., k] int32 / int64 (< 0: padding) and
+    teacher_topk_logprobs [..., k] float32 (the plan's teacher_topk is k).
     terms: names from headloss.loss.TERMS ("ce", "z", "entropy", "distill_fwd", "distill_rev",
-    "grpo", "kl_ref", "cispo"); options: ce_weight, z_weight, entropy_weight, distill_weight,
-    grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap, teacher_temperature,
-    student_temperature, eps_low, eps_high, dual_clip, cispo_weight, cispo_eps_high, kl_estimator.
+    "distill_jsd", "grpo", "kl_ref", "cispo"); options: ce_weight, z_weight, entropy_weight,
+    distill_weight, grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap,
+    teacher_temperature, student_temperature, eps_low, eps_high, dual_clip, cispo_weight,
+    cispo_eps_high, kl_estimator, jsd_beta.
     divisor (static): D, 0 = sum of valid weights.
 
     Returns (loss, metrics) where metrics maps every name of headloss.loss.SCALARS to a 0-d fp32
@@ -464,7 +497,8 @@ def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=N
     token_lse) when token_outputs. jax.grad of the loss w.r.t. the logits uses the gradient formed
     in the same pass (the forward of a jax.grad / jax.vjp computes and keeps it).
     """
-    extras = (labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs)
+    extras = (labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs, None, None,
+              teacher_topk_ids, teacher_topk_logprobs)
     cfg = _config("fused_loss", logits, extras, terms, divisor, ignore_index, check, grad_dtype,
                   token_outputs, options)
     return _results(cfg, (logits,), extras)
@@ -499,7 +533,8 @@ def sharded_fused_loss(logits_shard, labels=None, *, axis_name, vocab_global: in
 
 def linear_loss(hidden, weight, labels=None, *, terms: Sequence[str] = ("ce",), weights=None,
                 teacher_logits=None, teacher_hidden=None, teacher_weight=None, advantages=None,
-                old_logprobs=None, ref_logprobs=None, divisor: float = 0.0, token_outputs: bool = False,
+                old_logprobs=None, ref_logprobs=None, teacher_topk_ids=None, teacher_topk_logprobs=None,
+                divisor: float = 0.0, token_outputs: bool = False,
                 ignore_index: Optional[int] = None, check: bool = True, grad_weight_dtype=None,
                 max_workspace_bytes: Optional[int] = None, **options):
     """The fused linear form of the loss plan: the loss of the logits hidden @ weight.T without
@@ -510,14 +545,15 @@ def linear_loss(hidden, weight, labels=None, *, terms: Sequence[str] = ("ce",), 
     hidden [..., H] and weight [V, H] (a Dense kernel [H, V] is weight.T) in one dtype (float32,
     float16 or bfloat16); labels and the per-row inputs [...] as fused_loss; teacher_logits
     [..., V], or a teacher of its own: teacher_hidden [..., Ht] and teacher_weight [V, Ht] in
-    hidden's dtype. Options and the return value as fused_loss. jax.grad w.r.t. hidden and weight
+    hidden's dtype, or a sparse teacher as fused_loss's. Options and the return value as fused_loss. jax.grad w.r.t. hidden and weight
     uses the gradients formed in the same call as the loss (only those of the arguments being
     differentiated); grad_weight_dtype="float32" sums grad_weight over the chunks in fp32 (one
     rounding, to weight's dtype, in the backward pass). No gradient flows to the teacher.
     """
     kw = dict(options, terms=terms, weights=weights, teacher_logits=teacher_logits,
               teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, advantages=advantages,
-              old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, divisor=divisor,
+              old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, teacher_topk_ids=teacher_topk_ids,
+              teacher_topk_logprobs=teacher_topk_logprobs, divisor=divisor,
               token_outputs=token_outputs, ignore_index=ignore_index, check=check,
               grad_weight_dtype=grad_weight_dtype, max_workspace_bytes=max_workspace_bytes)
     cfg, extras = _linear_config("linear_loss", hidden, weight, labels, kw)

@@ -23,7 +23,8 @@ import torch
 
 from .loss import SCALARS, LinearLossPlan, LossPlan
 
-_INPUTS = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
+_INPUTS = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs", "teacher_topk_ids",
+           "teacher_topk_logprobs")
 LINEAR_INPUTS = _INPUTS + ("teacher_hidden", "teacher_weight")
 
 
@@ -97,7 +98,8 @@ class LinearLossFunction(torch.autograd.Function):
 
 class FusedLMHeadLoss(torch.nn.Module):
     """The plan's options as keyword arguments (see LossPlan); plans are made per vocabulary size,
-    dtype and device on first use. forward returns (loss, metrics dict)."""
+    dtype and device on first use (a sparse teacher's topk_ids_dtype: int64 unless given).
+    forward returns (loss, metrics dict)."""
 
     def __init__(self, terms=("ce",), in_place: bool = False, **options):
         super().__init__()
@@ -115,10 +117,12 @@ class FusedLMHeadLoss(torch.nn.Module):
         return self._plans[key]
 
     def forward(self, logits, labels=None, *, weights=None, teacher_logits=None, advantages=None,
-                old_logprobs=None, ref_logprobs=None, divisor: float = 0.0):
+                old_logprobs=None, ref_logprobs=None, teacher_topk_ids=None, teacher_topk_logprobs=None,
+                divisor: float = 0.0):
         plan = self._plan(logits, labels)
         loss, scalars = FusedLossFunction.apply(logits, labels, plan, self.in_place, divisor, weights,
-                                                teacher_logits, advantages, old_logprobs, ref_logprobs)
+                                                teacher_logits, advantages, old_logprobs, ref_logprobs,
+                                                teacher_topk_ids, teacher_topk_logprobs)
         return loss, dict(zip(SCALARS, scalars.unbind(0)))
 
 

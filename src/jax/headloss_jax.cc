@@ -13,7 +13,9 @@
 //   hl_jax_rmsnorm_bwd  args dy, s, [rstd: has_rstd], [weight: has_weight], [dres_out: has_dres]
 //                       rets dx, [dw: has_weight]       attrs eps, offset, cast, has_* (as above)
 //   hl_jax_loss         args logits, then one buffer per bit of `inputs` (1 labels, 2 weights,
-//                       4 teacher_logits, 8 advantages, 16 old_logprobs, 32 ref_logprobs)
+//                       4 teacher_logits, 8 advantages, 16 old_logprobs, 32 ref_logprobs, 256
+//                       teacher_topk_ids [.., k] s32 / s64, 512 teacher_topk_logprobs [.., k] f32:
+//                       a sparse teacher, teacher_topk = k from their shape)
 //                       rets scalars f32[HL_LOSS_NUM_SCALARS], [grad: grad_mode != 0],
 //                       [token_loss, token_logp, token_entropy, token_lse: token_outputs]
 //                       attrs: the hl_loss_plan_desc_t fields by name (terms, flags, ce_weight, ...,
@@ -325,6 +327,7 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
   d.cispo_weight = Get<float>(attrs, "cispo_weight", 1.0f);
   d.cispo_eps_high = Get<float>(attrs, "cispo_eps_high", 0.0f);
   d.kl_estimator = Get<int32_t>(attrs, "kl_estimator", HL_LOSS_KL_K3);
+  d.jsd_beta = Get<float>(attrs, "jsd_beta", 0.0f);
   d.use_ignore_index = Get<int32_t>(attrs, "use_ignore_index", 0);
   d.ignore_index = Get<int64_t>(attrs, "ignore_index", -100);
   d.vocab_global = Get<int64_t>(attrs, "vocab_global", 0);
@@ -361,6 +364,22 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
     if (bit == 6) d.teacher_hidden = cols;
     if (bit == 7 && (rows != d.vocab || cols != d.teacher_hidden))
       return Invalid("teacher_weight must be [vocab, teacher_hidden's last dimension]");
+  }
+  if (inputs & (1 << 8)) {  // a sparse teacher: k and the ids' dtype from the ids
+    HL_JAX_ARG(b, args, c->ai++);
+    HL_JAX_DTYPE(d.teacher_topk_ids_dtype, b, "teacher_topk_ids");
+    a.teacher_topk_ids = b.untyped_data();
+    int64_t rows = 0, cols = 0;
+    RowsCols(b, &rows, &cols);
+    d.teacher_topk = int(cols);
+  }
+  if (inputs & (1 << 9)) {
+    HL_JAX_ARG(b, args, c->ai++);
+    HL_JAX_TRY(CheckDtype(b, HL_DTYPE_F32, "teacher_topk_logprobs"));
+    a.teacher_topk_logprobs = static_cast<const float *>(b.untyped_data());
+    int64_t rows = 0, cols = 0;
+    RowsCols(b, &rows, &cols);
+    if (cols != d.teacher_topk) return Invalid("teacher_topk_logprobs must be [..., k] as teacher_topk_ids");
   }
   return ffi::Error::Success();
 }

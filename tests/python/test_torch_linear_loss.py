@@ -66,7 +66,7 @@ def be_of(dev):
     return types.SimpleNamespace(name=dev.type)
 
 
-CASES = ["ce", "ce_smooth_weights_cap", "z", "distill_fwd", "grpo_kl", "all"]
+CASES = ["ce", "ce_smooth_weights_cap", "z", "distill_fwd", "grpo_kl", "all", "sparse_rl", "jsd_ce"]
 
 
 @pytest.mark.parametrize("dev", DEVICES)
