@@ -314,25 +314,6 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  *            columns (sum_j p_s log(p_s / m) and sum_j q log(q / m)) between the statistics and
  *            the gradient; not on sharded plans (NOT_SUPPORTED: it would need a second exchange),
  *            and such a plan runs whole: hl_loss_plan_execute (the split calls: NOT_SUPPORTED).
- *
- * Sparse teacher (teacher_topk = k in [1, 256]): instead of teacher logits, each row passes the
- * teacher's top-k token ids K (teacher_topk_ids, I32 or I64; ids < 0 are padding: a row may have
- * fewer) and their log-probabilities (teacher_topk_logprobs, fp32, as given: teacher_temperature
- * does not apply; student_temperature does). Mass folding by a tail bucket: with
- *   q_k = exp(logprob_k), p_k = p_s at id k,  q_r = max(1 - sum_K q_k, d),  p_r = max(1 - sum_K p_k, d)
- * (d = 2^-24: a floor that keeps 1 / p_r and log q_r finite where the k ids hold all the mass;
- * off by at most ~d |log d| ~ 1e-6 there, exact elsewhere), the divergence (FWD, REV or JSD as
- * above) is that of the two distributions coarsened onto the k ids plus one "rest" outcome. Off K,
- * a_j is the bucket's a_r, so the gradient there is p_s_j (a_r - sum_i p_s_i a_i) / tau_s, one
- * coefficient a row; the k ids get their own a_k. One pass: the k logits are gathered once the
- * row's lse is known. Not chosen: renormalising the teacher's top-k to sum to one (drops the
- * teacher's tail mass), or restricting the student to the top-k support as well (axolotl's top-k
- * KD; the student's mass outside K then gets no gradient). Duplicate ids in a row, ids outside
- * [0, vocab_global) other than padding, and log-probs that are NaN, -inf or > 1e-3 are errors
- * (INVALID_VALUE, nothing written; on CUDA in the label check's synchronisation, which
- * HL_LOSS_UNCHECKED skips; unchecked, an id out of range counts as padding). Sharded plans:
- * NOT_SUPPORTED with a sparse teacher (each rank would need the k logits of the others in its
- * record); such a plan runs whole, like dense JSD. On CUDA, vocab <= INT_MAX.
  *   GRPO     -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp_y - old_logprob);
  *            with dual_clip = c > 1, for A < 0 then min(that, -c A) (dual-clip PPO, as verl's
  *            clip_ratio_c): no gradient where -c A binds (r > c)
@@ -343,6 +324,26 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  *            K3 (default) exp(d) - d - 1, K1 -d, K2 d^2 / 2; weighted by kl_ref_beta. Passing
  *            ref_logprobs without this term reports kl_ref_mean alone (a metric; no loss, no
  *            gradient, kl_ref_beta unused)
+ *
+ * Sparse teacher (teacher_topk = k in [1, 256]): instead of teacher logits, each row passes the
+ * teacher's top-k token ids K (teacher_topk_ids, I32 or I64; ids < 0 are padding: a row may have
+ * fewer) and their log-probabilities (teacher_topk_logprobs, fp32, as given: teacher_temperature
+ * does not apply; student_temperature does). Mass folding by a tail bucket: with
+ *   q_k = exp(logprob_k), p_k = p_s at id k,  q_r = max(1 - sum_K q_k, d),  p_r = max(1 - sum_K p_k, d)
+ * (d = 2^-24: a floor that keeps 1 / p_r and log q_r finite where the k ids hold all the mass;
+ * off by at most ~d |log d| ~ 1e-6 there, exact elsewhere), the divergence (FWD, REV or JSD as
+ * above) is that of the two distributions coarsened onto the k ids plus one "rest" outcome. Off K,
+ * a_j is the bucket's a_r, so the gradient there is p_s_j (a_r - sum_i p_s_i a_i) / tau_s, one
+ * coefficient a row; the k ids get their own a_k. One pass: the k entries' sums are taken once
+ * the row's lse is known (no extra pass over the columns). Not chosen: renormalising the
+ * teacher's top-k to sum to one (drops the teacher's tail mass), or restricting the student to the
+ * top-k support as well (axolotl's top-k KD; the student's mass outside K then gets no gradient).
+ * The mean of sum_K q_k is reported (HL_LOSS_OUT_TOPK_MASS). Duplicate ids in a row, ids outside
+ * [0, vocab_global) other than padding, and log-probs that are NaN, -inf or > 1e-3 are errors
+ * (INVALID_VALUE, nothing written; on CUDA in the label check's synchronisation, which
+ * HL_LOSS_UNCHECKED skips; unchecked, an id out of range counts as padding). Sharded plans:
+ * NOT_SUPPORTED with a sparse teacher (each rank would need the k logits of the others in its
+ * record); such a plan runs whole, like dense JSD. On CUDA, vocab <= INT_MAX.
  *
  * A row is ignored when its label is negative (this covers the usual -100) or, with
  * use_ignore_index, equal to ignore_index: it contributes to no term and no metric, and its

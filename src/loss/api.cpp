@@ -397,16 +397,10 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
   return check_aliasing(fn, bufs.data(), int(bufs.size()));
 }
 
-// Host labels: the first one that is out of range and not ignored; a sparse teacher's rows.
-hl_status_t check_host_labels(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a) {
-  if (p.opt.topk && a.teacher_topk_ids) {
-    const size_t isz = p.desc.teacher_topk_ids_dtype == HL_DTYPE_I64 ? 8 : 4;
-    for (int64_t i = 0; i < a.rows; ++i)
-      HL_TRY(check_topk_row(fn, p, i, static_cast<const char *>(a.teacher_topk_ids) + i * a.teacher_topk_ids_stride * isz,
-                            a.teacher_topk_logprobs + i * a.teacher_topk_logprobs_stride));
-  }
-  if (!a.labels) return HL_STATUS_SUCCESS;
-  for (int64_t i = 0; i < a.rows; ++i) {
+// Host inputs: the first label that is out of range and not ignored, then a sparse teacher's rows
+// (CUDA's order).
+hl_status_t check_host_inputs(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a) {
+  for (int64_t i = 0; a.labels && i < a.rows; ++i) {
     const int64_t y = int64_t(cpu::load(a.labels, p.desc.labels_dtype, i));
     const bool ignored = y < 0 || (p.desc.use_ignore_index && y == p.desc.ignore_index);
     if (!ignored && y >= p.desc.vocab_global)
@@ -414,6 +408,11 @@ hl_status_t check_host_labels(const char *fn, const hl_loss_plan_st &p, const hl
                   "%s: labels[%lld] is %lld, outside [0, vocab = %lld) and not ignored", fn,
                   (long long)i, (long long)y, (long long)p.desc.vocab_global);
   }
+  if (!p.opt.topk || !a.teacher_topk_ids) return HL_STATUS_SUCCESS;
+  const size_t isz = p.desc.teacher_topk_ids_dtype == HL_DTYPE_I64 ? 8 : 4;
+  for (int64_t i = 0; i < a.rows; ++i)
+    HL_TRY(check_topk_row(fn, p, i, static_cast<const char *>(a.teacher_topk_ids) + i * a.teacher_topk_ids_stride * isz,
+                          a.teacher_topk_logprobs + i * a.teacher_topk_logprobs_stride));
   return HL_STATUS_SUCCESS;
 }
 
@@ -448,7 +447,7 @@ hl_status_t split_args(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t
                 "(hl_loss_plan_execute): its sums over the row come after the row's statistics", fn);
   HL_TRY(read_descriptor(fn, args, a));
   HL_TRY(validate_args(fn, *plan, *a, phase));
-  return plan->desc.backend == HL_BACKEND_CPU ? check_host_labels(fn, *plan, *a) : HL_STATUS_SUCCESS;
+  return plan->desc.backend == HL_BACKEND_CPU ? check_host_inputs(fn, *plan, *a) : HL_STATUS_SUCCESS;
 }
 
 // A buffer of `ranks` blocks: present, large enough, 8-byte aligned, in the backend's memory,
@@ -638,7 +637,7 @@ HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_
       return cuda_execute(fn, *plan, a, workspace, workspace_bytes, stream);
 #endif
     (void)stream;
-    HL_TRY(check_host_labels(fn, *plan, a));
+    HL_TRY(check_host_inputs(fn, *plan, a));
     return cpu_execute(*plan, a);
   });
 }

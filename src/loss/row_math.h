@@ -285,20 +285,17 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
   if (in.has_adv) r.rec[R_ADV] = in.adv;
   r.lse_s = r.lse_t = r.dist_loss = r.dsum = r.ar = 0;
   if (o.distill != kDistillNone) {
-    const F log_ss = m_log(st.ss), its = F(o.inv_ts);
     r.lse_s = student_lse(st, o);
-    if (o.distill != kDistillSparse) {
-      const F log_st = m_log(st.st);
-      r.lse_t = teacher_lse(st);
-      if (o.distill != kDistillJsd)
-        dist = o.distill == kDistillFwd ? st.bt / st.st - log_st - st.ct / st.st * its + log_ss
-                                        : st.bs / st.ss * its - log_ss - st.cs / st.ss + log_st;
-    }
+    if (o.distill != kDistillSparse) r.lse_t = teacher_lse(st);
     if (dx) {
       dist = dx->loss;
       r.dsum = dx->pa;
       r.ar = dx->ar;
       r.rec[R_COVER] = dx->cover;
+    } else {  // forward or reverse KL from the online sums
+      const F log_ss = m_log(st.ss), log_st = m_log(st.st), its = F(o.inv_ts);
+      dist = o.distill == kDistillFwd ? st.bt / st.st - log_st - st.ct / st.st * its + log_ss
+                                      : st.bs / st.ss * its - log_ss - st.cs / st.ss + log_st;
     }
     r.dist_loss = dist;
   }

@@ -227,6 +227,54 @@ static void small_exact_case(void **state) {
   free(b);
 }
 
+/* A descriptor of the size before the distillation options writes the scalars before
+ * HL_LOSS_OUT_TOPK_MASS, and no more. */
+static void descriptor_before_distill_options(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  d.struct_size = offsetof(hl_loss_plan_desc_t, jsd_beta);
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  hl_loss_args_t a = args_for(b);
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  assert_true(b->scalars[HL_LOSS_OUT_DUAL_CLIP] == 0.0f);
+  for (int k = HL_LOSS_OUT_TOPK_MASS; k < HL_LOSS_NUM_SCALARS; ++k) assert_true(b->scalars[k] == -7.0f);
+  assert_ok(hl_loss_plan_destroy(p));
+  free(b);
+}
+
+/* A sparse teacher of k = 2 (padding in row 3): runs, reports the teacher mass its ids cover;
+ * an id twice in a row fails naming it and writes nothing. */
+static void sparse_teacher(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  d.terms = HL_LOSS_CE | HL_LOSS_DISTILL_REV;
+  d.distill_weight = 1.0f;
+  d.teacher_topk = 2;
+  d.teacher_topk_ids_dtype = HL_DTYPE_I64;
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  int64_t ids[N * 2] = {0, 5, 1, 2, 3, 4, -1, -1};
+  float lp[N * 2] = {-0.5f, -1.5f, -0.25f, -2.0f, -1.0f, -1.0f, NAN, NAN};
+  hl_loss_args_t a = args_for(b);
+  a.teacher_topk_ids = ids, a.teacher_topk_logprobs = lp;
+  ids[5] = 3;
+  assert_fails(hl_loss_plan_execute(p, &a, NULL, 0, NULL), HL_STATUS_INVALID_VALUE,
+               "teacher_topk_ids row 2 holds id 3 twice");
+  assert_true(untouched(b));
+  ids[5] = 4;
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  const double mass = (exp(-0.5) + exp(-1.5) + exp(-1.0) * 2) / 3; /* rows 0, 2, 3 (row 1 ignored) */
+  assert_float_equal(b->scalars[HL_LOSS_OUT_TOPK_MASS], mass, 1e-6);
+  assert_true(b->scalars[HL_LOSS_OUT_DISTILL] > 0.0f);
+  assert_ok(hl_loss_plan_destroy(p));
+  free(b);
+}
+
 /* The split (tensor-parallel) calls: their buffers are checked, NCCL needs a CUDA plan, and a
  * shard plan is not run whole. Results are covered by tests/python/test_loss_tp.py. */
 static void split_calls(void **state) {
@@ -269,6 +317,8 @@ static void split_calls(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(bad_descriptions), cmocka_unit_test(bad_arguments),
-                                     cmocka_unit_test(small_exact_case), cmocka_unit_test(split_calls)};
+                                     cmocka_unit_test(small_exact_case), cmocka_unit_test(split_calls),
+                                     cmocka_unit_test(descriptor_before_distill_options),
+                                     cmocka_unit_test(sparse_teacher)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
