@@ -224,12 +224,12 @@ CASES = {
                  {"ce_weight": 0.25, "dual_clip": 1.5, "cispo_weight": 0.75, "cispo_eps_high": 1.5,
                   "kl_estimator": "k1", "kl_ref_beta": 0.0625, "logit_scale": 1.25},
                  {"weights": True, "grpo": "near", "ref": True}),
-    # generalised JSD from a dense teacher, alone and with CE and the z-loss
+    # generalised JSD from a dense teacher, alone and with CE, the z-loss and GRPO
     "jsd": (("distill_jsd",), {"jsd_beta": 0.375, "teacher_temperature": 1.5, "student_temperature": 1.25},
             {"teacher": True, "labels": None}),
-    "jsd_ce": (("ce", "z", "distill_jsd"), {"jsd_beta": 0.75, "distill_weight": 0.5, "z_weight": 1e-3,
-                                            "softcap": 15.0, "logit_scale": 1.25},
-               {"teacher": True, "weights": True}),
+    "jsd_ce": (("ce", "z", "distill_jsd", "grpo"), {"jsd_beta": 0.75, "distill_weight": 0.5, "z_weight": 1e-3,
+                                                    "softcap": 15.0, "logit_scale": 1.25},
+               {"teacher": True, "weights": True, "grpo": "near"}),
     # a sparse (top-k) teacher: each divergence alone, k = 1 and k = 256, and with CE + GRPO
     "sparse_fwd": (("distill_fwd",), {"teacher_topk": 16, "student_temperature": 1.5},
                    {"topk": 16, "labels": None}),
