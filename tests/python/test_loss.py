@@ -797,3 +797,10 @@ def test_topk_shape_checked_in_python():
         plan(inp["logits"], inp["labels"], teacher_topk_ids=ids[:, :7], teacher_topk_logprobs=lp)
     with pytest.raises(TypeError, match="teacher_topk_ids is int32; the plan expects int64"):
         plan(inp["logits"], inp["labels"], teacher_topk_ids=ids.astype(np.int32), teacher_topk_logprobs=lp)
+
+
+def test_sparse_unchecked(be):
+    """check=False (HL_LOSS_UNCHECKED): no check of the teacher's ids (on CUDA no check kernel
+    and no synchronisation), the same results on valid input."""
+    terms, opts, inp = _sparse_plan_call(be, N=30, V=301, k=16)
+    check(be, run_lib(be, inp, terms, dict(opts, check=False)), run_ref(inp, terms, opts), "float32")
