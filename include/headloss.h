@@ -303,6 +303,17 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  *   ENTROPY  H = lse - sum_j p_j z_hat_j   (as a loss: use a negative weight for a bonus)
  *   DISTILL_FWD  KL(q || p_s), DISTILL_REV  KL(p_s || q); q = softmax(teacher / teacher_temperature),
  *            p_s = softmax(z_hat / student_temperature); gradients as SPEC section 1 (no tau^2 factor)
+ *   DISTILL_JSD  generalised JSD (TRL's generalized_jsd_loss, Liger's JSD): with m = (1 - b) p_s + b q,
+ *            b = jsd_beta in (0, 1), b KL(q || m) + (1 - b) KL(p_s || m); as TRL, b = 0 is forward
+ *            and b = 1 reverse KL (the plan runs DISTILL_FWD / _REV there; the formula's own limits
+ *            are 0). The distillation terms are exclusive.
+ *            With a_j = dL/dp_s_j, every divergence's gradient is
+ *              d/dz_hat_j = p_s_j (a_j - sum_i p_s_i a_i) / student_temperature,
+ *            a_j = -q_j / p_s_j (FWD), log(p_s_j / q_j) + 1 (REV), (1 - b) log(p_s_j / m_j) (JSD).
+ *            log m_j does not split into online sums: a dense JSD row takes one more pass over its
+ *            columns (sum_j p_s log(p_s / m) and sum_j q log(q / m)) between the statistics and
+ *            the gradient; not on sharded plans (NOT_SUPPORTED: it would need a second exchange),
+ *            and such a plan runs whole: hl_loss_plan_execute (the split calls: NOT_SUPPORTED).
  *   GRPO     -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp_y - old_logprob);
  *            with dual_clip = c > 1, for A < 0 then min(that, -c A) (dual-clip PPO, as verl's
  *            clip_ratio_c): no gradient where -c A binds (r > c)
@@ -313,6 +324,26 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  *            K3 (default) exp(d) - d - 1, K1 -d, K2 d^2 / 2; weighted by kl_ref_beta. Passing
  *            ref_logprobs without this term reports kl_ref_mean alone (a metric; no loss, no
  *            gradient, kl_ref_beta unused)
+ *
+ * Sparse teacher (teacher_topk = k in [1, 256]): instead of teacher logits, each row passes the
+ * teacher's top-k token ids K (teacher_topk_ids, I32 or I64; ids < 0 are padding: a row may have
+ * fewer) and their log-probabilities (teacher_topk_logprobs, fp32, as given: teacher_temperature
+ * does not apply; student_temperature does). Mass folding by a tail bucket: with
+ *   q_k = exp(logprob_k), p_k = p_s at id k,  q_r = max(1 - sum_K q_k, d),  p_r = max(1 - sum_K p_k, d)
+ * (d = 2^-24: a floor that keeps 1 / p_r and log q_r finite where the k ids hold all the mass;
+ * off by at most ~d |log d| ~ 1e-6 there, exact elsewhere), the divergence (FWD, REV or JSD as
+ * above) is that of the two distributions coarsened onto the k ids plus one "rest" outcome. Off K,
+ * a_j is the bucket's a_r, so the gradient there is p_s_j (a_r - sum_i p_s_i a_i) / tau_s, one
+ * coefficient a row; the k ids get their own a_k. One pass: the k entries' sums are taken once
+ * the row's lse is known (no extra pass over the columns). Not chosen: renormalising the
+ * teacher's top-k to sum to one (drops the teacher's tail mass), or restricting the student to the
+ * top-k support as well (axolotl's top-k KD; the student's mass outside K then gets no gradient).
+ * The mean of sum_K q_k is reported (HL_LOSS_OUT_TOPK_MASS). Duplicate ids in a row, ids outside
+ * [0, vocab_global) other than padding, and log-probs that are NaN, -inf or > 1e-3 are errors
+ * (INVALID_VALUE, nothing written; on CUDA in the label check's synchronisation, which
+ * HL_LOSS_UNCHECKED skips; unchecked, an id out of range counts as padding). Sharded plans:
+ * NOT_SUPPORTED with a sparse teacher (each rank would need the k logits of the others in its
+ * record); such a plan runs whole, like dense JSD. On CUDA, vocab <= INT_MAX.
  *
  * A row is ignored when its label is negative (this covers the usual -100) or, with
  * use_ignore_index, equal to ignore_index: it contributes to no term and no metric, and its
@@ -328,7 +359,8 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  *            sequence; the ratio and clip metrics are then sequence-level values, averaged over
  *            tokens. The mean needs every row's logp before any gradient: the plan runs as its
  *            own statistics and finish steps (the tensor-parallel split with one rank; the logits
- *            are read twice, the fused linear form keeps them in a workspace of fast_bytes)
+ *            are read twice, the fused linear form keeps them in a workspace of fast_bytes; not with a
+ *            sparse teacher or DISTILL_JSD, which have no such steps: NOT_SUPPORTED)
  * Rollout / trainer mismatch (rollout_logprobs: the inference engine's log-probs of the sampled
  * tokens; needs old_logprobs, the trainer's): with d = old_logprob - rollout_logprob and x = d
  * (rollout_level TOKEN), the sum of d over the token's sequence (SEQ_PRODUCT, verl's "sequence")
@@ -366,6 +398,7 @@ typedef struct hl_loss_plan_st *hl_loss_plan_t;
 #define HL_LOSS_GRPO (1u << 5)
 #define HL_LOSS_GRPO_KL_REF (1u << 6)
 #define HL_LOSS_CISPO (1u << 7)       /* needs advantages and old_logprobs, as GRPO */
+#define HL_LOSS_DISTILL_JSD (1u << 8) /* generalised JSD, jsd_beta; exclusive with FWD / REV */
 
 /* KL-to-reference estimators (hl_loss_plan_desc_t.kl_estimator), Schulman's k1 / k2 / k3. */
 #define HL_LOSS_KL_K3 0
@@ -440,6 +473,10 @@ typedef struct {
   int rollout_level;           /* HL_LOSS_LEVEL_TOKEN (0), _SEQ_PRODUCT or _SEQ_MEAN (sequences) */
   float rollout_cap;           /* TIS's cap, MIS's and REJECT's upper bound; 0 means 2 */
   float rollout_floor;         /* MIS's and REJECT's lower bound; 0 means 1 / rollout_cap */
+  /* Distillation options (0.4 too); zero keeps a dense teacher (jsd_beta is unused without JSD). */
+  float jsd_beta;                   /* DISTILL_JSD's b in [0, 1] */
+  int teacher_topk;                 /* k in [1, 256]: a sparse teacher (top-k ids and log-probs) */
+  hl_dtype_t teacher_topk_ids_dtype; /* I32 or I64, with teacher_topk */
 } hl_loss_plan_desc_t;
 
 /* Indices of hl_loss_args_t.scalars. A metric whose inputs were not passed is 0. */
@@ -469,13 +506,14 @@ typedef enum {
   HL_LOSS_OUT_ADV_MEAN,      /* needs advantages */
   HL_LOSS_OUT_ADV_MIN,
   HL_LOSS_OUT_ADV_MAX,
-  HL_LOSS_OUT_DISTILL_KL_MEAN, /* needs teacher logits and a distillation term */
+  HL_LOSS_OUT_DISTILL_KL_MEAN, /* needs a teacher and a distillation term */
   HL_LOSS_OUT_CISPO,         /* the CISPO term */
   HL_LOSS_OUT_DUAL_CLIP,     /* fraction where the dual clip binds (A < 0, r > dual_clip) */
   HL_LOSS_OUT_ROLLOUT_KL_K1, /* needs rollout_logprobs and old_logprobs: mean of -d */
   HL_LOSS_OUT_ROLLOUT_KL_K3, /* mean of exp(d) - d - 1 */
   HL_LOSS_OUT_ROLLOUT_WEIGHT_MEAN, /* mean of w_is (with a rollout correction) */
   HL_LOSS_OUT_ROLLOUT_CORRECTED,   /* fraction with w_is != rho: truncated (TIS), masked (MIS, REJECT) */
+  HL_LOSS_OUT_TOPK_MASS,     /* mean teacher mass the top-k covers, sum_K q_k; sparse teacher */
   HL_LOSS_NUM_SCALARS
 } hl_loss_scalar_t;
 
@@ -519,6 +557,11 @@ typedef struct {
   const void *cu_seqlens;          /* [num_seqs + 1] in cu_seqlens_dtype: 0, ..., rows (non-decreasing) */
   int64_t num_seqs;
   const float *rollout_logprobs;   /* [rows]; needed by a rollout correction, else optional (metrics) */
+  /* A sparse teacher (desc.teacher_topk = k > 0) instead of teacher logits; strides 0: k. */
+  const void *teacher_topk_ids;        /* [rows, k] global ids in teacher_topk_ids_dtype; < 0: padding */
+  int64_t teacher_topk_ids_stride;
+  const float *teacher_topk_logprobs;  /* [rows, k] the teacher's log-probs of those ids */
+  int64_t teacher_topk_logprobs_stride;
 } hl_loss_args_t;
 
 /*

@@ -153,6 +153,42 @@ __global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a
   out->kd = D > 0.0f ? gs / D : 0.0f;
   out->D = D;
   out->bad = bad;
+  out->bad_topk = LLONG_MAX;  // topk_check_kernel's, which runs after this one
+}
+
+// A sparse teacher's check (before the row kernel, with the label check's synchronisation): the
+// first row with an id out of [0, vocab) other than padding, a log-prob topk_logprob_ok refuses,
+// or an id twice goes to out->bad_topk (an integer minimum: the same row whatever the order).
+// Each CTA takes rows in grid order; thread k checks entry k against the entries before it.
+struct TopkCheckArgs {
+  const void *ids;
+  const float *lp;
+  int64_t ids_stride, lp_stride, rows, vocab;
+  int k;
+  bool ids64;
+};
+constexpr int kTopkCheckCtas = 1024;
+static_assert(kMaxTopk <= kThreads, "a thread an entry");
+
+__global__ void __launch_bounds__(kThreads) topk_check_kernel(const TopkCheckArgs a, PrepOut *out) {
+  __shared__ long long ids[kMaxTopk];
+  const int k = threadIdx.x;
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    long long id = -1;
+    if (k < a.k) {
+      const int64_t at = r * a.ids_stride + k;
+      id = a.ids64 ? static_cast<const long long *>(a.ids)[at] : static_cast<const int32_t *>(a.ids)[at];
+      ids[k] = id;
+    }
+    __syncthreads();
+    bool bad = false;
+    if (id >= 0) {
+      bad = id >= a.vocab || !topk_logprob_ok(a.lp[r * a.lp_stride + k]);
+      for (int j = 0; j < k && !bad; ++j) bad = ids[j] == id;
+    }
+    if (bad) atomicMin(&out->bad_topk, (long long)r);
+    __syncthreads();  // ids are read before the next row's
+  }
 }
 
 // The reduce kernel: CTA b sums the records of rows [b kReduceRows, (b + 1) kReduceRows) (each
@@ -243,6 +279,9 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
   const float *seq = workspace && p.sequences ? reinterpret_cast<const float *>(
                          static_cast<const char *>(workspace) + seq_at(total)) : nullptr;
   k.src = row_source(p, a, seq ? seq + row0 : nullptr, seq ? seq + total + row0 : nullptr);
+  k.topk_ids = a.teacher_topk_ids, k.topk_lp = a.teacher_topk_logprobs;
+  k.topk_ids_stride = a.teacher_topk_ids_stride, k.topk_lp_stride = a.teacher_topk_logprobs_stride;
+  k.topk_ids64 = d.teacher_topk_ids_dtype == HL_DTYPE_I64;
   k.tok_loss = a.token_loss, k.tok_logp = a.token_logp, k.tok_entropy = a.token_entropy;
   k.tok_lse = a.token_lse;
   if (workspace) {
@@ -315,12 +354,20 @@ hl_status_t cuda::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_
   HL_TRY(launch_small(prep_kernel, kPrepThreads, cluster, cluster, stream, pa, prep));
   // Before the checks, but no row is written until they pass (a bad cu_seqlens is clamped here).
   if (p.sequences) HL_TRY(seq_run(p, a, gathered, reinterpret_cast<float *>(w + seq_at(a.rows)), stream));
-  if ((d.flags & HL_LOSS_UNCHECKED) || (!a.labels && !gathered && !p.sequences)) return HL_STATUS_SUCCESS;
-  long long bad = LLONG_MAX;
+  const bool unchecked = d.flags & HL_LOSS_UNCHECKED, topk = p.opt.topk > 0;
+  const bool i64 = d.teacher_topk_ids_dtype == HL_DTYPE_I64;
+  if (topk && !unchecked) {
+    const TopkCheckArgs ta{a.teacher_topk_ids, a.teacher_topk_logprobs, a.teacher_topk_ids_stride,
+                           a.teacher_topk_logprobs_stride, a.rows, d.vocab_global, p.opt.topk, i64};
+    HL_TRY(launch_small(topk_check_kernel, kThreads, std::min<int64_t>(a.rows, kTopkCheckCtas), 1, stream, ta, prep));
+  }
+  if (unchecked || (!a.labels && !gathered && !topk && !p.sequences)) return HL_STATUS_SUCCESS;
+  long long bad = LLONG_MAX, bad_topk = LLONG_MAX;
   std::vector<BlockHeader> headers(gathered ? size_t(d.ranks) : 0);
   const size_t cu_elt = dtype_size(d.cu_seqlens_dtype);
   std::vector<char> cu(p.sequences ? size_t(a.num_seqs + 1) * cu_elt : 0);
   if (a.labels) HL_CUDA_TRY(cudaMemcpyAsync(&bad, &prep->bad, sizeof bad, cudaMemcpyDeviceToHost, stream));
+  if (topk) HL_CUDA_TRY(cudaMemcpyAsync(&bad_topk, &prep->bad_topk, sizeof bad_topk, cudaMemcpyDeviceToHost, stream));
   if (gathered)
     HL_CUDA_TRY(cudaMemcpy2DAsync(headers.data(), sizeof(BlockHeader), gathered, block_bytes(p, a.rows),
                                   sizeof(BlockHeader), size_t(d.ranks), cudaMemcpyDeviceToHost, stream));
@@ -336,6 +383,19 @@ hl_status_t cuda::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_
     return fail(HL_STATUS_INVALID_VALUE,
                 "%s: labels[%lld] is %lld, outside [0, vocab = %lld) and not ignored", fn, bad,
                 (long long)y, (long long)d.vocab_global);
+  }
+  if (bad_topk != LLONG_MAX) {  // the row's entries to the host, for the CPU backend's message
+    const int K = p.opt.topk;
+    std::vector<int64_t> ids(static_cast<size_t>(K));  // I32 ids fill its first half
+    std::vector<float> lp(static_cast<size_t>(K));
+    const size_t isz = i64 ? 8 : 4;
+    HL_CUDA_TRY(cudaMemcpy(ids.data(), static_cast<const char *>(a.teacher_topk_ids) + bad_topk * a.teacher_topk_ids_stride * isz,
+                           K * isz, cudaMemcpyDeviceToHost));
+    HL_CUDA_TRY(cudaMemcpy(lp.data(), a.teacher_topk_logprobs + bad_topk * a.teacher_topk_logprobs_stride,
+                           K * sizeof(float), cudaMemcpyDeviceToHost));
+    HL_TRY(check_topk_row(fn, p, bad_topk, ids.data(), lp.data()));
+    return fail(HL_STATUS_INTERNAL_ERROR, "%s: the device found a bad entry in teacher_topk row %lld "
+                "that the host check passes", fn, bad_topk);
   }
   return gathered ? check_blocks(fn, p, a.rows, headers.data()) : HL_STATUS_SUCCESS;
 }
@@ -395,6 +455,10 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   using namespace cuda;
   const hl_loss_plan_desc_t &d = p.desc;
   const bool grad = p.dlogits;
+  // A sparse teacher's ids are kept as int columns of a slice.
+  if (p.opt.distill == kDistillSparse && d.vocab > INT_MAX)
+    return fail(HL_STATUS_NOT_SUPPORTED, "%s: a sparse teacher needs vocab <= %d on CUDA (vocab is %lld)",
+                fn, INT_MAX, (long long)d.vocab);
   if (p.linear) HL_TRY(make_gemms(fn, d.weight_dtype, &p.gemms));
   int dev = 0, optin = 0;
   HL_CUDA_TRY(cudaGetDevice(&dev));
@@ -429,6 +493,7 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   for (int ph = kWhole; ph <= kFinish; ++ph) {
     CudaLaunch &c = p.cuda.phase[ph];
     c.kernel = pick(d.logits_dtype, ph, grad, p.opt.cap > 0, p.opt.distill);
+    if (!c.kernel) continue;  // dense JSD, a sparse teacher: no split phases (api.cpp refuses them)
     // The split's phases re-read the logits; a finish without a gradient has no columns to share.
     c.keep_row = ph == kWhole && keep_row;
     c.cluster = ph == kFinish && !grad ? 1 : cluster;

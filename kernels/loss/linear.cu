@@ -78,6 +78,8 @@ hl_loss_args_t chunk_args(const hl_loss_plan_st &p, const hl_loss_args_t &a, int
   c.labels = row(a.labels, i0, 1, d.labels_dtype);
   const auto at = [i0](auto *x) { return x ? x + i0 : x; };
   c.weights = at(a.weights), c.advantages = at(a.advantages);
+  c.teacher_topk_ids = row(a.teacher_topk_ids, i0, a.teacher_topk_ids_stride, d.teacher_topk_ids_dtype);
+  c.teacher_topk_logprobs = row(a.teacher_topk_logprobs, i0, a.teacher_topk_logprobs_stride, HL_DTYPE_F32);
   c.old_logprobs = at(a.old_logprobs), c.ref_logprobs = at(a.ref_logprobs);
   c.rollout_logprobs = at(a.rollout_logprobs);
   c.token_loss = at(a.token_loss), c.token_logp = at(a.token_logp);

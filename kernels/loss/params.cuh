@@ -21,6 +21,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 struct PrepOut {
   float kd, D;        // grad_scale / D (0 when D == 0), D
   long long bad;      // the first row whose label is out of range (LLONG_MAX: none)
+  long long bad_topk; // the first row of a sparse teacher with a bad entry (LLONG_MAX: none)
 };
 
 struct Params {
@@ -28,6 +29,11 @@ struct Params {
   void *grad;
   int64_t logits_stride, teacher_stride, grad_stride;
   RowSource src;  // labels, weights, log-probs and sequence values
+  // A sparse teacher (o.topk > 0): [rows, k] ids (I64 or I32) and log-probs, row strides.
+  const void *topk_ids;
+  const float *topk_lp;
+  int64_t topk_ids_stride, topk_lp_stride;
+  bool topk_ids64;
   float *tok_loss, *tok_logp, *tok_entropy, *tok_lse;
   PrepOut *prep;
   // kCounters counters the prep kernel zeroes: the next row to hand out, one per cluster rank
@@ -55,7 +61,7 @@ struct Params {
 // The row kernel for a phase (Phase) and a plan's features; one explicit instantiation per
 // logits dtype (rows_*.cu).
 template <class T>
-const void *pick_row_kernel(int phase, bool grad, bool cap, int distill);
+const void *pick_row_kernel(int phase, bool grad, bool cap, int distill);  // null: no such kernel
 template <class T>
 const void *pick_bulk_kernel(int phase, bool grad, bool cap);
 

@@ -13,6 +13,10 @@
 // chunks, each with a `full` barrier (landed) and an `empty` one (the row's last pass has read
 // it): the next row's chunk is requested as soon as it is free, so its load overlaps this row's
 // gradient pass, and pass 1 starts on the first chunk that lands.
+// Dense JSD adds a middle pass (the sums of JSD's log m over the slice, exchanged in the cluster)
+// between the statistics and finish; a sparse teacher's k logits are gathered at the row's start
+// (before any CTA writes the row's gradient: in place, that is over the logits) and its k ids'
+// elements rewritten, whole, after pass 2.
 // The tensor-parallel split runs the same kernel in two phases: kStats stops after pass 1 and
 // writes the row's record into this rank's block; kFinish skips pass 1, merges the ranks' records
 // of the row instead, and runs finish and pass 2 (re-reading the logits).
@@ -31,6 +35,10 @@
 #include "loss/sums.cuh"
 
 namespace hl::loss::cuda {
+
+// Distillation modes that read dense teacher logits (a sparse teacher's k logits are gathered).
+template <int DISTILL>
+constexpr bool kDenseTeacher = DISTILL == kDistillFwd || DISTILL == kDistillRev || DISTILL == kDistillJsd;
 
 using hl::cuda::Pack;
 using hl::cuda::to_float;
@@ -115,7 +123,7 @@ __device__ __forceinline__ void accumulate(RowStats<float> &st, const float (&z)
     raise_max<DISTILL>(st, zm, inv_ts);
     st.amax = j0 + find_argmax(z);
   }
-  if (DISTILL) {
+  if (kDenseTeacher<DISTILL>) {
     float vm = v[0];
 #pragma unroll
     for (int k = 1; k < N; ++k) vm = fmaxf(vm, v[k]);
@@ -129,13 +137,16 @@ __device__ __forceinline__ void accumulate(RowStats<float> &st, const float (&z)
     st.b = fmaf(e, DISTILL ? d : z[k], st.b);
     if (SUMZ) st.sum += z[k];
     if (DISTILL) {
-      const float dt = v[k] - st.mt, et = fast_exp(dt), es = fast_exp(d * inv_ts);
-      st.st += et;
-      st.bt = fmaf(et, dt, st.bt);
-      st.ct = fmaf(et, d, st.ct);
+      const float es = fast_exp(d * inv_ts);
       st.ss += es;
       st.bs = fmaf(es, d, st.bs);
-      st.cs = fmaf(es, dt, st.cs);
+      if (kDenseTeacher<DISTILL>) {
+        const float dt = v[k] - st.mt, et = fast_exp(dt);
+        st.st += et;
+        st.bt = fmaf(et, dt, st.bt);
+        st.ct = fmaf(et, d, st.ct);
+        st.cs = fmaf(es, dt, st.cs);
+      }
     }
   }
 }
@@ -164,6 +175,40 @@ __device__ __forceinline__ RowStats<float> warp_tree_merge(RowStats<float> st, i
   }
   return st;
 }
+
+// The block's sum of every thread's DivSums (thread 0 gets it): a fixed shuffle tree in each warp,
+// then the warps in order (deterministic). part: a row of shared memory per warp.
+__device__ __forceinline__ DivSums<float> block_sum(DivSums<float> s, DivSums<float> (&part)[kThreads / 32]) {
+  for (int off = 16; off > 0; off >>= 1) {
+    s.loss += __shfl_xor_sync(0xffffffffu, s.loss, off);
+    s.pa += __shfl_xor_sync(0xffffffffu, s.pa, off);
+    s.p += __shfl_xor_sync(0xffffffffu, s.p, off);
+    s.q += __shfl_xor_sync(0xffffffffu, s.q, off);
+  }
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int w = 1; w < kThreads / 32; ++w) s = add(s, part[w]);
+  return s;
+}
+
+#if __CUDA_ARCH__ >= 900
+// Thread 0 of a CTA: its W 16-byte words into slot `rank` of mailbox `box` in every CTA of the
+// cluster (st.async), completing their bytes on each one's barrier `bar`.
+template <int W, class M>
+__device__ __forceinline__ void post_to_cluster(const M &mine, M *box, uint64_t *bar, int rank, int csize) {
+  static_assert(sizeof(M) >= 16 * W, "the first W 16-byte words of a mailbox slot");
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const uint32_t(&w)[4 * W] = reinterpret_cast<const uint32_t(&)[4 * W]>(mine);
+  for (int c = 0; c < csize; ++c) {
+    uint32_t *dst = reinterpret_cast<uint32_t *>(cluster.map_shared_rank(&box[rank], c));
+    uint64_t *b = cluster.map_shared_rank(bar, c);
+#pragma unroll
+    for (int k = 0; k < W; ++k)
+      ::cuda::ptx::st_async(dst + 4 * k, {w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]}, b);
+  }
+}
+#endif
 
 // Per-warp records of the block-wide merge, two rows deep: a warp may start the next row's merge
 // while warp 0 still reads this one's.
@@ -327,6 +372,8 @@ template <class T, bool GRAD, bool CAP, int DISTILL, int PHASE, bool BULK>
 __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel(const Params p) {
   static_assert(PHASE != kStats || !GRAD, "the statistics step writes no gradient");
   static_assert(!BULK || DISTILL == kDistillNone, "bulk: the logits alone");
+  constexpr bool JSD = DISTILL == kDistillJsd, SPARSE = DISTILL == kDistillSparse;
+  static_assert(PHASE == kWhole || !(JSD || SPARSE), "dense JSD and a sparse teacher run whole");
   constexpr int VEC = 16 / sizeof(T);
   // Without a soft-cap or distillation the passes read raw logits and fold the logit scale into
   // the exponent's constant and the row's coefficients (one multiply a column fewer a pass).
@@ -346,6 +393,20 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
 #endif
   __shared__ MergeScratch scratch;
   __shared__ RowResult<float> row;
+  // JSD and a sparse teacher: the row's lse_s and lse_t, the warps' sums; JSD: the cluster's sums
+  // by rank, two rows deep like mail; a sparse teacher: entry tid's logit z_hat, log-prob, column
+  // in this slice (kElsewhere, kPadding) and old gradient (accumulating), each its thread's own.
+  // (4 KB: the kernel's static shared memory, 7.4 KB on sm_90a, stays under launch.cu's
+  // kStaticSmemSlack.)
+  constexpr int kElsewhere = -1, kPadding = -2, KT = SPARSE ? kMaxTopk : 1;
+  __shared__ float lse_sh[2];
+  __shared__ DivSums<float> dsum_part[kThreads / 32];
+  __shared__ float tk_z[KT], tk_lq[KT], tk_old[KT];
+  __shared__ int tk_col[KT];
+#if __CUDA_ARCH__ >= 900
+  __shared__ alignas(16) DivSums<float> jmail[2][JSD ? kMaxCluster : 1];
+  __shared__ uint64_t jmail_full[2];
+#endif
   // The row after the current one: for every thread (next_sh), for thread 0 from the row's start
   // (nxt), the one after that (after). In shared memory: registers held across the column loops
   // would spill there.
@@ -394,6 +455,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       hl::cuda::mbar_init(&mail_full[1], 1);
       hl::cuda::mbar_init(&next_full[0], 1);
       hl::cuda::mbar_init(&next_full[1], 1);
+      hl::cuda::mbar_init(&jmail_full[0], 1);
+      hl::cuda::mbar_init(&jmail_full[1], 1);
     }
     cluster.sync();  // every peer's barriers are initialised before the first record arrives
   }
@@ -458,12 +521,22 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
         }
       }
     };
-    const T *u = DISTILL ? static_cast<const T *>(p.teacher) + r * p.teacher_stride + lo : nullptr;
+    const T *u = kDenseTeacher<DISTILL> ? static_cast<const T *>(p.teacher) + r * p.teacher_stride + lo : nullptr;
     const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                         (!DISTILL || reinterpret_cast<uintptr_t>(u) % 16 == 0);
+                         (!kDenseTeacher<DISTILL> || reinterpret_cast<uintptr_t>(u) % 16 == 0);
     const RowInputs<float> in = read_inputs<float>(p.src, r);
     const int64_t label = in.label - p.col0;  // in this shard's columns
     float t[VEC], z[VEC], v[VEC] = {};
+    if (SPARSE && tid < o.topk) {  // entry tid of the row's sparse teacher (an id out of range: padding)
+      const int64_t at = r * p.topk_ids_stride + tid;
+      const int64_t id = p.topk_ids64 ? static_cast<const int64_t *>(p.topk_ids)[at]
+                                      : int64_t(static_cast<const int32_t *>(p.topk_ids)[at]);
+      const bool ok = id >= 0 && id < p.vocab;
+      float tt;
+      tk_z[tid] = ok ? zhat<CAP>(to_float(x[id - lo]), o, tt) : 0.0f;
+      tk_lq[tid] = ok ? p.topk_lp[r * p.topk_lp_stride + tid] : 0.0f;
+      tk_col[tid] = !ok ? kPadding : id >= lo && id < hi ? int(id - lo) : kElsewhere;
+    }
     RowStats<float> all;  // the row's merged record (thread 0)
     if (PHASE != kFinish) {
     // The label's logit, read by one thread before any gradient of this row is written.
@@ -505,7 +578,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
           const int64_t i = i0 + b * kThreads;
           if (i >= nvec) break;
           raw[b] = load_cols<T, VEC>(x + i * VEC, aligned);
-          if (DISTILL) traw[b] = load_cols<T, VEC>(u + i * VEC, aligned);
+          if (kDenseTeacher<DISTILL>) traw[b] = load_cols<T, VEC>(u + i * VEC, aligned);
         }
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
@@ -513,7 +586,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
           if (i >= nvec) break;
           if (p.keep_row) slice_smem[i] = raw[b];
           unpack(raw[b], z, t);
-          if (DISTILL) unpack_teacher(traw[b], v);
+          if (kDenseTeacher<DISTILL>) unpack_teacher(traw[b], v);
           accumulate<DISTILL, decltype(sumz)::value>(st, z, v, lo + i * VEC, o.inv_ts, zs);
         }
       }
@@ -521,7 +594,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
         for (int64_t j = tail_lo; j < hi; ++j) {
           float z1[1], v1[1] = {0.0f}, t1;
           z1[0] = zval(to_float(x[j - lo]), t1);
-          if (DISTILL) v1[0] = to_float(u[j - lo]) * o.inv_tt;
+          if (kDenseTeacher<DISTILL>) v1[0] = to_float(u[j - lo]) * o.inv_tt;
           accumulate<DISTILL, decltype(sumz)::value>(st, z1, v1, j, o.inv_ts, zs);
         }
       return st;
@@ -537,16 +610,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
 #if __CUDA_ARCH__ >= 900
     if (csize > 1) {
       if (tid == 0) {
-        constexpr int W = kRecordBytes<DISTILL> / 16;
         hl::cuda::mbar_expect_tx(&mail_full[parity], uint32_t(csize * kRecordBytes<DISTILL>));
-        const uint32_t(&w)[4 * W] = reinterpret_cast<const uint32_t(&)[4 * W]>(st);
-        for (int c = 0; c < csize; ++c) {
-          uint32_t *dst = reinterpret_cast<uint32_t *>(cluster.map_shared_rank(&mail[parity][rank], c));
-          uint64_t *bar = cluster.map_shared_rank(&mail_full[parity], c);
-#pragma unroll
-          for (int k = 0; k < W; ++k)
-            ::cuda::ptx::st_async(dst + 4 * k, {w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]}, bar);
-        }
+        post_to_cluster<kRecordBytes<DISTILL> / 16>(st, &mail[parity][0], &mail_full[parity], rank, csize);
       }
       // Warp 0 merges the cluster's records as a tree: every CTA the same records in the same
       // order (deterministic).
@@ -561,15 +626,61 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       __syncthreads();  // every thread has read the previous row's `row`
       if (tid < 32) all = gathered_stats<DISTILL>(p, r);
     }
+    // Dense JSD and a sparse teacher: sums over the slice (JSD's middle pass) or the k ids, taken
+    // once the row's lse is known; thread 0 gets the row's DistillRow.
+    DistillRow<float> dx{};
+    if (JSD || SPARSE) {
+      if (tid == 0) lse_sh[0] = student_lse(all, o), lse_sh[1] = JSD ? teacher_lse(all) : 0.0f;
+      __syncthreads();
+      const float lse_s = lse_sh[0], lse_t = lse_sh[1], its = o.inv_ts, b = o.jsd_beta;
+      DivSums<float> part{0.0f, 0.0f, 0.0f, 0.0f};
+      const auto add_cols = [&](const float (&zz)[VEC], const float (&vv)[VEC], int n) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+          if (k < n) part = add(part, div_elem(kDistillJsd, b, zz[k] * its - lse_s, vv[k] - lse_t));
+      };
+      if (SPARSE && tid < o.topk && tk_col[tid] != kPadding)
+        part = div_elem(o.divergence, b, tk_z[tid] * its - lse_s, tk_lq[tid]);
+      if (JSD) {  // the slice from shared memory (kept) or again from global memory; the teacher again
+        for (int64_t i = tid; i < nvec; i += kThreads) {
+          unpack(p.keep_row ? slice_smem[i] : load_cols<T, VEC>(x + i * VEC, aligned), z, t);
+          unpack_teacher(load_cols<T, VEC>(u + i * VEC, aligned), v);
+          add_cols(z, v, VEC);
+        }
+        if (tid == 0)
+          for (int64_t j = tail_lo; j < hi; ++j) {
+            float z1[VEC] = {}, v1[VEC] = {}, t1;
+            z1[0] = zval(to_float(x[j - lo]), t1);
+            v1[0] = to_float(u[j - lo]) * o.inv_tt;
+            add_cols(z1, v1, 1);
+          }
+      }
+      part = block_sum(part, dsum_part);
+#if __CUDA_ARCH__ >= 900
+      if (JSD && csize > 1 && tid == 0) {  // the cluster's sums, added in rank order by every CTA
+        hl::cuda::mbar_expect_tx(&jmail_full[parity], uint32_t(csize * sizeof part));
+        post_to_cluster<1>(part, &jmail[parity][0], &jmail_full[parity], rank, csize);
+        hl::cuda::mbar_wait(&jmail_full[parity], uint32_t(it >> 1) & 1);
+        part = jmail[parity][0];
+        for (int c = 1; c < csize; ++c) part = add(part, jmail[parity][c]);
+      }
+#endif
+      if (tid == 0) dx = JSD ? dense_row(part) : sparse_row(o, part);
+    }
     if (tid == 0) {
       if (PHASE == kStats) {
         if (rank == 0) write_record<DISTILL>(p, r, all);
       } else {
       hl::cuda::wait_for_previous_grid();  // the prep kernel's kd (launch_rows: early)
-      row = finish_row(all, in, o, p.prep->kd);
+      row = finish_row(all, in, o, p.prep->kd, JSD || SPARSE ? &dx : nullptr);
       next_sh = nxt;
       if (takes_rows) taken = atomicAdd(next_counter, 1u);  // stored after the barrier: no wait here
       }
+    }
+    // A sparse teacher's ids in this slice, accumulating: their old gradient, before pass 2 writes.
+    if (SPARSE && GRAD && p.accumulate && tid < o.topk && tk_col[tid] >= 0) {
+      const int64_t at = r * p.grad_stride + lo + tk_col[tid];
+      tk_old[tid] = p.grad_f32 ? static_cast<const float *>(p.grad)[at] : to_float(static_cast<const T *>(p.grad)[at]);
     }
     if (PHASE != kStats) __syncthreads();
     // The row's outputs, after the barrier: stores before it would hold every warp back.
@@ -614,7 +725,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
             for (Idx i = Idx(c * chunk) + tid; i < end; i += kThreads) {
               const V raw = BULK || p.keep_row ? slice_smem[i] : load_cols<T, VEC>(x + i * VEC, aligned);
               unpack(raw, z, t);
-              if (DISTILL) unpack_teacher(load_cols<T, VEC>(u + i * VEC, aligned), v);
+              if (kDenseTeacher<DISTILL>) unpack_teacher(load_cols<T, VEC>(u + i * VEC, aligned), v);
               float g[VEC];
               grad_pack<decltype(form_c)::value, DISTILL, CAP>(rr, o, gc, z, t, v, VEC, g);
               if (i == lpack) add_label(g, t, lk);
@@ -632,12 +743,24 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
           for (int64_t j = tail_lo; j < hi; ++j) {
             float z1[VEC] = {}, t1[VEC] = {}, v1[VEC] = {}, g1[VEC];
             z1[0] = zval(to_float(x[j - lo]), t1[0]);
-            if (DISTILL) v1[0] = to_float(u[j - lo]) * o.inv_tt;
+            if (kDenseTeacher<DISTILL>) v1[0] = to_float(u[j - lo]) * o.inv_tt;
             grad_pack<kGeneric, DISTILL, CAP>(rr, o, gc, z1, t1, v1, 1, g1);
             if (j == label) add_label(g1, t1, 0);
             G *gj = grow + (j - lo);
             *gj = from_float<G>(p.accumulate ? to_float(*gj) + g1[0] : g1[0]);
           }
+        if (SPARSE) {  // the ids in this slice: their whole element from the gathered logit, stored once
+          __syncthreads();  // after pass 2's stores there
+          const int col = tid < o.topk ? tk_col[tid] : kElsewhere;
+          if (col >= 0) {
+            const float zk = tk_z[tid], pk = ex2(fmaf(zk, gc.s2, -gc.lse2));
+            float g = grad_elem<DISTILL>(rr, o, zk, 0.0f, pk, [](float a) { return fast_exp(a); }) +
+                      topk_correction(rr, o, zk, tk_lq[tid]);
+            if (lo + col == label) g += rr.cy;
+            if (CAP) g *= 1.0f - (zk / o.cap) * (zk / o.cap);
+            grow[col] = from_float<G>(p.accumulate ? tk_old[tid] + g : g);
+          }
+        }
       };
       if (p.grad_f32) write(static_cast<float *>(p.grad));
       else write(static_cast<T *>(p.grad));
@@ -649,12 +772,20 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
 #endif
 }
 
+// Dense JSD and a sparse teacher run whole (no split phases: null).
 template <class T, int PHASE, bool GRAD, bool CAP>
 const void *pick_distill(int distill) {
+  using K = const void *;
   switch (distill) {
-    case kDistillFwd: return reinterpret_cast<const void *>(row_kernel<T, GRAD, CAP, kDistillFwd, PHASE, false>);
-    case kDistillRev: return reinterpret_cast<const void *>(row_kernel<T, GRAD, CAP, kDistillRev, PHASE, false>);
-    default: return reinterpret_cast<const void *>(row_kernel<T, GRAD, CAP, kDistillNone, PHASE, false>);
+    case kDistillFwd: return K(row_kernel<T, GRAD, CAP, kDistillFwd, PHASE, false>);
+    case kDistillRev: return K(row_kernel<T, GRAD, CAP, kDistillRev, PHASE, false>);
+    case kDistillJsd:
+      if constexpr (PHASE == kWhole) return K(row_kernel<T, GRAD, CAP, kDistillJsd, kWhole, false>);
+      return nullptr;
+    case kDistillSparse:
+      if constexpr (PHASE == kWhole) return K(row_kernel<T, GRAD, CAP, kDistillSparse, kWhole, false>);
+      return nullptr;
+    default: return K(row_kernel<T, GRAD, CAP, kDistillNone, PHASE, false>);
   }
 }
 

@@ -54,8 +54,9 @@ _GRAD_MODES = {None: 0, "none": 0, "write": 1}
 _OPTIONAL_INPUTS = ("labels", "weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
 _TEACHER_INPUTS = ("teacher_hidden", "teacher_weight")  # the fused linear form's teacher
 _SEQ_INPUTS = ("rollout_logprobs", "cu_seqlens")
-# The per-row inputs in the adapter's order: input k is bit 1 << k of its `inputs` attribute.
-_INPUTS = _OPTIONAL_INPUTS + _TEACHER_INPUTS + _SEQ_INPUTS
+_TOPK_INPUTS = ("teacher_topk_ids", "teacher_topk_logprobs")  # a sparse teacher
+# Every optional input in the adapter's order (both forms): input k is bit 1 << k of `inputs`.
+_ALL_INPUTS = _OPTIONAL_INPUTS + _TEACHER_INPUTS + _SEQ_INPUTS + _TOPK_INPUTS
 
 
 def _find_adapter() -> Path:
@@ -210,7 +211,7 @@ _OPTIONS = frozenset({"ce_weight", "z_weight", "entropy_weight", "distill_weight
                       "teacher_temperature", "student_temperature", "eps_low", "eps_high",
                       "dual_clip", "cispo_weight", "cispo_eps_high", "kl_estimator", "ratio_level",
                       "rollout_correction", "rollout_level", "rollout_cap", "rollout_floor",
-                      "cu_seqlens_dtype"})
+                      "cu_seqlens_dtype", "jsd_beta"})
 
 
 class _Cfg(NamedTuple):
@@ -228,14 +229,16 @@ def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_d
     """Checks `fn`'s inputs and options; shard: vocab_global and ranks of a vocabulary shard.
     logits: the operand, or for the linear form a stand-in of the logits' shape and dtype."""
     _check_float(logits, "logits")
+    options = dict(options)
+    _check_topk(logits, extras[_ALL_INPUTS.index("teacher_topk_ids"):], options.pop("teacher_topk", None))
     unknown = set(options) - _OPTIONS
     if unknown:
         raise TypeError(f"{fn}: unknown options {sorted(unknown)}")
     labels = extras[0]
     if labels is not None and labels.dtype not in (jnp.int32, jnp.int64):
         raise TypeError(f"labels: dtype {labels.dtype}; expected int32 or int64")
-    for name, x in zip(_INPUTS, extras):
-        if x is None or name in _TEACHER_INPUTS:
+    for name, x in zip(_ALL_INPUTS, extras):
+        if x is None or name in _TEACHER_INPUTS + _TOPK_INPUTS:
             continue
         if name == "cu_seqlens":
             if x.ndim != 1 or x.dtype not in (jnp.int32, jnp.int64):
@@ -259,7 +262,7 @@ def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_d
     for k in ("rollout_cap", "rollout_floor"):
         if k in opts:
             opts[k] = float(opts[k])
-    cu = extras[_INPUTS.index("cu_seqlens")]
+    cu = extras[_ALL_INPUTS.index("cu_seqlens")]
     # cu_seqlens' own dtype is used (without jax_enable_x64 an int64 array arrives as int32)
     opts.pop("cu_seqlens_dtype", None)
     if cu is not None:
@@ -273,11 +276,34 @@ def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_d
                 dtypes=(logits.dtype.name,))
 
 
+def _check_topk(logits, topk, k=None) -> None:
+    """A sparse teacher's ids and log-probs: both or neither, [..., k] over the logits' rows,
+    ids int32 / int64, log-probs float32. k, the plan's teacher_topk, is their last dimension (an
+    option teacher_topk, as LossPlan takes, must say the same)."""
+    ids, lp = topk if topk else (None, None)
+    if (ids is None) != (lp is None):
+        raise ValueError("teacher_topk_ids and teacher_topk_logprobs go together")
+    if k is not None and k != (0 if ids is None else ids.shape[-1]):
+        raise ValueError(f"teacher_topk is {k} but teacher_topk_ids is {None if ids is None else ids.shape}")
+    if ids is None:
+        return
+    if ids.shape[:-1] != logits.shape[:-1] or lp.shape != ids.shape:
+        raise ValueError(f"teacher_topk_ids {ids.shape} and teacher_topk_logprobs {lp.shape} must both "
+                         f"be {tuple(logits.shape[:-1])} + [k]")
+    if ids.dtype not in (jnp.int32, jnp.int64) or lp.dtype != jnp.float32:
+        raise TypeError(f"teacher_topk_ids must be int32 / int64 and teacher_topk_logprobs float32, got "
+                        f"{ids.dtype} and {lp.dtype}")
+
+
+def _extras(kw: dict, labels, names) -> tuple:
+    """The optional inputs by their bits (_ALL_INPUTS; None where not passed or not the form's)."""
+    return (labels, *(kw.pop(k, None) if k in names else None for k in _ALL_INPUTS[1:]))
+
+
 def _kwargs_config(fn: str, logits, labels, kwargs: dict, **shard):
     """(cfg, extras) from fused_loss's keyword arguments as a dict."""
     kw = dict(kwargs)
-    extras = tuple(labels if k == "labels" else None if k in _TEACHER_INPUTS else kw.pop(k, None)
-                   for k in _INPUTS)
+    extras = _extras(kw, labels, _OPTIONAL_INPUTS + _SEQ_INPUTS + _TOPK_INPUTS)
     cfg = _config(fn, logits, extras, kw.pop("terms", ("ce",)), kw.pop("divisor", 0.0),
                   kw.pop("ignore_index", None), kw.pop("check", True), kw.pop("grad_dtype", None),
                   kw.pop("token_outputs", False), kw, **shard)
@@ -286,9 +312,9 @@ def _kwargs_config(fn: str, logits, labels, kwargs: dict, **shard):
 
 def _linear_config(fn: str, hidden, weight, labels, kwargs: dict, **shard):
     """(cfg, extras) of the fused linear form from linear_loss's keyword arguments as a dict;
-    extras: _INPUTS."""
+    extras: _ALL_INPUTS."""
     kw = dict(kwargs)
-    extras = (labels, *(kw.pop(k, None) for k in _INPUTS[1:]))
+    extras = _extras(kw, labels, _ALL_INPUTS)
     _check_float(hidden, "hidden")
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight has shape {weight.shape}; expected [vocab, {hidden.shape[-1]}]")
@@ -453,7 +479,7 @@ def _loss_bwd(cfg, gs, cts):
     # the operand's dtype (a gradient formed in fp32 on request is cast here).
     d = tuple(None if g is None or zero else (g.astype(jnp.float32) * dloss).astype(dt)
               for g, dt in zip(gs, cfg.dtypes))
-    return d, (None,) * len(_INPUTS)
+    return d, (None,) * len(_ALL_INPUTS)
 
 
 _loss.defvjp(_loss_fwd, _loss_bwd, symbolic_zeros=True)
@@ -472,21 +498,23 @@ def _metrics(scalars) -> Dict[str, Any]:
 
 def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=None,
                teacher_logits=None, advantages=None, old_logprobs=None, ref_logprobs=None,
-               rollout_logprobs=None, cu_seqlens=None, divisor: float = 0.0,
-               token_outputs: bool = False, ignore_index: Optional[int] = None,
+               rollout_logprobs=None, cu_seqlens=None, teacher_topk_ids=None, teacher_topk_logprobs=None,
+               divisor: float = 0.0, token_outputs: bool = False, ignore_index: Optional[int] = None,
                check: bool = True, grad_dtype=None, **options
                ) -> Tuple[Any, Dict[str, Any]] | Tuple[Any, Dict[str, Any], Tuple[Any, ...]]:
     """The fused LM-head loss plan (see headloss.h and headloss.LossPlan for the options).
 
     logits [..., V] float32 / float16 / bfloat16; labels [...] int32 / int64 (negative = ignored);
-    weights, advantages, old_logprobs, ref_logprobs [...] float32; teacher_logits like logits.
+    weights, advantages, old_logprobs, ref_logprobs [...] float32; teacher_logits like logits, or a
+    sparse teacher: teacher_topk_ids [..., k] int32 / int64 (< 0: padding) and
+    teacher_topk_logprobs [..., k] float32 (the plan's teacher_topk is k).
     terms: names from headloss.loss.TERMS ("ce", "z", "entropy", "distill_fwd", "distill_rev",
-    "grpo", "kl_ref", "cispo"); options: ce_weight, z_weight, entropy_weight, distill_weight,
-    grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap, teacher_temperature,
-    student_temperature, eps_low, eps_high, dual_clip, cispo_weight, cispo_eps_high, kl_estimator,
-    ratio_level, rollout_correction, rollout_level, rollout_cap, rollout_floor (names as
-    headloss.LossPlan's); rollout_logprobs [...] float32 and cu_seqlens int32 / int64
-    [sequences + 1] over the flattened rows as LossPlan's call.
+    "distill_jsd", "grpo", "kl_ref", "cispo"); options: ce_weight, z_weight, entropy_weight,
+    distill_weight, grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap,
+    teacher_temperature, student_temperature, eps_low, eps_high, dual_clip, cispo_weight,
+    cispo_eps_high, kl_estimator, ratio_level, rollout_correction, rollout_level, rollout_cap,
+    rollout_floor, jsd_beta (names as headloss.LossPlan's); rollout_logprobs [...] float32 and
+    cu_seqlens int32 / int64 [sequences + 1] over the flattened rows as LossPlan's call.
     divisor (static): D, 0 = sum of valid weights.
 
     Returns (loss, metrics) where metrics maps every name of headloss.loss.SCALARS to a 0-d fp32
@@ -495,7 +523,7 @@ def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=N
     in the same pass (the forward of a jax.grad / jax.vjp computes and keeps it).
     """
     extras = (labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs, None, None,
-              rollout_logprobs, cu_seqlens)
+              rollout_logprobs, cu_seqlens, teacher_topk_ids, teacher_topk_logprobs)
     cfg = _config("fused_loss", logits, extras, terms, divisor, ignore_index, check, grad_dtype,
                   token_outputs, options)
     return _results(cfg, (logits,), extras)
@@ -531,6 +559,7 @@ def sharded_fused_loss(logits_shard, labels=None, *, axis_name, vocab_global: in
 def linear_loss(hidden, weight, labels=None, *, terms: Sequence[str] = ("ce",), weights=None,
                 teacher_logits=None, teacher_hidden=None, teacher_weight=None, advantages=None,
                 old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, cu_seqlens=None,
+                teacher_topk_ids=None, teacher_topk_logprobs=None,
                 divisor: float = 0.0, token_outputs: bool = False,
                 ignore_index: Optional[int] = None, check: bool = True, grad_weight_dtype=None,
                 max_workspace_bytes: Optional[int] = None, **options):
@@ -542,7 +571,7 @@ def linear_loss(hidden, weight, labels=None, *, terms: Sequence[str] = ("ce",), 
     hidden [..., H] and weight [V, H] (a Dense kernel [H, V] is weight.T) in one dtype (float32,
     float16 or bfloat16); labels and the per-row inputs [...] as fused_loss; teacher_logits
     [..., V], or a teacher of its own: teacher_hidden [..., Ht] and teacher_weight [V, Ht] in
-    hidden's dtype. Options and the return value as fused_loss. jax.grad w.r.t. hidden and weight
+    hidden's dtype, or a sparse teacher as fused_loss's. Options and the return value as fused_loss. jax.grad w.r.t. hidden and weight
     uses the gradients formed in the same call as the loss (only those of the arguments being
     differentiated); grad_weight_dtype="float32" sums grad_weight over the chunks in fp32 (one
     rounding, to weight's dtype, in the backward pass). No gradient flows to the teacher.
@@ -550,7 +579,8 @@ def linear_loss(hidden, weight, labels=None, *, terms: Sequence[str] = ("ce",), 
     kw = dict(options, terms=terms, weights=weights, teacher_logits=teacher_logits,
               teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, advantages=advantages,
               old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
-              cu_seqlens=cu_seqlens, divisor=divisor, token_outputs=token_outputs,
+              cu_seqlens=cu_seqlens, teacher_topk_ids=teacher_topk_ids,
+              teacher_topk_logprobs=teacher_topk_logprobs, divisor=divisor, token_outputs=token_outputs,
               ignore_index=ignore_index, check=check,
               grad_weight_dtype=grad_weight_dtype, max_workspace_bytes=max_workspace_bytes)
     cfg, extras = _linear_config("linear_loss", hidden, weight, labels, kw)

@@ -22,7 +22,7 @@ from ._lib import check as _check
 c_i64, c_ptr, c_int, c_uint, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_float
 
 TERMS = {"ce": 1, "z": 2, "entropy": 4, "distill_fwd": 8, "distill_rev": 16, "grpo": 32, "kl_ref": 64,
-         "cispo": 128}
+         "cispo": 128, "distill_jsd": 256}
 KL_ESTIMATORS = {"k3": 0, "k1": 1, "k2": 2}  # HL_LOSS_KL_*: kl_estimator by name (or the int)
 LEVELS = {"token": 0, "seq_product": 1, "seq_mean": 2}  # HL_LOSS_LEVEL_*: ratio_level, rollout_level
 ROLLOUT_CORRECTIONS = {None: 0, "none": 0, "tis": 1, "mis": 2, "reject": 3}  # HL_LOSS_ROLLOUT_*
@@ -32,10 +32,11 @@ SCALARS = ("loss", "ce", "z", "entropy", "distill", "grpo", "kl_ref", "divisor",
            "valid_rows", "lse_mean", "entropy_mean", "logp_mean", "accuracy", "ratio_mean",
            "ratio_min", "ratio_max", "clip_low", "clip_high", "clip_any", "k3_old", "kl_ref_mean",
            "adv_mean", "adv_min", "adv_max", "distill_kl_mean", "cispo", "dual_clip",
-           "rollout_kl_k1", "rollout_kl_k3", "rollout_weight_mean", "rollout_corrected")
-# The optional per-row inputs of a call, by keyword (cu_seqlens: [sequences + 1]).
+           "rollout_kl_k1", "rollout_kl_k3", "rollout_weight_mean", "rollout_corrected", "topk_mass")
+# The optional per-row inputs of a call, by keyword (cu_seqlens: [sequences + 1]; a sparse
+# teacher's ids and log-probs: [rows, teacher_topk]).
 INPUTS = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs",
-          "rollout_logprobs", "cu_seqlens")
+          "rollout_logprobs", "cu_seqlens", "teacher_topk_ids", "teacher_topk_logprobs")
 
 
 class _Desc(ctypes.Structure):
@@ -54,7 +55,8 @@ class _Desc(ctypes.Structure):
                 ("dual_clip", c_float), ("cispo_weight", c_float), ("cispo_eps_high", c_float),
                 ("kl_estimator", c_int), ("cu_seqlens_dtype", c_int), ("ratio_level", c_int),
                 ("rollout_correction", c_int), ("rollout_level", c_int), ("rollout_cap", c_float),
-                ("rollout_floor", c_float)]
+                ("rollout_floor", c_float), ("jsd_beta", c_float), ("teacher_topk", c_int),
+                ("teacher_topk_ids_dtype", c_int)]
 
 
 class _Args(ctypes.Structure):
@@ -68,7 +70,9 @@ class _Args(ctypes.Structure):
                 ("weight_stride", c_i64), ("teacher_hidden", c_ptr), ("teacher_hidden_stride", c_i64),
                 ("teacher_weight", c_ptr), ("teacher_weight_stride", c_i64), ("grad_hidden", c_ptr),
                 ("grad_hidden_stride", c_i64), ("grad_weight", c_ptr), ("grad_weight_stride", c_i64),
-                ("cu_seqlens", c_ptr), ("num_seqs", c_i64), ("rollout_logprobs", c_ptr)]
+                ("cu_seqlens", c_ptr), ("num_seqs", c_i64), ("rollout_logprobs", c_ptr),
+                ("teacher_topk_ids", c_ptr), ("teacher_topk_ids_stride", c_i64),
+                ("teacher_topk_logprobs", c_ptr), ("teacher_topk_logprobs_stride", c_i64)]
 
 
 _create = declare("hl_loss_plan_create", ctypes.POINTER(_Desc), ctypes.POINTER(c_ptr))
@@ -165,6 +169,9 @@ class LossPlan:
     "token", "seq_product" or "seq_mean", with rollout_cap / rollout_floor (0: 2 and 1 / cap).
     cu_seqlens_dtype: the calls' cu_seqlens dtype (default "int32" where an option is
     sequence-level, as flash-attn's).
+    jsd_beta: DISTILL_JSD's beta ("distill_jsd"). teacher_topk = k > 0: a sparse teacher, its top-k
+    ids (topk_ids_dtype) and log-probs passed as teacher_topk_ids= / teacher_topk_logprobs=
+    [rows, k] instead of teacher_logits (ids < 0: padding).
 
     Tensor parallelism: with vocab_global and ranks set, the plan is the shard [vocab_start,
     vocab_start + vocab) of the vocabulary; run it with stats(), an all-gather of the blocks, and
@@ -180,6 +187,7 @@ class LossPlan:
                  vocab_global: int = 0, ranks: int = 0, dual_clip=0.0, cispo_weight=1.0,
                  cispo_eps_high=0.0, kl_estimator="k3", ratio_level="token", rollout_correction=None,
                  rollout_level="token", rollout_cap=0.0, rollout_floor=0.0, cu_seqlens_dtype=None,
+                 jsd_beta=0.0, teacher_topk: int = 0, topk_ids_dtype="int64",
                  _linear: Optional[dict] = None):
         bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
         d = _Desc(ctypes.sizeof(_Desc), BACKEND_CUDA if device == "cuda" else BACKEND_CPU, vocab,
@@ -202,6 +210,8 @@ class LossPlan:
         if cu_seqlens_dtype is None and (d.ratio_level or d.rollout_level):
             cu_seqlens_dtype = "int32"
         d.cu_seqlens_dtype = DTYPE_NONE if cu_seqlens_dtype is None else dtype_code(cu_seqlens_dtype)
+        d.jsd_beta, d.teacher_topk = jsd_beta, teacher_topk
+        d.teacher_topk_ids_dtype = dtype_code(topk_ids_dtype) if teacher_topk else DTYPE_NONE
         for k, v in (_linear or {}).items():
             setattr(d, k, v)
         self.vocab, self.terms, self.desc = vocab, bits, d
@@ -232,13 +242,15 @@ class LossPlan:
     def __call__(self, logits, labels=None, *, weights=None, teacher_logits=None, advantages=None,
                  old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, cu_seqlens=None,
                  divisor: float = 0.0, grad_scale: float = 0.0, grad=None, token_outputs: bool = False,
-                 in_place: bool = False, scalars=None, tokens=None) -> LossOutput:
+                 in_place: bool = False, scalars=None, tokens=None, teacher_topk_ids=None,
+                 teacher_topk_logprobs=None) -> LossOutput:
         """Runs the plan. grad: an existing gradient (written, or accumulated into with
         grad='accumulate'); in_place writes the gradient over the logits. scalars / tokens
         (4 arrays: loss, logp, entropy, lse): optional preallocated fp32 outputs."""
         inputs = dict(weights=weights, teacher_logits=teacher_logits, advantages=advantages,
                       old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                      rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens)
+                      rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens,
+                      teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs)
         a, lv, out = self._args(logits, labels, inputs, divisor, grad_scale, grad, token_outputs,
                                 in_place, scalars, tokens)
         ws, wp, nbytes = self._workspace(lv, a.rows)
@@ -250,6 +262,21 @@ class LossPlan:
         as workspace= (the fused linear form's statistics and finish steps share one)."""
         nbytes = self.workspace_bytes(rows) if nbytes is None else nbytes
         return empty(view(like, "like"), ((nbytes + 15) // 16 * 4,), DTYPE_F32) if nbytes else None
+
+    def _topk_dtypes(self) -> dict:
+        """The dtypes a sparse teacher's arrays must have."""
+        return {"teacher_topk_ids": self.desc.teacher_topk_ids_dtype or DTYPE_I64,
+                "teacher_topk_logprobs": DTYPE_F32}
+
+    def _check_topk(self, views: dict, rows: int) -> None:
+        """ValueError for a sparse teacher's array that is not [rows, teacher_topk] (the library
+        reads k entries a row through a bare pointer)."""
+        k = self.desc.teacher_topk
+        for name in ("teacher_topk_ids", "teacher_topk_logprobs"):
+            if views.get(name) is not None:
+                r, c, _ = views[name].rows_view(name)
+                if (r, c) != (rows, k):
+                    raise ValueError(f"{name} is [{r}, {c}]; the plan takes [rows = {rows}, teacher_topk = {k}]")
 
     def _workspace(self, lv, rows, ws=None):
         """(array, pointer, bytes) of the given or a fresh workspace (None, None, 0 if none)."""
@@ -267,12 +294,15 @@ class LossPlan:
         _check(_stats_size(self._handle, rows, ctypes.byref(n)))
         return n.value
 
-    def stats(self, logits, labels=None, *, teacher_logits=None):
+    def stats(self, logits, labels=None, *, teacher_logits=None, teacher_topk_ids=None,
+              teacher_topk_logprobs=None):
         """Step 1 of the sharded loss: this rank's block of per-row statistics, an int64 array on
         the logits' device, to all-gather across the ranks (torch.distributed.all_gather_into_tensor,
         cupy / NCCL, ...)."""
-        a, lv, _ = self._args(logits, labels, dict(teacher_logits=teacher_logits), 0.0, 0.0, None,
-                              False, False, None, None, outputs=False)
+        inputs = dict(teacher_logits=teacher_logits, teacher_topk_ids=teacher_topk_ids,
+                      teacher_topk_logprobs=teacher_topk_logprobs)
+        a, lv, _ = self._args(logits, labels, inputs, 0.0, 0.0, None, False, False, None, None,
+                              outputs=False)
         return self._stats_call(a, lv, None)
 
     def _stats_call(self, a, lv, workspace):
@@ -325,11 +355,12 @@ class LossPlan:
         same_place([lv] + [v for v in opt.values()], "loss plan")
         d = self.desc
         _check_arrays(dict(opt, logits=lv).items(), {"logits": d.logits_dtype, "teacher_logits": d.logits_dtype,
-                                              "labels": d.labels_dtype, "cu_seqlens": d.cu_seqlens_dtype})
+                                              "labels": d.labels_dtype, "cu_seqlens": d.cu_seqlens_dtype,
+                                              **self._topk_dtypes()})
+        self._check_topk(opt, rows)
         a = _Args(ctypes.sizeof(_Args), rows, lv.ptr, ls)
         _set_inputs(a, opt, d)
-        if opt.get("teacher_logits") is not None:
-            a.teacher_stride = opt["teacher_logits"].rows_view("teacher_logits")[2]
+        _set_strides(a, opt, (("teacher_logits", "teacher_stride"),) + _TOPK_STRIDES)
         a.divisor, a.grad_scale = divisor, grad_scale
         if not outputs:
             return a, lv, None
@@ -444,14 +475,13 @@ class LinearLossPlan(LossPlan):
         wd = d.weight_dtype
         _check_arrays(dict(views, hidden=hv, weight=wv).items(),
                        dict(hidden=wd, weight=wd, teacher_hidden=wd, teacher_weight=wd, teacher_logits=wd,
-                            labels=d.labels_dtype, cu_seqlens=d.cu_seqlens_dtype))
+                            labels=d.labels_dtype, cu_seqlens=d.cu_seqlens_dtype, **self._topk_dtypes()))
+        self._check_topk(views, rows)
         a = _Args(ctypes.sizeof(_Args), rows)
         a.hidden, a.hidden_stride, a.weight, a.weight_stride = hv.ptr, hs, wv.ptr, ws
         _set_inputs(a, views, d)
-        for k, field in (("teacher_logits", "teacher_stride"), ("teacher_hidden", "teacher_hidden_stride"),
-                         ("teacher_weight", "teacher_weight_stride")):
-            if views[k] is not None:
-                setattr(a, field, views[k].rows_view(k)[2])
+        _set_strides(a, views, (("teacher_logits", "teacher_stride"), ("teacher_hidden", "teacher_hidden_stride"),
+                                ("teacher_weight", "teacher_weight_stride")) + _TOPK_STRIDES)
         a.divisor, a.grad_scale = divisor, grad_scale
         if not outputs:
             return a, hv, None
@@ -469,6 +499,17 @@ class LinearLossPlan(LossPlan):
             grads.append(g)
         toks = _scalar_outputs(a, hv, (rows,), token_outputs, scalars, tokens)
         return a, hv, LinearLossOutput(toks[0], *grads, *toks[1:])
+
+
+_TOPK_STRIDES = (("teacher_topk_ids", "teacher_topk_ids_stride"),
+                 ("teacher_topk_logprobs", "teacher_topk_logprobs_stride"))
+
+
+def _set_strides(a, views, fields) -> None:
+    """a's row strides of the 2-D inputs passed: (name, stride field) pairs."""
+    for k, field in fields:
+        if views.get(k) is not None:
+            setattr(a, field, views[k].rows_view(k)[2])
 
 
 def _scalar_outputs(a, like, token_shape, token_outputs, scalars, tokens) -> list:
@@ -495,7 +536,8 @@ def _cached_plan(vocab, dtype, device, key):
 def fused_loss(logits, labels=None, *, terms=("ce",), weights=None, teacher_logits=None,
                advantages=None, old_logprobs=None, ref_logprobs=None, rollout_logprobs=None,
                cu_seqlens=None, divisor: float = 0.0, grad_scale: float = 0.0,
-               token_outputs: bool = False, grad: Optional[str] = "write", **options) -> LossOutput:
+               token_outputs: bool = False, grad: Optional[str] = "write", teacher_topk_ids=None,
+               teacher_topk_logprobs=None, **options) -> LossOutput:
     """One call: builds (and caches) the plan for these options and runs it. Returns the scalars
     (see SCALARS and LossOutput.as_dict), the gradient and, on request, per-token outputs."""
     lv = view(logits, "logits")
@@ -509,7 +551,8 @@ def fused_loss(logits, labels=None, *, terms=("ce",), weights=None, teacher_logi
     return plan(logits, labels, weights=weights, teacher_logits=teacher_logits,
                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                 rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens, divisor=divisor,
-                grad_scale=grad_scale, token_outputs=token_outputs)
+                grad_scale=grad_scale, token_outputs=token_outputs, teacher_topk_ids=teacher_topk_ids,
+                teacher_topk_logprobs=teacher_topk_logprobs)
 
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")

@@ -24,9 +24,10 @@ import torch
 from .loss import SCALARS, LinearLossPlan, LossPlan
 
 _BASE = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
-_SEQ = ("rollout_logprobs", "cu_seqlens")  # 0.4: after the inputs of earlier versions' order
-_INPUTS = _BASE + _SEQ
-LINEAR_INPUTS = _BASE + ("teacher_hidden", "teacher_weight") + _SEQ
+# 0.4's inputs, after those of earlier versions' order (LinearLossFunction takes them positionally)
+_NEW = ("rollout_logprobs", "cu_seqlens", "teacher_topk_ids", "teacher_topk_logprobs")
+_INPUTS = _BASE + _NEW
+LINEAR_INPUTS = _BASE + ("teacher_hidden", "teacher_weight") + _NEW
 
 
 def seq_options(options: dict, cu_seqlens) -> dict:
@@ -106,7 +107,8 @@ class LinearLossFunction(torch.autograd.Function):
 
 class FusedLMHeadLoss(torch.nn.Module):
     """The plan's options as keyword arguments (see LossPlan); plans are made per vocabulary size,
-    dtype and device on first use. forward returns (loss, metrics dict)."""
+    dtype and device on first use (a sparse teacher's topk_ids_dtype: int64 unless given).
+    forward returns (loss, metrics dict)."""
 
     def __init__(self, terms=("ce",), in_place: bool = False, **options):
         super().__init__()
@@ -126,11 +128,12 @@ class FusedLMHeadLoss(torch.nn.Module):
 
     def forward(self, logits, labels=None, *, weights=None, teacher_logits=None, advantages=None,
                 old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, cu_seqlens=None,
-                divisor: float = 0.0):
+                teacher_topk_ids=None, teacher_topk_logprobs=None, divisor: float = 0.0):
         plan = self._plan(logits, labels, cu_seqlens)
         loss, scalars = FusedLossFunction.apply(logits, labels, plan, self.in_place, divisor, weights,
                                                 teacher_logits, advantages, old_logprobs, ref_logprobs,
-                                                rollout_logprobs, cu_seqlens)
+                                                rollout_logprobs, cu_seqlens, teacher_topk_ids,
+                                                teacher_topk_logprobs)
         return loss, dict(zip(SCALARS, scalars.unbind(0)))
 
 

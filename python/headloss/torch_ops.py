@@ -200,7 +200,8 @@ def _plan(options: str, vocab: int, dtype: torch.dtype, device: str, labels_dtyp
 def _fused_loss(logits: Tensor, labels: Optional[Tensor], weights: Optional[Tensor],
                 teacher_logits: Optional[Tensor], advantages: Optional[Tensor],
                 old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor],
-                rollout_logprobs: Optional[Tensor], cu_seqlens: Optional[Tensor], options: str,
+                rollout_logprobs: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                teacher_topk_ids: Optional[Tensor], teacher_topk_logprobs: Optional[Tensor], options: str,
                 divisor: float, need_grad: bool) -> Tuple[Tensor, Tensor]:
     """(scalars fp32 [len(SCALARS)], gradient or an empty tensor). options: the plan's options as
     JSON (static: one plan per distinct string, vocabulary, dtype and device)."""
@@ -208,13 +209,14 @@ def _fused_loss(logits: Tensor, labels: Optional[Tensor], weights: Optional[Tens
                  need_grad)
     out = plan(logits, labels, weights=weights, teacher_logits=teacher_logits,
                advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-               rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens, divisor=divisor)
+               rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens, teacher_topk_ids=teacher_topk_ids,
+               teacher_topk_logprobs=teacher_topk_logprobs, divisor=divisor)
     return out.scalars, (out.grad if need_grad else logits.new_empty(0))
 
 
 @_fused_loss.register_fake
 def _(logits, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
-      rollout_logprobs, cu_seqlens, options, divisor, need_grad):
+      rollout_logprobs, cu_seqlens, teacher_topk_ids, teacher_topk_logprobs, options, divisor, need_grad):
     gdt = json.loads(options).get("grad_dtype")
     grad = (logits.new_empty(logits.shape, dtype=getattr(torch, gdt) if gdt else logits.dtype)
             if need_grad else logits.new_empty(0))
@@ -231,7 +233,7 @@ def _loss_backward(ctx, dscalars, _dgrad):
     # The loss is scalars[0]: its incoming gradient scales the one formed in the forward pass, in
     # place (see torch_loss.scale_saved: no host synchronisation, no second [rows, vocab] tensor,
     # a second backward refused by autograd's version check rather than scaled twice).
-    return (scale_saved(g, dscalars[0], ctx.logits_dtype),) + (None,) * 11
+    return (scale_saved(g, dscalars[0], ctx.logits_dtype),) + (None,) * 13
 
 
 _fused_loss.register_autograd(_loss_backward, setup_context=_loss_setup)
@@ -261,15 +263,17 @@ def lm_head_loss(logits: Tensor, labels: Optional[Tensor] = None, *, terms: Sequ
                  weights: Optional[Tensor] = None, teacher_logits: Optional[Tensor] = None,
                  advantages: Optional[Tensor] = None, old_logprobs: Optional[Tensor] = None,
                  ref_logprobs: Optional[Tensor] = None, rollout_logprobs: Optional[Tensor] = None,
-                 cu_seqlens: Optional[Tensor] = None, divisor: float = 0.0, **options):
+                 cu_seqlens: Optional[Tensor] = None, teacher_topk_ids: Optional[Tensor] = None,
+                 teacher_topk_logprobs: Optional[Tensor] = None, divisor: float = 0.0, **options):
     """The fused LM-head loss plan as a torch custom op: (loss, metrics dict of 0-d tensors).
 
     Options as headloss.LossPlan (ce_weight, z_weight, entropy_weight, distill_weight,
     grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap, teacher/student_temperature,
     eps_low, eps_high, dual_clip, cispo_weight, cispo_eps_high, kl_estimator, ratio_level,
-    rollout_correction, rollout_level, rollout_cap, rollout_floor, ignore_index, grad_dtype,
-    check); rollout_logprobs and cu_seqlens (over the flattened rows) as LossPlan's call. The
-    gradient w.r.t. the logits is
+    rollout_correction, rollout_level, rollout_cap, rollout_floor, jsd_beta, teacher_topk,
+    topk_ids_dtype, ignore_index, grad_dtype, check); rollout_logprobs and cu_seqlens (over the
+    flattened rows) as LossPlan's call; a sparse teacher (teacher_topk = k) passes teacher_topk_ids /
+    teacher_topk_logprobs [..., k]. The gradient w.r.t. the logits is
     formed in the same pass when autograd needs it, and scaled by the loss's incoming gradient in
     backward. Works under torch.compile (headloss::fused_loss is opaque to the compiler; the plan
     is made once per options / vocabulary / dtype / device).
@@ -277,7 +281,8 @@ def lm_head_loss(logits: Tensor, labels: Optional[Tensor] = None, *, terms: Sequ
     need_grad = torch.is_grad_enabled() and logits.requires_grad
     scalars, _ = torch.ops.headloss.fused_loss(
         logits, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
-        rollout_logprobs, cu_seqlens, _options_json(_options_key(terms, seq_options(options, cu_seqlens))),
+        rollout_logprobs, cu_seqlens, teacher_topk_ids, teacher_topk_logprobs,
+        _options_json(_options_key(terms, seq_options(options, cu_seqlens))),
         float(divisor), bool(need_grad))
     return scalars[0], _metrics(scalars)
 
@@ -311,6 +316,7 @@ def _linear_loss(hidden: Tensor, weight: Tensor, labels: Optional[Tensor], weigh
                  teacher_logits: Optional[Tensor], advantages: Optional[Tensor],
                  old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor],
                  rollout_logprobs: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                 teacher_topk_ids: Optional[Tensor], teacher_topk_logprobs: Optional[Tensor],
                  teacher_hidden: Optional[Tensor], teacher_weight: Optional[Tensor], options: str,
                  divisor: float, need_grad_hidden: bool, need_grad_weight: bool,
                  max_workspace_bytes: Optional[int]) -> Tuple[Tensor, Tensor, Tensor]:
@@ -324,7 +330,8 @@ def _linear_loss(hidden: Tensor, weight: Tensor, labels: Optional[Tensor], weigh
                             _dtype_name(labels), 0 if teacher_hidden is None else teacher_hidden.shape[-1],
                             need_grad_hidden, need_grad_weight)
         inputs = (weights, teacher_logits, advantages, old_logprobs, ref_logprobs, teacher_hidden,
-                  teacher_weight, rollout_logprobs, cu_seqlens)  # LINEAR_INPUTS' order
+                  teacher_weight, rollout_logprobs, cu_seqlens, teacher_topk_ids,
+                  teacher_topk_logprobs)  # LINEAR_INPUTS' order
         scalars, gh, gw = run_linear(plan, hidden, weight, labels, divisor, max_workspace_bytes,
                                      {k: v for k, v in zip(LINEAR_INPUTS, inputs) if v is not None})
     return (scalars, gh if gh is not None else hidden.new_empty(0),
@@ -333,8 +340,8 @@ def _linear_loss(hidden: Tensor, weight: Tensor, labels: Optional[Tensor], weigh
 
 @_linear_loss.register_fake
 def _(hidden, weight, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
-      rollout_logprobs, cu_seqlens, teacher_hidden, teacher_weight, options, divisor, need_grad_hidden,
-      need_grad_weight, max_workspace_bytes):
+      rollout_logprobs, cu_seqlens, teacher_topk_ids, teacher_topk_logprobs, teacher_hidden, teacher_weight,
+      options, divisor, need_grad_hidden, need_grad_weight, max_workspace_bytes):
     gdt = json.loads(options).get("grad_weight_dtype")
     gh = hidden.new_empty(hidden.shape) if need_grad_hidden else hidden.new_empty(0)
     gw = (weight.new_empty(weight.shape, dtype=getattr(torch, gdt) if gdt else weight.dtype)
@@ -345,13 +352,13 @@ def _(hidden, weight, labels, weights, teacher_logits, advantages, old_logprobs,
 def _linear_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1], output[2])
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype)
-    ctx.need = (inputs[14], inputs[15])  # need_grad_hidden, need_grad_weight
+    ctx.need = (inputs[16], inputs[17])  # need_grad_hidden, need_grad_weight
 
 
 def _linear_backward(ctx, dscalars, _dgh, _dgw):
     grads = tuple(scale_saved(g, dscalars[0], dt) if need else None
                   for g, dt, need in zip(ctx.saved_tensors, ctx.dtypes, ctx.need))
-    return grads + (None,) * 15
+    return grads + (None,) * 17
 
 
 _linear_loss.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -397,6 +404,7 @@ def linear_loss(hidden: Tensor, weight, labels: Optional[Tensor] = None, *,
                 teacher_logits: Optional[Tensor] = None, advantages: Optional[Tensor] = None,
                 old_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None,
                 rollout_logprobs: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
+                teacher_topk_ids: Optional[Tensor] = None, teacher_topk_logprobs: Optional[Tensor] = None,
                 divisor: float = 0.0, **options):
     """The fused linear form of the loss plan as a torch custom op: the loss of the logits
     hidden @ weight.T without forming them (only a chunk of rows at a time exists, in the
@@ -404,7 +412,7 @@ def linear_loss(hidden: Tensor, weight, labels: Optional[Tensor] = None, *,
 
     hidden [..., H] (leading dims flattened to rows); weight [V, H] (lm_head.weight, or the
     nn.Linear itself, without a bias); labels and the per-row inputs [...] (labels < 0 ignored);
-    teacher_logits [..., V]. Options as lm_head_loss (ce_weight, z_weight, entropy_weight,
+    teacher_logits [..., V], or a sparse teacher's teacher_topk_ids / _logprobs [..., k]. Options as lm_head_loss (ce_weight, z_weight, entropy_weight,
     distill_weight, grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap,
     teacher_temperature, student_temperature, eps_low, eps_high, dual_clip, cispo_weight,
     cispo_eps_high, kl_estimator, the sequence and rollout options, ignore_index, check; the inputs
@@ -431,6 +439,7 @@ def linear_loss(hidden: Tensor, weight, labels: Optional[Tensor] = None, *,
         _matrix(mats["hidden"]), _matrix(mats["weight"]), _per_row(labels), _per_row(weights),
         _matrix(mats["teacher_logits"]), _per_row(advantages), _per_row(old_logprobs),
         _per_row(ref_logprobs), _per_row(rollout_logprobs), _per_row(cu_seqlens),
+        _matrix(teacher_topk_ids), _matrix(teacher_topk_logprobs),
         _matrix(mats["teacher_hidden"]), _matrix(mats["teacher_weight"]),
         _options_json(_options_key(terms, seq_options(options, cu_seqlens))), float(divisor),
         bool(grad and mats["hidden"].requires_grad), bool(grad and mats["weight"].requires_grad),

@@ -15,7 +15,9 @@
 //   hl_jax_loss         args logits, then one buffer per bit of `inputs` (1 labels, 2 weights,
 //                       4 teacher_logits, 8 advantages, 16 old_logprobs, 32 ref_logprobs,
 //                       256 rollout_logprobs, 512 cu_seqlens [sequences + 1] in the attribute
-//                       cu_seqlens_dtype)
+//                       cu_seqlens_dtype, 1024 teacher_topk_ids [.., k] s32 / s64, 2048
+//                       teacher_topk_logprobs [.., k] f32: a sparse teacher, teacher_topk = k from
+//                       their shape)
 //                       rets scalars f32[HL_LOSS_NUM_SCALARS], [grad: grad_mode != 0],
 //                       [token_loss, token_logp, token_entropy, token_lse: token_outputs]
 //                       attrs: the hl_loss_plan_desc_t fields by name (terms, flags, ce_weight, ...,
@@ -334,6 +336,7 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
   d.rollout_floor = Get<float>(attrs, "rollout_floor", 0.0f);
   // An attribute (the statistics step gets no cu_seqlens, and its plan must be the finish's).
   d.cu_seqlens_dtype = static_cast<hl_dtype_t>(Get<int32_t>(attrs, "cu_seqlens_dtype", HL_DTYPE_NONE));
+  d.jsd_beta = Get<float>(attrs, "jsd_beta", 0.0f);
   d.use_ignore_index = Get<int32_t>(attrs, "use_ignore_index", 0);
   d.ignore_index = Get<int64_t>(attrs, "ignore_index", -100);
   d.vocab_global = Get<int64_t>(attrs, "vocab_global", 0);
@@ -377,6 +380,22 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
     HL_JAX_TRY(CheckDtype(b, d.cu_seqlens_dtype, "cu_seqlens"));
     a.cu_seqlens = b.untyped_data();
     a.num_seqs = std::max<int64_t>(int64_t(b.element_count()) - 1, 0);
+  }
+  if (inputs & (1 << 10)) {  // a sparse teacher: k and the ids' dtype from the ids
+    HL_JAX_ARG(b, args, c->ai++);
+    HL_JAX_DTYPE(d.teacher_topk_ids_dtype, b, "teacher_topk_ids");
+    a.teacher_topk_ids = b.untyped_data();
+    int64_t rows = 0, cols = 0;
+    RowsCols(b, &rows, &cols);
+    d.teacher_topk = int(cols);
+  }
+  if (inputs & (1 << 11)) {
+    HL_JAX_ARG(b, args, c->ai++);
+    HL_JAX_TRY(CheckDtype(b, HL_DTYPE_F32, "teacher_topk_logprobs"));
+    a.teacher_topk_logprobs = static_cast<const float *>(b.untyped_data());
+    int64_t rows = 0, cols = 0;
+    RowsCols(b, &rows, &cols);
+    if (cols != d.teacher_topk) return Invalid("teacher_topk_logprobs must be [..., k] as teacher_topk_ids");
   }
   return ffi::Error::Success();
 }

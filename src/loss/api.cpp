@@ -16,7 +16,8 @@ namespace {
 
 constexpr unsigned kAllTerms = HL_LOSS_CE | HL_LOSS_Z | HL_LOSS_ENTROPY | HL_LOSS_DISTILL_FWD |
                                HL_LOSS_DISTILL_REV | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF |
-                               HL_LOSS_CISPO;
+                               HL_LOSS_CISPO | HL_LOSS_DISTILL_JSD;
+constexpr unsigned kDistillTerms = HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV | HL_LOSS_DISTILL_JSD;
 constexpr unsigned kLabelTerms = HL_LOSS_CE | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF | HL_LOSS_CISPO;
 
 hl_status_t check_finite(const char *fn, const char *arg, float v) {
@@ -85,7 +86,7 @@ hl_status_t validate_linear_desc(const char *fn, hl_loss_plan_desc_t &d) {
   if (d.teacher_hidden < 0)
     return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_hidden is %lld; must be >= 0 (0: teacher "
                 "logits)", fn, (long long)d.teacher_hidden);
-  if (d.teacher_hidden > 0 && !(d.terms & (HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV)))
+  if (d.teacher_hidden > 0 && !(d.terms & kDistillTerms))
     return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_hidden is %lld but the plan has no "
                 "distillation term", fn, (long long)d.teacher_hidden);
   return HL_STATUS_SUCCESS;
@@ -134,6 +135,55 @@ hl_status_t validate_sequence_options(const char *fn, hl_loss_plan_desc_t &d, Op
   return HL_STATUS_SUCCESS;
 }
 
+// The distillation term's divergence (JSD at b = 0 or 1 is forward / reverse KL, as TRL's), the
+// sparse teacher's fields and what the sharded plans cannot do. tt: the teacher temperature.
+hl_status_t validate_distill_desc(const char *fn, const hl_loss_plan_desc_t &d, float tt, Options &o) {
+  const bool jsd = d.terms & HL_LOSS_DISTILL_JSD;
+  HL_TRY(check_finite(fn, "jsd_beta", d.jsd_beta));
+  if (!jsd && d.jsd_beta != 0.0f)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: jsd_beta is %g but the plan has no HL_LOSS_DISTILL_JSD",
+                fn, double(d.jsd_beta));
+  if (d.jsd_beta < 0.0f || d.jsd_beta > 1.0f)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: jsd_beta is %g; must be in [0, 1]", fn, double(d.jsd_beta));
+  o.jsd_beta = d.jsd_beta;
+  o.divergence = (d.terms & HL_LOSS_DISTILL_FWD) || (jsd && d.jsd_beta == 0.0f) ? kDistillFwd
+                 : (d.terms & HL_LOSS_DISTILL_REV) || (jsd && d.jsd_beta == 1.0f) ? kDistillRev
+                 : jsd ? kDistillJsd : kDistillNone;
+  o.topk = d.teacher_topk;
+  o.distill = o.divergence != kDistillNone && o.topk > 0 ? kDistillSparse : o.divergence;
+  if (d.teacher_topk == 0) {
+    if (d.teacher_topk_ids_dtype != HL_DTYPE_NONE)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk_ids_dtype is %s but teacher_topk is 0 "
+                  "(a dense teacher)", fn, dtype_name(d.teacher_topk_ids_dtype));
+  } else {
+    if (d.teacher_topk < 0 || d.teacher_topk > kMaxTopk || d.teacher_topk > d.vocab_global)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk is %d; must be in [1, min(%d, "
+                  "vocab_global = %lld)] (0: a dense teacher)", fn, d.teacher_topk, kMaxTopk,
+                  (long long)d.vocab_global);
+    if (o.divergence == kDistillNone)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk is %d but the plan has no distillation "
+                  "term", fn, d.teacher_topk);
+    if (d.teacher_topk_ids_dtype != HL_DTYPE_I32 && d.teacher_topk_ids_dtype != HL_DTYPE_I64)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk_ids_dtype is %s (%d); expected I32 or "
+                  "I64", fn, dtype_name(d.teacher_topk_ids_dtype), int(d.teacher_topk_ids_dtype));
+    if (d.teacher_hidden > 0)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk and teacher_hidden both set; a teacher "
+                  "is sparse or dense", fn);
+    if (tt != 1.0f)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_temperature is %g, but a sparse teacher's "
+                  "log-probs are used as given (pass 0)", fn, double(d.teacher_temperature));
+    if (d.ranks > 1)
+      return fail(HL_STATUS_NOT_SUPPORTED, "%s: a sparse teacher (teacher_topk) on a vocabulary "
+                  "shard (ranks = %d) is not supported: each rank's record would need the k logits",
+                  fn, d.ranks);
+  }
+  if (o.distill == kDistillJsd && d.ranks > 1)
+    return fail(HL_STATUS_NOT_SUPPORTED, "%s: DISTILL_JSD from a dense teacher on a vocabulary shard "
+                "(ranks = %d) is not supported: its middle pass would need a second exchange "
+                "(jsd_beta 0 or 1, forward or reverse KL, is one pass)", fn, d.ranks);
+  return HL_STATUS_SUCCESS;
+}
+
 hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   HL_TRY(check_backend(fn, d.backend));
   HL_TRY(validate_linear_desc(fn, d));
@@ -149,9 +199,10 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   if (d.flags & ~unsigned(HL_LOSS_UNCHECKED))
     return fail(HL_STATUS_INVALID_VALUE, "%s: flags has unknown bits 0x%x", fn,
                 d.flags & ~unsigned(HL_LOSS_UNCHECKED));
-  if ((d.terms & HL_LOSS_DISTILL_FWD) && (d.terms & HL_LOSS_DISTILL_REV))
-    return fail(HL_STATUS_INVALID_VALUE,
-                "%s: terms has both HL_LOSS_DISTILL_FWD and HL_LOSS_DISTILL_REV; pick one", fn);
+  const unsigned distill = d.terms & kDistillTerms;
+  if (distill & (distill - 1))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: terms has more than one of HL_LOSS_DISTILL_FWD, "
+                "_REV and _JSD; pick one", fn);
   if ((d.terms & kLabelTerms) && d.labels_dtype == HL_DTYPE_NONE)
     return fail(HL_STATUS_INVALID_VALUE,
                 "%s: CE, GRPO, CISPO and GRPO_KL_REF need labels, but labels_dtype is NONE", fn);
@@ -184,9 +235,9 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   // A caller built against an older header has room for the scalars that header listed: 0.2's
   // descriptor ended before kl_estimator, 0.3's before cu_seqlens_dtype.
   const auto has = [&](size_t end) { return d.struct_size >= end; };
-  o.scalars = has(offsetof(hl_loss_plan_desc_t, rollout_floor) + sizeof(float)) ? HL_LOSS_NUM_SCALARS
-              : has(offsetof(hl_loss_plan_desc_t, kl_estimator) + sizeof(int))  ? HL_LOSS_OUT_ROLLOUT_KL_K1
-                                                                                 : HL_LOSS_OUT_CISPO;
+  o.scalars = has(offsetof(hl_loss_plan_desc_t, cu_seqlens_dtype) + sizeof(hl_dtype_t)) ? HL_LOSS_NUM_SCALARS
+              : has(offsetof(hl_loss_plan_desc_t, kl_estimator) + sizeof(int))       ? HL_LOSS_OUT_ROLLOUT_KL_K1
+                                                                                      : HL_LOSS_OUT_CISPO;
   HL_TRY(check_finite(fn, "softcap", d.softcap));
   if (d.softcap < 0.0f)
     return fail(HL_STATUS_INVALID_VALUE, "%s: softcap is %g; must be >= 0 (0: no cap)", fn,
@@ -211,7 +262,7 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   o.ce_w = on(HL_LOSS_CE, d.ce_weight);
   o.z_w = on(HL_LOSS_Z, d.z_weight);
   o.ent_w = on(HL_LOSS_ENTROPY, d.entropy_weight);
-  o.dist_w = on(HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV, d.distill_weight);
+  o.dist_w = on(kDistillTerms, d.distill_weight);
   o.grpo_w = on(HL_LOSS_GRPO, d.grpo_weight);
   o.beta = on(HL_LOSS_GRPO_KL_REF, d.kl_ref_beta);
   o.cispo_w = on(HL_LOSS_CISPO, d.cispo_weight);
@@ -219,8 +270,10 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   o.cap = d.softcap;
   o.inv_tt = 1.0f / tt;
   o.inv_ts = 1.0f / ts;
-  o.distill = (d.terms & HL_LOSS_DISTILL_FWD) ? kDistillFwd
-              : (d.terms & HL_LOSS_DISTILL_REV) ? kDistillRev : kDistillNone;
+  HL_TRY(validate_distill_desc(fn, d, tt, o));
+  if (o.seq_ratio && (o.distill == kDistillSparse || o.distill == kDistillJsd))
+    return fail(HL_STATUS_NOT_SUPPORTED, "%s: ratio_level SEQ_MEAN (GSPO) runs the plan as its "
+                "statistics and finish steps, which a sparse teacher and DISTILL_JSD do not have", fn);
   o.terms = d.terms;
   o.vocab = d.vocab_global;  // label smoothing averages over the whole vocabulary
   return HL_STATUS_SUCCESS;
@@ -244,7 +297,7 @@ hl_status_t require(const char *fn, const char *name, const void *p, const char 
 // Every matrix a call passes (strides resolved), for the pointer and aliasing checks.
 std::vector<Buffer> arg_buffers(const hl_loss_plan_st &p, const hl_loss_args_t &a) {
   const hl_loss_plan_desc_t &d = p.desc;
-  const int64_t V = d.vocab, H = d.hidden, Ht = d.teacher_hidden, N = a.rows;
+  const int64_t V = d.vocab, H = d.hidden, Ht = d.teacher_hidden, N = a.rows, K = d.teacher_topk;
   const hl_dtype_t wd = d.weight_dtype, f32 = HL_DTYPE_F32;
   return {
       {"logits", a.logits, N, V, a.logits_stride, d.logits_dtype, false},
@@ -260,6 +313,8 @@ std::vector<Buffer> arg_buffers(const hl_loss_plan_st &p, const hl_loss_args_t &
       {"ref_logprobs", a.ref_logprobs, N, 1, 1, f32, false},
       {"rollout_logprobs", a.rollout_logprobs, N, 1, 1, f32, false},
       {"cu_seqlens", a.cu_seqlens, a.num_seqs + 1, 1, 1, d.cu_seqlens_dtype, false},
+      {"teacher_topk_ids", a.teacher_topk_ids, N, K, a.teacher_topk_ids_stride, d.teacher_topk_ids_dtype, false},
+      {"teacher_topk_logprobs", a.teacher_topk_logprobs, N, K, a.teacher_topk_logprobs_stride, f32, false},
       {"grad", a.grad, N, V, a.grad_stride, d.grad_dtype, true},
       {"grad_hidden", a.grad_hidden, N, H, a.grad_hidden_stride, d.grad_hidden_dtype, true},
       {"grad_weight", a.grad_weight, V, H, a.grad_weight_stride, d.grad_weight_dtype, true},
@@ -334,15 +389,24 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
     HL_TRY(require(fn, "rollout_logprobs", a.rollout_logprobs, "a rollout correction"));
     HL_TRY(require(fn, "old_logprobs", a.old_logprobs, "a rollout correction"));
   }
-  if ((a.teacher_logits || a.teacher_hidden) && p.opt.distill == kDistillNone)
+  const bool dense_teacher = a.teacher_logits || a.teacher_hidden || a.teacher_weight;
+  const bool sparse_teacher = a.teacher_topk_ids || a.teacher_topk_logprobs;
+  if ((dense_teacher || sparse_teacher) && p.opt.distill == kDistillNone)
     return fail(HL_STATUS_INVALID_VALUE,
                 "%s: a teacher is set but the plan has no distillation term", fn);
+  if (dense_teacher && p.opt.topk)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: a dense teacher (teacher_logits / teacher_hidden) is "
+                "set, but the plan's teacher is sparse (teacher_topk = %d): pass teacher_topk_ids "
+                "and teacher_topk_logprobs", fn, p.opt.topk);
+  if (sparse_teacher && !p.opt.topk)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk_ids / teacher_topk_logprobs are set, but "
+                "the plan's teacher is dense (teacher_topk = 0)", fn);
   HL_TRY(check_form(fn, p, a));
   HL_TRY(check_output(fn, "grad", a.grad, a.rows, d.grad_mode, "grad_mode", phase));
   HL_TRY(check_output(fn, "grad_hidden", a.grad_hidden, a.rows, d.grad_hidden_mode, "grad_hidden_mode", phase));
   // grad_weight has vocab rows whatever the call's rows (zeros for none: the empty sum).
   HL_TRY(check_output(fn, "grad_weight", a.grad_weight, d.vocab, d.grad_weight_mode, "grad_weight_mode", phase));
-  const int64_t V = d.vocab, H = d.hidden, Ht = d.teacher_hidden, N = a.rows;
+  const int64_t V = d.vocab, H = d.hidden, Ht = d.teacher_hidden, N = a.rows, K = p.opt.topk;
   if (a.grad_weight) {
     HL_TRY(resolve_stride(fn, "grad_weight", a.grad_weight_stride, H, &a.grad_weight_stride));
     HL_TRY(check_pointer(fn, be, "grad_weight", a.grad_weight, d.grad_weight_dtype));
@@ -366,6 +430,12 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
     HL_TRY(require(fn, "teacher_weight", a.teacher_weight, "distillation from a fused teacher"));
     HL_TRY(resolve_stride(fn, "teacher_hidden", a.teacher_hidden_stride, Ht, &a.teacher_hidden_stride));
     HL_TRY(resolve_stride(fn, "teacher_weight", a.teacher_weight_stride, Ht, &a.teacher_weight_stride));
+  } else if (distill && K) {
+    HL_TRY(require(fn, "teacher_topk_ids", a.teacher_topk_ids, "a sparse teacher"));
+    HL_TRY(require(fn, "teacher_topk_logprobs", a.teacher_topk_logprobs, "a sparse teacher"));
+    HL_TRY(resolve_stride(fn, "teacher_topk_ids", a.teacher_topk_ids_stride, K, &a.teacher_topk_ids_stride));
+    HL_TRY(resolve_stride(fn, "teacher_topk_logprobs", a.teacher_topk_logprobs_stride, K,
+                          &a.teacher_topk_logprobs_stride));
   } else if (distill) {
     HL_TRY(require(fn, "teacher_logits", a.teacher_logits, "distillation"));
     HL_TRY(resolve_stride(fn, "teacher_logits", a.teacher_stride, V, &a.teacher_stride));
@@ -409,11 +479,11 @@ hl_status_t check_seqlens(const char *fn, const hl_loss_plan_st &p, const hl_los
 
 namespace {
 
-// Host inputs: cu_seqlens, and the first label that is out of range and not ignored.
+// Host inputs: cu_seqlens, the first label that is out of range and not ignored, then a sparse
+// teacher's rows (CUDA's order).
 hl_status_t check_host_inputs(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a) {
   if (a.cu_seqlens) HL_TRY(check_seqlens(fn, p, a, a.cu_seqlens));
-  if (!a.labels) return HL_STATUS_SUCCESS;
-  for (int64_t i = 0; i < a.rows; ++i) {
+  for (int64_t i = 0; a.labels && i < a.rows; ++i) {
     const int64_t y = int64_t(cpu::load(a.labels, p.desc.labels_dtype, i));
     const bool ignored = y < 0 || (p.desc.use_ignore_index && y == p.desc.ignore_index);
     if (!ignored && y >= p.desc.vocab_global)
@@ -421,6 +491,11 @@ hl_status_t check_host_inputs(const char *fn, const hl_loss_plan_st &p, const hl
                   "%s: labels[%lld] is %lld, outside [0, vocab = %lld) and not ignored", fn,
                   (long long)i, (long long)y, (long long)p.desc.vocab_global);
   }
+  if (!p.opt.topk || !a.teacher_topk_ids) return HL_STATUS_SUCCESS;
+  const size_t isz = p.desc.teacher_topk_ids_dtype == HL_DTYPE_I64 ? 8 : 4;
+  for (int64_t i = 0; i < a.rows; ++i)
+    HL_TRY(check_topk_row(fn, p, i, static_cast<const char *>(a.teacher_topk_ids) + i * a.teacher_topk_ids_stride * isz,
+                          a.teacher_topk_logprobs + i * a.teacher_topk_logprobs_stride));
   return HL_STATUS_SUCCESS;
 }
 
@@ -450,6 +525,9 @@ hl_status_t check_workspace(const char *fn, const hl_loss_plan_st &p, int64_t ro
 hl_status_t split_args(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t *args, Phase phase,
                        hl_loss_args_t *a) {
   HL_TRY(check_not_null(fn, "plan", plan));
+  if (plan->opt.distill == kDistillJsd || plan->opt.distill == kDistillSparse)
+    return fail(HL_STATUS_NOT_SUPPORTED, "%s: a plan with dense JSD or a sparse teacher runs whole "
+                "(hl_loss_plan_execute): its sums over the row come after the row's statistics", fn);
   HL_TRY(read_descriptor(fn, args, a));
   HL_TRY(validate_args(fn, *plan, *a, phase));
   return plan->desc.backend == HL_BACKEND_CPU ? check_host_inputs(fn, *plan, *a) : HL_STATUS_SUCCESS;
@@ -494,6 +572,30 @@ hl_status_t cpu_merge_finish(const char *fn, const hl_loss_plan_st &p, const hl_
 }
 
 }  // namespace
+
+hl_status_t check_topk_row(const char *fn, const hl_loss_plan_st &p, int64_t i, const void *ids,
+                           const float *logprobs) {
+  std::vector<int64_t> seen;
+  for (int k = 0; k < p.opt.topk; ++k) {
+    const int64_t id = int64_t(cpu::load(ids, p.desc.teacher_topk_ids_dtype, k));
+    if (id < 0) continue;  // padding
+    if (id >= p.desc.vocab_global)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk_ids[%lld, %d] is %lld, outside [0, vocab "
+                  "= %lld) and not padding (< 0)", fn, (long long)i, k, (long long)id,
+                  (long long)p.desc.vocab_global);
+    if (!topk_logprob_ok(logprobs[k]))
+      return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk_logprobs[%lld, %d] is %g; a log-prob "
+                  "must be finite and <= 0 (+%g)", fn, (long long)i, k, double(logprobs[k]),
+                  double(kTopkLogprobTol));
+    seen.push_back(id);
+  }
+  std::sort(seen.begin(), seen.end());
+  const auto dup = std::adjacent_find(seen.begin(), seen.end());
+  if (dup != seen.end())
+    return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk_ids row %lld holds id %lld twice (the "
+                "rest bucket needs distinct ids)", fn, (long long)i, (long long)*dup);
+  return HL_STATUS_SUCCESS;
+}
 
 size_t record_bytes(const hl_loss_plan_st &p) {
   if (p.desc.backend == HL_BACKEND_CPU) return sizeof(CpuStats);

@@ -128,7 +128,7 @@ class Rows {
 };
 
 // The statistics of one row's shard; label and argmax in shard-local columns, amax reported
-// globally (+ first).
+// globally (+ first). The student-temperature sums with any distillation, the teacher's with v.
 CpuStats row_stats(const std::vector<double> &z, const std::vector<double> &v, int64_t label,
                 int64_t first, const Options &o) {
   CpuStats st = empty_stats<double>();
@@ -142,15 +142,17 @@ CpuStats row_stats(const std::vector<double> &z, const std::vector<double> &v, i
     st.sum += z[j];
   }
   if (label >= 0 && label < int64_t(V)) st.zy = z[size_t(label)];
-  if (v.empty()) return st;
-  for (size_t j = 0; j < V; ++j) st.mt = std::max(st.mt, v[j]);
+  if (o.distill == kDistillNone) return st;
+  for (size_t j = 0; j < v.size(); ++j) st.mt = std::max(st.mt, v[j]);
   for (size_t j = 0; j < V; ++j) {
-    const double d = z[j] - st.m, dt = v[j] - st.mt, et = std::exp(dt), es = std::exp(d * o.inv_ts);
+    const double d = z[j] - st.m, es = std::exp(d * o.inv_ts);
+    st.ss += es;
+    st.bs += es * d;
+    if (v.empty()) continue;
+    const double dt = v[j] - st.mt, et = std::exp(dt);
     st.st += et;
     st.bt += et * dt;
     st.ct += et * d;
-    st.ss += es;
-    st.bs += es * d;
     st.cs += es * dt;
   }
   return st;
@@ -189,19 +191,48 @@ void seq_values_of_rows(const hl_loss_plan_st &p, const hl_loss_args_t &a, const
 
 bool has_teacher(const hl_loss_args_t &a) { return a.teacher_logits || a.teacher_hidden; }
 
+// Entry k of row i of a sparse teacher: its id (< 0: padding) and log-prob.
+int64_t topk_id(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i, int k, double *lq) {
+  *lq = a.teacher_topk_logprobs[i * a.teacher_topk_logprobs_stride + k];
+  return int64_t(load(a.teacher_topk_ids, p.desc.teacher_topk_ids_dtype, i * a.teacher_topk_ids_stride + k));
+}
+
+// A dense JSD row's or a sparse teacher's sums (DistillRow) from its z_hat and teacher / tau_t.
+DistillRow<double> distill_row(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i,
+                               const CpuStats &st, const std::vector<double> &z,
+                               const std::vector<double> &v) {
+  const Options &o = p.opt;
+  const double lse_s = student_lse(st, o), its = o.inv_ts, b = o.jsd_beta;
+  DivSums<double> sum{0, 0, 0, 0};
+  if (o.distill == kDistillJsd) {
+    const double lse_t = teacher_lse(st);
+    for (size_t j = 0; j < z.size(); ++j) sum = add(sum, div_elem(kDistillJsd, b, z[j] * its - lse_s, v[j] - lse_t));
+    return dense_row(sum);
+  }
+  for (int k = 0; k < o.topk; ++k) {
+    double lq;
+    const int64_t id = topk_id(p, a, i, k, &lq);
+    if (id >= 0) sum = add(sum, div_elem(o.divergence, b, z[size_t(id)] * its - lse_s, lq));
+  }
+  return sparse_row(o, sum);
+}
+
+// The soft-cap's chain factor at z_hat (1 without a cap).
+double chain(const Options &o, double z) {
+  const double t = o.cap > 0 ? z / o.cap : 0.0;
+  return 1.0 - t * t;
+}
+
 // The gradient of one row w.r.t. its raw logits, from its z_hat, teacher and coefficients.
 template <int DISTILL>
 void grad_row(const Options &o, const std::vector<double> &z, const std::vector<double> &v,
               const RowResult<double> &r, int64_t label, std::vector<double> &g) {
   const auto ex = [](double x) { return std::exp(x); };
   for (size_t j = 0; j < z.size(); ++j) {
-    double gj = grad_elem<DISTILL>(r, o, z[j], DISTILL ? v[j] : 0.0, std::exp(z[j] - r.lse), ex);
+    const double vj = DISTILL && DISTILL != kDistillSparse ? v[j] : 0.0;
+    double gj = grad_elem<DISTILL>(r, o, z[j], vj, std::exp(z[j] - r.lse), ex);
     if (int64_t(j) == label) gj += r.cy;
-    if (o.cap > 0) {
-      const double t = z[j] / o.cap;
-      gj *= 1.0 - t * t;
-    }
-    g[j] = gj;
+    g[j] = gj * chain(o, z[j]);
   }
 }
 
@@ -234,16 +265,29 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
   std::vector<double> sum(kRecFields, 0.0), seq_lr, seq_roll;
   if (p.sequences) seq_values_of_rows(p, a, merged, seq_lr, seq_roll);
   double rmin = INFINITY, rmax = -INFINITY, amin = INFINITY, amax = -INFINITY;
+  // Dense JSD and a sparse teacher take sums over the row once its lse is known (one shard).
+  const bool two_pass = o.distill == kDistillJsd || o.distill == kDistillSparse;
   for (int64_t i = 0; i < a.rows; ++i) {
     RowInputs<double> in = row_inputs(p, a, i);
     if (p.sequences) in.seq_lr = seq_lr[size_t(i)], in.seq_roll = seq_roll[size_t(i)];
-    const RowResult<double> r = finish_row(merged[i], in, o, kd);
+    if (grads || two_pass) rows.load_row(i, z, v);
+    DistillRow<double> dx{};
+    if (two_pass) dx = distill_row(p, a, i, merged[i], z, v);
+    const RowResult<double> r = finish_row(merged[i], in, o, kd, two_pass ? &dx : nullptr);
     if (grads) {
-      rows.load_row(i, z, v);
       const int64_t label = in.label - first;  // outside [0, vocab) when another shard owns it
-      if (o.distill == kDistillFwd) grad_row<kDistillFwd>(o, z, v, r, label, g);
-      else if (o.distill == kDistillRev) grad_row<kDistillRev>(o, z, v, r, label, g);
-      else grad_row<kDistillNone>(o, z, v, r, label, g);
+      switch (o.distill) {
+        case kDistillFwd: grad_row<kDistillFwd>(o, z, v, r, label, g); break;
+        case kDistillRev: grad_row<kDistillRev>(o, z, v, r, label, g); break;
+        case kDistillJsd: grad_row<kDistillJsd>(o, z, v, r, label, g); break;
+        case kDistillSparse: grad_row<kDistillSparse>(o, z, v, r, label, g); break;
+        default: grad_row<kDistillNone>(o, z, v, r, label, g);
+      }
+      for (int k = 0; k < o.topk; ++k) {  // a sparse teacher's ids: their own a_k
+        double lq;
+        const int64_t id = topk_id(p, a, i, k, &lq);
+        if (id >= 0) g[size_t(id)] += topk_correction(r, o, z[size_t(id)], lq) * chain(o, z[size_t(id)]);
+      }
       rows.put_grad(i, g);
     }
     if (a.token_loss) a.token_loss[i] = float(r.token_loss);

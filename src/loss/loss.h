@@ -80,6 +80,11 @@ BlockHeader make_header(const hl_loss_plan_st &p, int64_t rows);
 hl_status_t check_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows,
                          const BlockHeader *headers);
 
+// A sparse teacher's row i, in host memory (its k ids and log-probs): ids in [0, vocab_global) or
+// padding, none twice, log-probs finite and <= kTopkLogprobTol. Both backends' message.
+hl_status_t check_topk_row(const char *fn, const hl_loss_plan_st &p, int64_t i, const void *ids,
+                           const float *logprobs);
+
 // Both forms: the fused linear form's logits are formed row by row in fp64 (cpu.cpp).
 // Every row at once (one shard that is the whole vocabulary).
 hl_status_t cpu_execute(const hl_loss_plan_st &p, const hl_loss_args_t &a);

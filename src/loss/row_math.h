@@ -27,7 +27,18 @@ template <class F> HL_HD F m_max(F a, F b) { return a > b ? a : b; }
 template <class F> HL_HD F m_min(F a, F b) { return a < b ? a : b; }
 template <class F> HL_HD F neg_inf() { return -F(INFINITY); }
 
-enum DistillMode : int { kDistillNone = 0, kDistillFwd = 1, kDistillRev = 2 };
+// How a row's distillation runs: a dense teacher's divergence, or a sparse (top-k) teacher of any
+// divergence (Options::divergence says which).
+enum DistillMode : int {
+  kDistillNone = 0, kDistillFwd = 1, kDistillRev = 2, kDistillJsd = 3, kDistillSparse = 4
+};
+constexpr int kMaxTopk = 256;
+// The floor of a sparse teacher's rest masses p_r and q_r (2^-24; headloss.h).
+constexpr double kRestFloor = 5.9604644775390625e-08;
+// A teacher log-prob above this (or NaN, or infinite) is an error: rounding may lift a log-prob
+// of ~0 a little above 0, logits passed by mistake go far above.
+constexpr float kTopkLogprobTol = 1e-3f;
+HL_HD bool topk_logprob_ok(float lp) { return lp <= kTopkLogprobTol && lp >= -3.402823466e38f; }
 
 // The plan's options as the row math uses them: off terms have weight 0 and defaults resolved.
 struct Options {
@@ -36,6 +47,9 @@ struct Options {
   float dual_clip;    // 0: off
   float cispo_eps;    // CISPO's upper clip of r is 1 + cispo_eps
   int distill;        // DistillMode
+  int divergence;     // kDistillFwd, _Rev or _Jsd: the distillation term's (also for a sparse teacher)
+  float jsd_beta;     // JSD's b in (0, 1)
+  int topk;           // k of a sparse teacher; 0: dense
   int kl_estimator;   // HL_LOSS_KL_*
   bool seq_ratio;     // GSPO: r is the sequence's (RowInputs::seq_lr)
   int rollout;        // HL_LOSS_ROLLOUT_*
@@ -110,7 +124,7 @@ HL_HD RowStats<F> merge(const RowStats<F> &a, const RowStats<F> &b, F inv_ts) {
 enum Rec : int {
   R_W, R_VALID, R_LOSS, R_CE, R_Z, R_ENT, R_DIST, R_GRPO, R_KLREF, R_LSE, R_H, R_LOGP, R_ACC,
   R_RATIO, R_CLIP_LO, R_CLIP_HI, R_CLIP_ANY, R_K3OLD, R_ADV, R_CISPO, R_DUAL, R_RKL1, R_RKL3,
-  R_RWEIGHT, R_RCORR, kRecFields
+  R_RWEIGHT, R_RCORR, R_COVER, kRecFields
 };
 
 // What the caller passed for this row, and its sequence's values (SeqValues).
@@ -207,7 +221,52 @@ struct RowResult {
   F lse, entropy, logp, token_loss;
   F cp, cpz, cc, cy, dk;
   F lse_s, lse_t, dist_loss;  // distillation: student lse at tau_s, teacher lse (v units), KL
+  F dsum, ar;  // JSD and sparse: sum_i p_s_i a_i; sparse: a_r, the rest bucket's a (headloss.h)
 };
+
+// log((1 - b) e^lps + b e^lq): JSD's log m_j.
+template <class F>
+HL_HD F log_mix(F lps, F lq, F b) {
+  const F mx = m_max(lps, lq);
+  return mx + m_log((F(1) - b) * m_exp(lps - mx) + b * m_exp(lq - mx));
+}
+
+// One outcome's share of a divergence (headloss.h) at student and teacher log-probs lps, lq: its
+// term l_j, p_j a_j (a_j = dL/dp_j; formed without dividing by p_j), p_j and q_j. Summed over a
+// row's outcomes: the divergence, sum_j p_j a_j, and the masses.
+template <class F>
+struct DivSums {
+  F loss, pa, p, q;
+};
+template <class F>
+HL_HD DivSums<F> div_elem(int divergence, F b, F lps, F lq) {
+  const F p = m_exp(lps), q = m_exp(lq);
+  if (divergence == kDistillFwd) return {q * (lq - lps), -q, p, q};
+  if (divergence == kDistillRev) return {p * (lps - lq), p * (lps - lq + F(1)), p, q};
+  const F lm = log_mix(lps, lq, b), pl = p * (lps - lm);
+  return {b * q * (lq - lm) + (F(1) - b) * pl, (F(1) - b) * pl, p, q};
+}
+template <class F>
+HL_HD DivSums<F> add(const DivSums<F> &a, const DivSums<F> &b) {
+  return {a.loss + b.loss, a.pa + b.pa, a.p + b.p, a.q + b.q};
+}
+
+// A row's distillation beyond RowStats, from sums over its columns taken once lse_s is known:
+// the divergence, sum_i p_i a_i, a_r (sparse) and the teacher mass of the top-k (sparse).
+template <class F>
+struct DistillRow {
+  F loss, pa, ar, cover;
+};
+// A dense JSD row from the sums of div_elem over its columns.
+template <class F>
+HL_HD DistillRow<F> dense_row(const DivSums<F> &s) { return {s.loss, s.pa, F(0), F(0)}; }
+// A sparse teacher's row from the sums of div_elem over its k ids: those plus the rest bucket.
+template <class F>
+HL_HD DistillRow<F> sparse_row(const Options &o, const DivSums<F> &s) {
+  const F pr = m_max(F(1) - s.p, F(kRestFloor)), qr = m_max(F(1) - s.q, F(kRestFloor));
+  const DivSums<F> b = div_elem(o.divergence, F(o.jsd_beta), m_log(pr), m_log(qr));
+  return {s.loss + b.loss, s.pa + b.pa, b.pa / pr, s.q};
+}
 
 // The KL-to-reference estimate at d = ref - logp_y by the plan's estimator; *dk = its derivative
 // w.r.t. logp_y (the gradient w.r.t. z_j is *dk (delta_jy - p_j)).
@@ -226,10 +285,16 @@ HL_HD F kl_ref(int estimator, F d, F *dk) {
   return ed - d - F(1);
 }
 
-// kd = grad_scale / D (0 when D == 0).
+// The student's lse at its temperature, and the teacher's (v units), from a row's merged record.
+template <class F>
+HL_HD F student_lse(const RowStats<F> &st, const Options &o) { return st.m * F(o.inv_ts) + m_log(st.ss); }
+template <class F>
+HL_HD F teacher_lse(const RowStats<F> &st) { return st.mt + m_log(st.st); }
+
+// kd = grad_scale / D (0 when D == 0). dx: dense JSD's and a sparse teacher's sums (else null).
 template <class F>
 HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, const Options &o,
-                              F kd) {
+                              F kd, const DistillRow<F> *dx = nullptr) {
   RowResult<F> r;
   for (int i = 0; i < kRecFields; ++i) r.rec[i] = F(0);
   const F log_s = m_log(st.s);
@@ -283,13 +348,20 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
     if (in.has_ref) klref = kl_ref(o.kl_estimator, in.ref_logp - logp, &ckl);
   }
   if (in.has_adv) r.rec[R_ADV] = in.adv;
-  r.lse_s = r.lse_t = r.dist_loss = 0;
+  r.lse_s = r.lse_t = r.dist_loss = r.dsum = r.ar = 0;
   if (o.distill != kDistillNone) {
-    const F log_ss = m_log(st.ss), log_st = m_log(st.st), its = F(o.inv_ts);
-    r.lse_s = st.m * its + log_ss;
-    r.lse_t = st.mt + log_st;
-    dist = o.distill == kDistillFwd ? st.bt / st.st - log_st - st.ct / st.st * its + log_ss
-                                    : st.bs / st.ss * its - log_ss - st.cs / st.ss + log_st;
+    r.lse_s = student_lse(st, o);
+    if (o.distill != kDistillSparse) r.lse_t = teacher_lse(st);
+    if (dx) {
+      dist = dx->loss;
+      r.dsum = dx->pa;
+      r.ar = dx->ar;
+      r.rec[R_COVER] = dx->cover;
+    } else {  // forward or reverse KL from the online sums
+      const F log_ss = m_log(st.ss), log_st = m_log(st.st), its = F(o.inv_ts);
+      dist = o.distill == kDistillFwd ? st.bt / st.st - log_st - st.ct / st.st * its + log_ss
+                                      : st.bs / st.ss * its - log_ss - st.cs / st.ss + log_st;
+    }
     r.dist_loss = dist;
   }
   const F ce_w = F(o.ce_w), z_w = F(o.z_w), ent_w = F(o.ent_w), g_w = F(o.grpo_w), beta = F(o.beta);
@@ -323,14 +395,27 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
 
 // One gradient element w.r.t. z_hat times the logit scale; the caller multiplies by the soft-cap
 // factor (1 - tanh^2) and adds cy at the label column. z: z_hat_j, v: teacher_j / tau_t, p: p_j.
+// With a sparse teacher this is the element off the top-k ids (v unused); topk_correction adds
+// an id's own part.
 template <int DISTILL, class F, class Exp>
 HL_HD F grad_elem(const RowResult<F> &r, const Options &o, F z, F v, F p, Exp ex) {
   F g = p * (r.cp + r.cpz * z) + r.cc;
   if (DISTILL != kDistillNone) {
     const F lps = z * F(o.inv_ts) - r.lse_s, lq = v - r.lse_t, ps = ex(lps);
-    g += DISTILL == kDistillFwd ? r.dk * (ps - ex(lq)) : r.dk * ps * (lps - lq - r.dist_loss);
+    if (DISTILL == kDistillFwd) g += r.dk * (ps - ex(lq));
+    else if (DISTILL == kDistillRev) g += r.dk * ps * (lps - lq - r.dist_loss);
+    else if (DISTILL == kDistillJsd) g += r.dk * (div_elem(kDistillJsd, F(o.jsd_beta), lps, lq).pa - ps * r.dsum);
+    else g += r.dk * ps * (r.ar - r.dsum);
   }
   return g;
+}
+
+// What a sparse teacher's id k adds to grad_elem's element there (before the soft-cap's chain
+// factor): dk p_k (a_k - a_r), with p_k a_k formed without dividing. lq: the id's log-prob.
+template <class F>
+HL_HD F topk_correction(const RowResult<F> &r, const Options &o, F z, F lq) {
+  const DivSums<F> e = div_elem(o.divergence, F(o.jsd_beta), z * F(o.inv_ts) - r.lse_s, lq);
+  return r.dk * (e.pa - e.p * r.ar);
 }
 
 // Final scalars (hl_loss_scalar_t) from the row sums (sum of w * field; plain sums for R_W and
@@ -350,7 +435,7 @@ HL_HD void finish_scalars(const F *sum, F ratio_min, F ratio_max, F adv_min, F a
   out[HL_LOSS_OUT_CE] = term(HL_LOSS_CE, R_CE);
   out[HL_LOSS_OUT_Z] = term(HL_LOSS_Z, R_Z);
   out[HL_LOSS_OUT_ENTROPY] = term(HL_LOSS_ENTROPY, R_ENT);
-  out[HL_LOSS_OUT_DISTILL] = term(HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV, R_DIST);
+  out[HL_LOSS_OUT_DISTILL] = term(HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV | HL_LOSS_DISTILL_JSD, R_DIST);
   out[HL_LOSS_OUT_GRPO] = term(HL_LOSS_GRPO, R_GRPO);
   out[HL_LOSS_OUT_KL_REF] = term(HL_LOSS_GRPO_KL_REF, R_KLREF);
   out[HL_LOSS_OUT_DIVISOR] = float(D);
@@ -378,6 +463,7 @@ HL_HD void finish_scalars(const F *sum, F ratio_min, F ratio_max, F adv_min, F a
   out[HL_LOSS_OUT_ROLLOUT_KL_K3] = float(sum[R_RKL3] * inv_w);
   out[HL_LOSS_OUT_ROLLOUT_WEIGHT_MEAN] = float(sum[R_RWEIGHT] * inv_w);
   out[HL_LOSS_OUT_ROLLOUT_CORRECTED] = float(sum[R_RCORR] * inv_w);
+  out[HL_LOSS_OUT_TOPK_MASS] = float(sum[R_COVER] * inv_w);
   for (int k = 0; k < n; ++k) scalars[k] = out[k];
 }
 

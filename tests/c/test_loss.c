@@ -194,44 +194,79 @@ static void bad_arguments(void **state) {
   free(b);
 }
 
+/* desc_ce() cut to `size` bytes (the fields it lacks read as zero: off) run on the first `rows`
+ * rows of b: a caller of that header has room for the scalars before `first_unwritten`, and no
+ * more. Returns the plan. */
+static hl_loss_plan_t run_cut_descriptor(Bufs *b, size_t size, int rows, int first_unwritten) {
+  hl_loss_plan_desc_t d = desc_ce();
+  d.struct_size = size;
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  hl_loss_args_t a = args_for(b);
+  a.rows = rows;
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  assert_true(b->scalars[first_unwritten - 1] != -7.0f);
+  for (int k = first_unwritten; k < HL_LOSS_NUM_SCALARS; ++k) assert_true(b->scalars[k] == -7.0f);
+  return p;
+}
+
 /* CE of one row by hand, and the workspace the CPU backend asks for; from descriptors of older
- * headers' sizes (the fields they lack read as zero: off): 0.2's, before the policy-gradient
- * options, and 0.3's, before the sequence options. */
+ * headers' sizes: 0.2's, before the policy-gradient options, and 0.3's, before the sequence options. */
 static void small_exact_case(void **state) {
   (void)state;
-  const struct { size_t size; int scalars; } older[] = {
-      {offsetof(hl_loss_plan_desc_t, dual_clip), HL_LOSS_OUT_CISPO},
-      {offsetof(hl_loss_plan_desc_t, cu_seqlens_dtype), HL_LOSS_OUT_ROLLOUT_KL_K1}};
-  for (int c = 0; c < 2; ++c) {
-    Bufs *b = calloc(1, sizeof *b);
-    fill(b);
-    hl_loss_plan_desc_t d = desc_ce();
-    d.struct_size = older[c].size;
-    hl_loss_plan_t p;
-    assert_ok(hl_loss_plan_create(&d, &p));
-    size_t ws = 1;
-    assert_ok(hl_loss_plan_get_workspace_size(p, N, &ws));
-    assert_int_equal(ws, 0);
-    hl_loss_args_t a = args_for(b);
-    a.rows = 1;
-    assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
-    /* that header's caller has room for the scalars it listed, and no more */
-    assert_true(b->scalars[older[c].scalars - 1] != -7.0f);
-    for (int k = older[c].scalars; k < HL_LOSS_NUM_SCALARS; ++k) assert_true(b->scalars[k] == -7.0f);
-    double m = -INFINITY, s = 0;
-    for (int j = 0; j < V; ++j) m = fmax(m, b->logits[j]);
-    for (int j = 0; j < V; ++j) s += exp(b->logits[j] - m);
-    const double ce = m + log(s) - b->logits[0];
-    assert_float_equal(b->scalars[HL_LOSS_OUT_CE], ce, 1e-6);
-    assert_float_equal(b->scalars[HL_LOSS_OUT_LOSS], ce, 1e-6);
-    assert_float_equal(b->scalars[HL_LOSS_OUT_VALID_ROWS], 1.0, 0);
-    double gsum = 0;
-    for (int j = 0; j < V; ++j) gsum += b->grad[j];
-    assert_float_equal(gsum, 0.0, 1e-6); /* softmax minus one-hot sums to 0 */
-    assert_true(b->grad[V] == -7.0f);     /* row 1 not part of the call */
-    assert_ok(hl_loss_plan_destroy(p));
-    free(b);
-  }
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_t p = run_cut_descriptor(b, offsetof(hl_loss_plan_desc_t, dual_clip), 1, HL_LOSS_OUT_CISPO);
+  size_t ws = 1;
+  assert_ok(hl_loss_plan_get_workspace_size(p, N, &ws));
+  assert_int_equal(ws, 0);
+  double m = -INFINITY, s = 0;
+  for (int j = 0; j < V; ++j) m = fmax(m, b->logits[j]);
+  for (int j = 0; j < V; ++j) s += exp(b->logits[j] - m);
+  const double ce = m + log(s) - b->logits[0];
+  assert_float_equal(b->scalars[HL_LOSS_OUT_CE], ce, 1e-6);
+  assert_float_equal(b->scalars[HL_LOSS_OUT_LOSS], ce, 1e-6);
+  assert_float_equal(b->scalars[HL_LOSS_OUT_VALID_ROWS], 1.0, 0);
+  double gsum = 0;
+  for (int j = 0; j < V; ++j) gsum += b->grad[j];
+  assert_float_equal(gsum, 0.0, 1e-6); /* softmax minus one-hot sums to 0 */
+  assert_true(b->grad[V] == -7.0f);     /* row 1 not part of the call */
+  assert_ok(hl_loss_plan_destroy(p));
+  /* A descriptor of 0.3's size, before the sequence options: its 28 scalars. */
+  fill(b);
+  assert_ok(hl_loss_plan_destroy(run_cut_descriptor(b, offsetof(hl_loss_plan_desc_t, cu_seqlens_dtype), N,
+                                                    HL_LOSS_OUT_ROLLOUT_KL_K1)));
+  free(b);
+}
+
+/* A sparse teacher of k = 2 (padding in row 3): runs, reports the teacher mass its ids cover;
+ * an id twice in a row fails naming it and writes nothing. */
+static void sparse_teacher(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  d.terms = HL_LOSS_CE | HL_LOSS_DISTILL_REV;
+  d.distill_weight = 1.0f;
+  d.teacher_topk = 2;
+  d.teacher_topk_ids_dtype = HL_DTYPE_I64;
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  int64_t ids[N * 2] = {0, 5, 1, 2, 3, 4, -1, -1};
+  float lp[N * 2] = {-0.5f, -1.5f, -0.25f, -2.0f, -1.0f, -1.0f, NAN, NAN};
+  hl_loss_args_t a = args_for(b);
+  a.teacher_topk_ids = ids, a.teacher_topk_logprobs = lp;
+  ids[5] = 3;
+  assert_fails(hl_loss_plan_execute(p, &a, NULL, 0, NULL), HL_STATUS_INVALID_VALUE,
+               "teacher_topk_ids row 2 holds id 3 twice");
+  assert_true(untouched(b));
+  ids[5] = 4;
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  const double mass = (exp(-0.5) + exp(-1.5) + exp(-1.0) * 2) / 3; /* rows 0, 2, 3 (row 1 ignored) */
+  assert_float_equal(b->scalars[HL_LOSS_OUT_TOPK_MASS], mass, 1e-6);
+  assert_true(b->scalars[HL_LOSS_OUT_DISTILL] > 0.0f);
+  assert_ok(hl_loss_plan_destroy(p));
+  free(b);
 }
 
 /* The split (tensor-parallel) calls: their buffers are checked, NCCL needs a CUDA plan, and a
@@ -276,6 +311,7 @@ static void split_calls(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(bad_descriptions), cmocka_unit_test(bad_arguments),
-                                     cmocka_unit_test(small_exact_case), cmocka_unit_test(split_calls)};
+                                     cmocka_unit_test(small_exact_case), cmocka_unit_test(split_calls),
+                                     cmocka_unit_test(sparse_teacher)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

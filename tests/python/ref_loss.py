@@ -4,13 +4,58 @@ from __future__ import annotations
 
 import numpy as np
 
-TERM_NAMES = ("ce", "z", "entropy", "distill_fwd", "distill_rev", "grpo", "kl_ref", "cispo")
+TERM_NAMES = ("ce", "z", "entropy", "distill_fwd", "distill_rev", "grpo", "kl_ref", "cispo", "distill_jsd")
+DISTILL = ("distill_fwd", "distill_rev", "distill_jsd")
+REST_FLOOR = 2.0 ** -24  # a sparse teacher's rest masses are at least this (headloss.h)
 
 
 def _log_softmax(x):
     m = x.max(axis=1, keepdims=True)
     lse = m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))
     return x - lse, lse[:, 0]
+
+
+def _xlogy(x, y):
+    """x log y with 0 log 0 = 0."""
+    return np.where(x > 0, x * np.log(np.where(x > 0, y, 1.0)), 0.0)
+
+
+def _divergence(kind, p, q, beta, mask):
+    """Per-row divergence between distributions p and q over the outcomes where mask is set (the
+    columns of [N, M] arrays), and a = dL/dp there: forward KL(q || p), reverse KL(p || q), or the
+    generalised JSD beta KL(q || m) + (1 - beta) KL(p || m), m = (1 - beta) p + beta q."""
+    p, q = np.where(mask, p, 1.0), np.where(mask, q, 1.0)
+    if kind == "distill_fwd":
+        L, a = _xlogy(q, q) - _xlogy(q, p), -q / p
+    elif kind == "distill_rev":
+        L, a = _xlogy(p, p) - _xlogy(p, q), np.log(p / q) + 1
+    else:
+        m = (1 - beta) * p + beta * q
+        L = beta * (_xlogy(q, q) - _xlogy(q, m)) + (1 - beta) * (_xlogy(p, p) - _xlogy(p, m))
+        a = beta * -q * (1 - beta) / m + (1 - beta) * (np.log(p / m) + 1 - p * (1 - beta) / m)
+    return np.where(mask, L, 0.0).sum(1), np.where(mask, a, 0.0)
+
+
+def _sparse_teacher(kind, ps, ids, lq, beta):
+    """A top-k teacher's divergence with a tail bucket: p_s and q coarsened onto each row's ids
+    (< 0: padding) plus one rest outcome (masses floored at REST_FLOOR), the divergence between
+    those, and dL/dp_s over the vocabulary (the rest outcome's a off the ids). Returns (L, a, the
+    teacher mass of the ids)."""
+    N = ps.shape[0]
+    ids = np.asarray(ids, np.int64)
+    valid = ids >= 0
+    rows = np.arange(N)[:, None]
+    pk = np.where(valid, ps[rows, np.maximum(ids, 0)], 0.0)
+    qk = np.where(valid, np.exp(np.asarray(lq, np.float64)), 0.0)
+    pr = np.maximum(1 - pk.sum(1), REST_FLOOR)
+    qr = np.maximum(1 - qk.sum(1), REST_FLOOR)
+    mask = np.concatenate([valid, np.ones((N, 1), bool)], 1)
+    L, a = _divergence(kind, np.concatenate([pk, pr[:, None]], 1), np.concatenate([qk, qr[:, None]], 1),
+                       beta, mask)
+    full = np.repeat(a[:, -1:], ps.shape[1], 1)
+    for i, j in zip(*np.nonzero(valid)):
+        full[i, ids[i, j]] = a[i, j]
+    return L, full, qk.sum(1)
 
 
 def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=None, old=None,
@@ -20,10 +65,11 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
               student_temperature=1.0, eps_low=0.2, eps_high=0.2, ignore_index=None, dual_clip=0.0,
               cispo_weight=1.0, cispo_eps_high=0.0, kl_estimator="k3", rollout=None, cu_seqlens=None,
               ratio_level="token", rollout_correction=None, rollout_level="token", rollout_cap=0.0,
-              rollout_floor=0.0, cu_seqlens_dtype=None):
+              rollout_floor=0.0, cu_seqlens_dtype=None, jsd_beta=0.0, topk_ids=None, topk_logprobs=None):
     """Returns (scalars dict, per-token dict, gradient w.r.t. z) for raw logits z [N, V] (fp64).
     GSPO (ratio_level "seq_mean") as verl's GSPO-token: each token's ratio has the value of its
-    sequence's and the gradient of its own log-prob."""
+    sequence's and the gradient of its own log-prob. A sparse teacher: topk_ids / topk_logprobs
+    [N, k] instead of teacher."""
     z = np.asarray(z, np.float64)
     N, V = z.shape
     s = logit_scale
@@ -70,6 +116,14 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
         kl = (ps * (logps - logq)).sum(1)
         per["distill_rev"] = kl
         grads["distill_rev"] = ps * (logps - logq - kl[:, None]) / student_temperature
+        per["distill_jsd"], a = _divergence("distill_jsd", ps, q, jsd_beta, np.ones_like(ps, bool))
+        grads["distill_jsd"] = ps * (a - (ps * a).sum(1, keepdims=True)) / student_temperature
+    cover = None
+    if topk_ids is not None:
+        ps = np.exp(_log_softmax(zh / student_temperature)[0])
+        for kind in DISTILL:
+            per[kind], a, cover = _sparse_teacher(kind, ps, topk_ids, topk_logprobs, jsd_beta)
+            grads[kind] = ps * (a - (ps * a).sum(1, keepdims=True)) / student_temperature
     def seq_reduce(x, mean):
         """Per row: the sum (or mean) of x over the valid rows of its sequence."""
         out = np.zeros(N)
@@ -119,6 +173,7 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
         grads["kl_ref"] = dk[:, None] * (onehot - p)
     weight_of = {"ce": ce_weight, "z": z_weight, "entropy": entropy_weight,
                  "distill_fwd": distill_weight, "distill_rev": distill_weight,
+                 "distill_jsd": distill_weight,
                  "grpo": grpo_weight, "kl_ref": kl_ref_beta, "cispo": cispo_weight}
     tok = np.zeros(N)
     g = np.zeros_like(z)
@@ -135,9 +190,11 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
           "lse_mean": wsum(lse) * inv_w, "entropy_mean": wsum(H) * inv_w}
     for name in ("ce", "z", "entropy", "grpo", "kl_ref", "cispo"):
         sc[name] = wsum(per[name]) * inv_d if name in terms else 0.0
-    dist = [t for t in ("distill_fwd", "distill_rev") if t in terms]
+    dist = [t for t in DISTILL if t in terms]
     sc["distill"] = wsum(per[dist[0]]) * inv_d if dist else 0.0
     sc["distill_kl_mean"] = wsum(per[dist[0]]) * inv_w if dist else 0.0
+    if cover is not None and dist:
+        sc["topk_mass"] = wsum(cover) * inv_w
     if labels is not None:
         sc["logp_mean"] = wsum(logp) * inv_w
         sc["accuracy"] = wsum(zh.argmax(1) == y) * inv_w

@@ -252,6 +252,39 @@ def test_sharded_loss_needs_equal_shards():
         f(z, labels)
 
 
+@pytest.mark.parametrize("case", ["sparse_rl", "sparse_jsd", "sparse_k1", "jsd_ce"])
+def test_loss_distill_against_reference(device, case):
+    """A sparse teacher (ids and log-probs [4, 6, k]; padding rows) and dense JSD under
+    jit(value_and_grad): the loss, every metric and the gradient against the fp64 reference."""
+    from test_loss import build, rel as rel_np, run_ref
+    terms, opts, inp = build(np.random.default_rng(zlib.crc32(case.encode())), 24, 300, "float32", case)
+    put = {k: jax.device_put(jnp.asarray(v).reshape(4, 6, *v.shape[1:]), device) for k, v in inp.items()}
+    z, y = put.pop("logits"), put.pop("labels", None)
+
+    @jax.jit
+    def step(z):
+        return jax.value_and_grad(lambda z: hlj.fused_loss(z, y, terms=terms, **put, **opts), has_aux=True)(z)
+
+    (loss, metrics), g = step(z)
+    want, _, want_g = run_ref(inp, terms, opts)
+    tol = 2e-6 if device.platform == "cpu" else 2e-4
+    for k in SCALARS:
+        assert abs(float(metrics[k]) - want.get(k, 0.0)) <= tol * (1 + abs(want.get(k, 0.0))), k
+    assert float(loss) == float(metrics["loss"]) and float(metrics["distill"]) > 0
+    assert rel_np(np.asarray(g, np.float64).reshape(24, 300), want_g) < (1e-5 if device.platform == "cpu" else 1e-4)
+
+
+def test_loss_topk_shapes_checked():
+    z = jnp.zeros((6, 50), jnp.float32)
+    ids, lp = jnp.zeros((6, 8), jnp.int32), jnp.zeros((6, 8), jnp.float32)
+    with pytest.raises(ValueError, match="go together"):
+        hlj.fused_loss(z, terms=("distill_fwd",), teacher_topk_ids=ids)
+    with pytest.raises(ValueError, match=r"must both be \(6,\) \+ \[k\]"):
+        hlj.fused_loss(z, terms=("distill_fwd",), teacher_topk_ids=ids, teacher_topk_logprobs=lp[:, :7])
+    with pytest.raises(ValueError, match="teacher_topk is 4"):
+        hlj.fused_loss(z, terms=("distill_fwd",), teacher_topk_ids=ids, teacher_topk_logprobs=lp, teacher_topk=4)
+
+
 # ---- the fused linear form -----------------------------------------------------------------------
 
 def _linear_case(case, dtype, Ht=0, seed=0):
@@ -279,7 +312,7 @@ def _split_linear(inp, device):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", ["ce", "ce_smooth_weights_cap", "distill_fwd", "grpo_kl", "all",
-                                  "rl", "rl_cispo", "gspo_all", "mis_seq_mean"])
+                                  "rl", "rl_cispo", "gspo_all", "mis_seq_mean", "sparse_rl", "jsd_ce"])
 def test_linear_loss_against_reference(device, case, dtype):
     """jit(value_and_grad) w.r.t. hidden and weight, cotangent 2.5, against the fp64 reference of
     matmul + loss: the loss, every metric, both gradients (in the operands' dtypes)."""

@@ -12,7 +12,7 @@ import headloss
 from headloss.loss import SCALARS, LinearLossPlan, LossPlan
 from ref_loss import reference
 from test_loss import (CASES, GRAD_TOL, NP_DTYPES, be, old_logprobs, rel, seq_inputs,  # noqa: F401  (be: fixture)
-                       run_ref)
+                       run_ref, topk_teacher)
 
 # The CUDA path rounds the logits to the 16-bit dtype between the products (the header says so):
 # its reference rounds them too (reference_linear's backend), and what is left is a logit rounded
@@ -49,6 +49,9 @@ def make(rng, N, H, V, dtype, case, *, Ht=0, labels="int64", scale=2.5):
     if flags.get("ref"):
         inp["ref_logprobs"] = (-rng.uniform(5, 9, N)).astype(np.float32)
     seq_inputs(rng, inp, N, rollout=flags.get("rollout"), seqs=flags.get("seqs"))
+    if flags.get("topk"):
+        inp["teacher_topk_ids"], inp["teacher_topk_logprobs"] = topk_teacher(
+            rng, N, V, flags["topk"], inp.get("labels"), "int32" if dtype == "float16" else "int64", scale)
     return terms, opts, inp
 
 
@@ -80,6 +83,8 @@ def run_linear(be, inp, terms, opts, *, grad_hidden="write", grad_weight="write"
     N, H = inp["hidden"].shape
     V = inp["weight"].shape[0]
     Ht = inp["teacher_hidden"].shape[1] if "teacher_hidden" in inp else 0
+    if "teacher_topk_ids" in inp:
+        opts = dict(opts, topk_ids_dtype=str(inp["teacher_topk_ids"].dtype))
     plan = LinearLossPlan(V, H, dtype, terms=terms, device=be.name,
                           labels_dtype=str(inp["labels"].dtype) if "labels" in inp else None,
                           grad_hidden=grad_hidden, grad_weight=grad_weight,
@@ -160,13 +165,14 @@ def test_fused_teacher(be, dtype):
     check(be, run_linear(be, inp, terms, opts), reference_linear(inp, terms, opts, be.name), dtype)
 
 
+@pytest.mark.parametrize("case", ["all", "sparse_rl", "jsd_ce"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", ["f32_grads", "accumulate", "hidden_only", "weight_only", "eval",
                                   "divisor", "strided", "odd_hidden"])
-def test_modes(be, mode, dtype):
+def test_modes(be, mode, dtype, case):
     rng = np.random.default_rng(zlib.crc32(f"mode-{mode}-{dtype}".encode()))
     H = 37 if mode == "odd_hidden" else 64
-    terms, opts, inp = make(rng, 21, H, 257, dtype, "all")
+    terms, opts, inp = make(rng, 21, H, 257, dtype, case)
     kw, init = {}, None
     if mode == "f32_grads":
         kw = dict(gh_dtype="float32", gw_dtype="float32")
@@ -365,12 +371,13 @@ def cuda_be():
     return _cuda_backend()
 
 
-def test_cuda_chunks_and_determinism(cuda_be):
-    """Chunks of 1, 7 and all rows each match the reference, and a call gives the same bits on
-    every run."""
+@pytest.mark.parametrize("case", ["all", "sparse_rl", "jsd_ce"])
+def test_cuda_chunks_and_determinism(cuda_be, case):
+    """Chunks of 1, 7 and all rows each match the reference (a sparse teacher's per-row inputs
+    offset by the chunk's first row), and a call gives the same bits on every run."""
     be = cuda_be
     rng = np.random.default_rng(5)
-    terms, opts, inp = make(rng, 45, 96, 1031, "bfloat16", "all")
+    terms, opts, inp = make(rng, 45, 96, 1031, "bfloat16", case)
     plan = LinearLossPlan(1031, 96, "bfloat16", terms=terms, device="cuda", **opts)
     lo, hi = plan.workspace_sizes(45)
     row = (hi - lo) // 44  # bytes a row (fast_bytes holds all 45 rows here)
@@ -387,7 +394,7 @@ def test_cuda_chunks_and_determinism(cuda_be):
         "two runs of the same call differ"
 
 
-@pytest.mark.parametrize("case", ["ce", "all", "distill_fwd", "grpo_kl"])
+@pytest.mark.parametrize("case", ["ce", "all", "distill_fwd", "grpo_kl", "sparse_rl", "jsd_ce"])
 def test_cuda_equals_logits_form(cuda_be, case):
     """On the GPU the linear form equals the logits form run on the same 16-bit logits (X W^T
     rounded once, as cuBLAS stores them): the same loss math, then G W and G^T X."""

@@ -65,7 +65,7 @@ def be(request):
 
 
 def make_inputs(rng, N, V, dtype, *, labels="int64", weights=False, teacher=False, grpo=False,
-                ref=False, rollout=False, seqs=None, scale=2.0):
+                ref=False, rollout=False, seqs=None, scale=2.0, topk=0):
     z = (rng.standard_normal((N, V)) * scale).astype(NP_DTYPES[dtype])
     inp = {"logits": z}
     if labels:
@@ -82,6 +82,10 @@ def make_inputs(rng, N, V, dtype, *, labels="int64", weights=False, teacher=Fals
         inp["old_logprobs"] = old_logprobs(rng, z, inp.get("labels"), grpo)
     if ref:
         inp["ref_logprobs"] = (-rng.uniform(5, 9, N)).astype(np.float32)
+    if topk:
+        ids_dtype = "int32" if dtype == "float16" else "int64"
+        inp["teacher_topk_ids"], inp["teacher_topk_logprobs"] = topk_teacher(
+            rng, N, V, topk, inp.get("labels"), ids_dtype, scale)
     seq_inputs(rng, inp, N, rollout=rollout, seqs=seqs)
     return inp
 
@@ -95,6 +99,26 @@ def seq_inputs(rng, inp, N, *, rollout=False, seqs=None):
     if seqs:
         cuts = np.sort(rng.choice(np.arange(3, N), max(1, N // 6), replace=False)).tolist()
         inp["cu_seqlens"] = np.array([0, 1, 1, *cuts, N], seqs)
+
+
+def topk_teacher(rng, N, V, k, labels=None, ids_dtype="int64", scale=2.0):
+    """A sparse teacher: each row's k most likely ids under random teacher logits, in a shuffled
+    order, and their log-probs (of the whole softmax, so the ids hold less than all the mass).
+    Rows 1 and 2 hold their label among the ids; row 3 pads its second half and row 4 all of it
+    (ids -1, log-probs NaN: ignored)."""
+    t = rng.standard_normal((N, V)) * scale
+    logq = t - t.max(1, keepdims=True)
+    logq -= np.log(np.exp(logq).sum(1, keepdims=True))
+    ids = rng.permuted(np.argsort(-t, 1)[:, :k], axis=1)
+    for r in (1, 2):
+        if labels is not None and r < N and 0 <= labels[r] and labels[r] not in ids[r]:
+            ids[r, -1] = labels[r]
+    lp = logq[np.arange(N)[:, None], ids]
+    if N > 4:
+        ids[3, k // 2:] = -1
+        ids[4] = -1
+    lp[ids < 0] = np.nan
+    return ids.astype(ids_dtype), lp.astype(np.float32)
 
 
 def old_logprobs(rng, logits, labels, grpo):
@@ -115,13 +139,14 @@ def ref_inputs(inp, terms, opts):
     f64 = lambda k: None if k not in inp else inp[k].astype(np.float64)  # noqa: E731
     exact = ("ignore_index", "kl_estimator", "ratio_level", "rollout_correction", "rollout_level",
              "cu_seqlens_dtype")  # passed as they are: not fp32 values
-    ropts = {k: (v if k in exact else float(np.float32(v))) for k, v in opts.items()}
+    ropts = {k: (v if k in exact else float(np.float32(v))) for k, v in opts.items() if k != "teacher_topk"}
     for k, d in (("logit_scale", 1.0), ("teacher_temperature", 1.0), ("student_temperature", 1.0)):
         if ropts.get(k, 0.0) == 0.0:
             ropts[k] = d
     return dict(terms=terms, weights=f64("weights"), teacher=f64("teacher_logits"),
                 adv=f64("advantages"), old=f64("old_logprobs"), ref=f64("ref_logprobs"),
-                rollout=f64("rollout_logprobs"), cu_seqlens=inp.get("cu_seqlens"), **ropts)
+                rollout=f64("rollout_logprobs"), cu_seqlens=inp.get("cu_seqlens"),
+                topk_ids=inp.get("teacher_topk_ids"), topk_logprobs=f64("teacher_topk_logprobs"), **ropts)
 
 
 def run_ref(inp, terms, opts, divisor=0.0, grad_scale=1.0):
@@ -135,6 +160,8 @@ def run_lib(be, inp, terms, opts, *, grad="write", grad_dtype=None, divisor=0.0,
     dtype = str(inp["logits"].dtype)
     N, V = inp["logits"].shape
     labels_dtype = str(inp["labels"].dtype) if "labels" in inp else None
+    if "teacher_topk_ids" in inp:
+        opts = dict(opts, topk_ids_dtype=str(inp["teacher_topk_ids"].dtype))
     plan = LossPlan(V, dtype, terms=terms, device=be.name, labels_dtype=labels_dtype, grad=grad,
                     grad_dtype=grad_dtype, **opts)
     dev = {k: be.to_dev(v) for k, v in inp.items()}
@@ -229,6 +256,27 @@ CASES = {
                            {"weights": True, "grpo": "near", "rollout": True, "seqs": "int64"}),
     # rollout_logprobs without a correction: the mismatch metrics alone
     "rollout_metrics": (("ce",), {}, {"grpo": "near", "rollout": True}),
+    # generalised JSD from a dense teacher, alone and with CE, the z-loss and GRPO
+    "jsd": (("distill_jsd",), {"jsd_beta": 0.375, "teacher_temperature": 1.5, "student_temperature": 1.25},
+            {"teacher": True, "labels": None}),
+    "jsd_ce": (("ce", "z", "distill_jsd", "grpo"), {"jsd_beta": 0.75, "distill_weight": 0.5, "z_weight": 1e-3,
+                                                    "softcap": 15.0, "logit_scale": 1.25},
+               {"teacher": True, "weights": True, "grpo": "near"}),
+    # a sparse (top-k) teacher: each divergence alone, k = 1 and k = 256, and with CE + GRPO
+    "sparse_fwd": (("distill_fwd",), {"teacher_topk": 16, "student_temperature": 1.5},
+                   {"topk": 16, "labels": None}),
+    "sparse_rev": (("distill_rev",), {"teacher_topk": 16, "student_temperature": 0.75},
+                   {"topk": 16, "labels": None}),
+    "sparse_jsd": (("distill_jsd",), {"teacher_topk": 16, "jsd_beta": 0.25}, {"topk": 16}),
+    "sparse_k1": (("distill_fwd",), {"teacher_topk": 1}, {"topk": 1, "labels": None}),
+    "sparse_k256": (("distill_jsd",), {"teacher_topk": 256, "jsd_beta": 0.625, "student_temperature": 2.0},
+                    {"topk": 256, "labels": None}),
+    "sparse_rl": (("ce", "distill_rev", "grpo"),
+                  {"teacher_topk": 32, "softcap": 15.0, "student_temperature": 2.0, "distill_weight": 0.5,
+                   "label_smoothing": 0.0625, "ignore_index": 7},
+                  {"topk": 32, "weights": True, "grpo": "near"}),
+    "sparse_jsd_ce": (("ce", "distill_jsd"), {"teacher_topk": 8, "jsd_beta": 0.5, "logit_scale": 1.25},
+                      {"topk": 8, "weights": True}),
 }
 
 
@@ -244,14 +292,29 @@ def build(rng, N, V, dtype, case, labels="int64"):
 def test_terms(be, case, dtype):
     rng = np.random.default_rng(zlib.crc32(f"{case}-{dtype}".encode()))
     terms, opts, inp = build(rng, 24, 300, dtype, case, labels="int32" if dtype == "float16" else "int64")
-    check(be, run_lib(be, inp, terms, opts), run_ref(inp, terms, opts), dtype)
+    got, want = run_lib(be, inp, terms, opts), run_ref(inp, terms, opts)
+    check(be, got, want, dtype)
+    if "teacher_topk_ids" in inp:  # the k ids' own columns alone (a few of the row's)
+        at = _topk_columns(inp)
+        assert rel(got[2][at], want[2][at]) < GRAD_TOL[dtype], rel(got[2][at], want[2][at])
 
 
+def _topk_columns(inp):
+    """Index arrays of the gradient elements at the sparse teacher's ids (padding left out)."""
+    ids = np.asarray(inp["teacher_topk_ids"], np.int64)
+    r, k = np.nonzero(ids >= 0)
+    return r, ids[r, k]
+
+
+@pytest.mark.parametrize("case", ["all", "sparse_rl", "jsd_ce"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", ["f32_grad", "accumulate", "in_place", "eval", "divisor"])
-def test_grad_modes(be, mode, dtype):
+def test_grad_modes(be, mode, dtype, case):
+    """Each gradient mode; with a sparse teacher the ids' elements are rewritten after the row's
+    gradient pass (CUDA), from the saved old values when accumulating, and from the gathered
+    logits when the gradient overwrites them."""
     rng = np.random.default_rng(7)
-    terms, opts, inp = build(rng, 20, 257, dtype, "all")
+    terms, opts, inp = build(rng, 20, 257, dtype, case)
     init = None
     kw = {}
     if mode == "f32_grad":
@@ -357,18 +420,46 @@ def test_gpu_deterministic(be, V):
     assert np.array_equal(g1, g2)
 
 
-@pytest.mark.parametrize("case", ["all", "rl", "cispo_clipped"])
+@pytest.mark.parametrize("V", [8, 4099, 70001])
+@pytest.mark.parametrize("case", ["sparse_rl", "sparse_jsd_ce", "jsd_ce"])
+def test_distill_sizes(be, case, V):
+    """The new distillation terms across the kernels' vector and cluster boundaries (a row split
+    over CTAs: the ids fall in every CTA's slice); k = min(case's k, V) ids."""
+    rng = np.random.default_rng(V + 1)
+    N = 9 if be.name == "cpu" and V > 10000 else 33
+    terms, opts, flags = CASES[case]
+    flags = dict(flags)
+    if "topk" in flags:
+        flags["topk"] = min(flags["topk"], V)
+        opts = dict(opts, teacher_topk=flags["topk"])
+    inp = make_inputs(rng, N, V, "bfloat16", **flags)
+    check(be, run_lib(be, inp, terms, opts), run_ref(inp, terms, opts), "bfloat16")
+
+
+@pytest.mark.parametrize("case", ["all", "rl", "cispo_clipped", "sparse_fwd", "sparse_rev", "sparse_jsd",
+                                  "jsd"])
 def test_finite_differences(case):
     """The reference's combined gradient against central differences of its own loss, and the
     library's gradient against the reference: together the library's gradient is the loss's.
     CISPO's weight min(r, 1 + eps) is a constant by definition (stop-gradient), so its case puts
     every row's r far above the clip, where the loss's own gradient is CISPO's."""
     rng = np.random.default_rng(3)
-    terms, opts, inp = build(rng, 4, 9, "float32", "rl_cispo" if case == "cispo_clipped" else case)
+    if case.startswith("sparse"):  # combined with CE, GRPO and a soft-cap; k = 4 of 9, the label among them
+        terms, opts, flags = CASES[case]
+        terms = terms + ("ce", "grpo")
+        opts = dict(opts, teacher_topk=4, softcap=7.5, ce_weight=0.5)
+        inp = make_inputs(rng, 4, 9, "float32", **dict(flags, topk=4, labels="int64", grpo="near"))
+    else:
+        terms, opts, inp = build(rng, 4, 9, "float32", "rl_cispo" if case == "cispo_clipped" else case)
     if case == "cispo_clipped":
         inp["old_logprobs"] -= 20.0
     opts = dict(opts, z_weight=0.125)
-    check_finite_differences(inp, terms, opts, [(0, 0), (0, 3), (2, 8), (3, 1)])
+    if "labels" not in inp:
+        inp["labels"] = np.array([3, -100, 8, 1])
+    points = [(0, 0), (0, 3), (2, 8), (3, 1)]
+    if "teacher_topk_ids" in inp:
+        points += list(zip(*_topk_columns(inp)))
+    check_finite_differences(inp, terms, opts, points)
 
 
 def check_finite_differences(inp, terms, opts, points):
@@ -483,10 +574,10 @@ def test_bad_label_writes_nothing(be):
         run_lib(be, inp, terms, opts)
 
 
-@pytest.mark.parametrize("case", ["grpo_kl", "gspo_all", "mis_seq_mean"])
+@pytest.mark.parametrize("case", ["grpo_kl", "gspo_all", "mis_seq_mean", "sparse_rl", "jsd_ce"])
 def test_torch_module(be, case):
-    """The autograd front end: loss, metrics and .grad against the reference (rollout_logprobs and
-    cu_seqlens too: the plan takes cu_seqlens' dtype)."""
+    """The autograd front end: loss, metrics and .grad against the reference (rollout_logprobs,
+    cu_seqlens and a sparse teacher too: the plan takes cu_seqlens' dtype)."""
     torch = pytest.importorskip("torch")
     from headloss.torch_loss import FusedLMHeadLoss
     rng = np.random.default_rng(11)
@@ -680,6 +771,91 @@ def test_bad_sequence_calls_write_nothing(be, key, change, msg):
     dev = {k: be.to_dev(v) for k, v in inp.items()}
     scalars, grad = be.full((len(SCALARS),), "float32", 7.0), be.full((12, 50), "float32", 7.0)
     tokens = [be.full((12,), "float32", 7.0) for _ in range(4)]
+# ---- distillation: the generalised JSD and a sparse (top-k) teacher ------------------------------
+
+@pytest.mark.parametrize("beta,twin", [(0.0, "distill_fwd"), (1.0, "distill_rev")])
+def test_jsd_beta_endpoints(be, beta, twin):
+    """As TRL, JSD at beta = 0 is forward and at 1 reverse KL: the same bits as those terms, dense
+    and sparse (the formula's own limits there are 0)."""
+    for case in ("jsd", "sparse_jsd"):
+        rng = np.random.default_rng(4)
+        terms, opts, inp = build(rng, 24, 300, "float32", case)
+        jsd = run_lib(be, inp, terms, dict(opts, jsd_beta=beta))
+        other = run_lib(be, inp, (twin,), {k: v for k, v in opts.items() if k != "jsd_beta"})
+        assert jsd[0] == other[0] and np.array_equal(jsd[2], other[2]), case
+        assert jsd[0]["distill"] > 0.01, case
+
+
+@pytest.mark.parametrize("term", ["distill_fwd", "distill_rev", "distill_jsd"])
+def test_sparse_with_every_id_is_dense(be, term):
+    """A top-k teacher that lists every id (k = V, in a shuffled order) is the dense teacher: the
+    rest masses are 0 up to rounding (floored at 2^-24 both sides, which adds ~1e-7 at most)."""
+    rng = np.random.default_rng(8)
+    N, V = 12, 40
+    opts = {"jsd_beta": 0.375} if term == "distill_jsd" else {}
+    opts["student_temperature"] = 1.5
+    inp = make_inputs(rng, N, V, "float32", labels=None, teacher=True)
+    dense = run_lib(be, inp, (term,), opts)
+    t = inp.pop("teacher_logits").astype(np.float64)
+    logq = t - t.max(1, keepdims=True)
+    logq -= np.log(np.exp(logq).sum(1, keepdims=True))
+    ids = rng.permuted(np.tile(np.arange(V), (N, 1)), axis=1)
+    inp["teacher_topk_ids"] = ids
+    inp["teacher_topk_logprobs"] = logq[np.arange(N)[:, None], ids].astype(np.float32)
+    sparse = run_lib(be, inp, (term,), dict(opts, teacher_topk=V))
+    tol = 2e-4 if be.name == "cuda" else 1e-6
+    for k in ("loss", "distill", "distill_kl_mean"):
+        assert abs(sparse[0][k] - dense[0][k]) <= tol * (1 + abs(dense[0][k])), (k, sparse[0][k], dense[0][k])
+    assert abs(sparse[0]["topk_mass"] - 1) < 1e-5
+    assert rel(sparse[2], dense[2]) < (1e-4 if be.name == "cuda" else 1e-5)
+    check(be, sparse, run_ref(inp, (term,), dict(opts, teacher_topk=V)), "float32")
+
+
+def _sparse_plan_call(be, case="sparse_rl", N=6, V=50, k=8, **changes):
+    """A sparse-teacher case (its terms, plan options and inputs) of N rows, V columns, k ids."""
+    rng = np.random.default_rng(2)
+    terms, opts, flags = CASES[case]
+    inp = make_inputs(rng, N, V, "float32", **dict(flags, topk=k))
+    opts = dict(opts, teacher_topk=k, **changes.pop("opts", {}))
+    inp.update(changes)
+    return terms, opts, inp
+
+
+BAD_TOPK_INPUTS = [
+    ("duplicate", r"teacher_topk_ids row 2 holds id \d+ twice"),
+    ("out_of_range", r"teacher_topk_ids\[3, 1\] is 50, outside \[0, vocab = 50\) and not padding"),
+    ("positive_logprob", r"teacher_topk_logprobs\[1, 2\] is 0.5; a log-prob must be finite and <= 0"),
+    ("nan_logprob", r"teacher_topk_logprobs\[5, 0\] is nan"),
+    ("inf_logprob", r"teacher_topk_logprobs\[0, 7\] is -inf"),
+    ("dense_too", "a dense teacher .* is set, but the plan's teacher is sparse"),
+    ("no_ids", "teacher_topk_ids is NULL; a sparse teacher needs it"),
+    ("no_logprobs", "teacher_topk_logprobs is NULL; a sparse teacher needs it"),
+]
+
+
+@pytest.mark.parametrize("bad,msg", BAD_TOPK_INPUTS, ids=[b for b, _ in BAD_TOPK_INPUTS])
+def test_bad_topk_writes_nothing(be, bad, msg):
+    """Each bad sparse-teacher input fails naming the entry, and no output is written."""
+    terms, opts, inp = _sparse_plan_call(be)
+    ids, lp = inp["teacher_topk_ids"], inp["teacher_topk_logprobs"]
+    if bad == "duplicate":
+        ids[2, 5] = ids[2, 1]
+    elif bad == "out_of_range":
+        ids[3, 1] = 50
+    elif bad == "positive_logprob":
+        lp[1, 2] = 0.5
+    elif bad == "nan_logprob":
+        lp[5, 0] = np.nan
+        ids[5, 0] = 3
+    elif bad == "inf_logprob":
+        lp[0, 7] = -np.inf
+    elif bad == "dense_too":
+        inp["teacher_logits"] = inp["logits"].copy()
+    else:
+        inp.pop("teacher_topk_" + bad[3:])
+    dev = {k: be.to_dev(v) for k, v in inp.items()}
+    scalars, grad = be.full((len(SCALARS),), "float32", 7.0), be.full((6, 50), "float32", 7.0)
+    tokens = [be.full((6,), "float32", 7.0) for _ in range(4)]
     plan = LossPlan(50, "float32", terms=terms, device=be.name, **opts)
     with pytest.raises(headloss.HeadlossError, match=msg):
         plan(dev.pop("logits"), dev.pop("labels"), scalars=scalars, grad=grad, tokens=tokens, **dev)
@@ -705,3 +881,91 @@ def test_gspo_equals_grpo_on_one_token_sequences(be):
     inp.pop("cu_seqlens")
     sc0, toks0, grad0 = run_lib(be, inp, terms, grpo_opts)
     assert rel(grad, grad0) < 1e-6 and abs(sc["loss"] - sc0["loss"]) < 1e-6 * (1 + abs(sc0["loss"]))
+def test_padding_entries_are_ignored(be):
+    """Padding ids (< 0) leave their log-probs unread (NaN here, by topk_teacher) and any id
+    after them counts: a row padded in the middle is the row without those entries."""
+    terms, opts, inp = _sparse_plan_call(be)
+    ids, lp = inp["teacher_topk_ids"], inp["teacher_topk_logprobs"]
+    ids[0, 2], lp[0, 2] = -7, np.inf
+    got = run_lib(be, inp, terms, opts)
+    check(be, got, run_ref(inp, terms, opts), "float32")
+    assert np.all(np.isnan(lp[4])) and np.all(ids[4] == -1)  # an all-padding row: no teacher mass
+    _, toks, _ = run_ref(inp, ("distill_rev",), opts)
+    assert abs(toks["loss"][4]) < 1e-12
+
+
+BAD_DISTILL_OPTIONS = [
+    (dict(terms=("distill_fwd", "distill_jsd")), "more than one of HL_LOSS_DISTILL_FWD, _REV and _JSD"),
+    (dict(terms=("distill_jsd",), jsd_beta=1.5), "jsd_beta is 1.5; must be in \\[0, 1\\]"),
+    (dict(terms=("distill_jsd",), jsd_beta=float("nan")), "jsd_beta is not finite"),
+    (dict(terms=("distill_fwd",), jsd_beta=0.5), "jsd_beta is 0.5 but the plan has no HL_LOSS_DISTILL_JSD"),
+    (dict(terms=("distill_fwd",), teacher_topk=257), "teacher_topk is 257; must be in \\[1, min\\(256, vocab_global = 300\\)\\]"),
+    (dict(terms=("distill_fwd",), teacher_topk=-1), "teacher_topk is -1"),
+    (dict(terms=("distill_fwd",), teacher_topk=8, vocab=6), "teacher_topk is 8; must be in \\[1, min\\(256, vocab_global = 6\\)\\]"),
+    (dict(terms=("ce",), teacher_topk=8), "teacher_topk is 8 but the plan has no distillation term"),
+    (dict(terms=("distill_rev",), teacher_topk=8, topk_ids_dtype="float32"), "teacher_topk_ids_dtype is F32"),
+    (dict(terms=("distill_rev",), teacher_topk=8, teacher_temperature=2.0),
+     "teacher_temperature is 2, but a sparse teacher's log-probs are used as given"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", BAD_DISTILL_OPTIONS)
+def test_bad_distill_options(be, kw, msg):
+    kw = dict(kw)
+    with pytest.raises(headloss.HeadlossError, match=msg):
+        LossPlan(kw.pop("vocab", 300), "float32", device=be.name, labels_dtype="int64", **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(terms=("distill_rev",), teacher_topk=8),
+                                dict(terms=("ce", "distill_jsd"), jsd_beta=0.5)])
+def test_sharded_distill_not_supported(be, kw):
+    """A sparse teacher and a dense JSD on a vocabulary shard: NOT_SUPPORTED, saying why; JSD at
+    beta = 1 is reverse KL, which shards."""
+    with pytest.raises(headloss.HeadlossError, match="on a vocabulary shard .* not supported") as err:
+        LossPlan(150, "float32", device=be.name, vocab_start=150, vocab_global=300, ranks=2, **kw)
+    assert err.value.status == 2  # HL_STATUS_NOT_SUPPORTED
+    LossPlan(150, "float32", device=be.name, vocab_start=150, vocab_global=300, ranks=2,
+             terms=("distill_jsd",), jsd_beta=1.0)
+
+
+@pytest.mark.parametrize("case", ["sparse_rev", "jsd"])
+def test_distill_split_calls_refused(be, case):
+    """A plan of one rank may run stats + finish, but not with dense JSD or a sparse teacher,
+    whose sums over the row follow its statistics: NOT_SUPPORTED, saying to run it whole."""
+    rng = np.random.default_rng(6)
+    terms, opts, inp = build(rng, 6, 50, "float32", case)
+    if "teacher_topk_ids" in inp:
+        opts = dict(opts, teacher_topk=16)
+    dev = {k: be.to_dev(v) for k, v in inp.items()}
+    plan = LossPlan(50, "float32", terms=terms, device=be.name, **opts)
+    teacher = {k: v for k, v in dev.items() if k.startswith("teacher")}
+    with pytest.raises(headloss.HeadlossError, match="runs whole") as err:
+        plan.stats(dev["logits"], **teacher)
+    assert err.value.status == 2
+
+
+def test_topk_shape_checked_in_python():
+    """The Python plan refuses sparse-teacher arrays that are not [rows, k] or of another dtype
+    (the library reads k entries a row through a bare pointer)."""
+    terms, opts, inp = _sparse_plan_call(CpuBackend())
+    plan = LossPlan(50, "float32", terms=terms, **opts)
+    ids, lp = inp["teacher_topk_ids"], inp["teacher_topk_logprobs"]
+    with pytest.raises(ValueError, match=r"teacher_topk_ids is \[6, 7\]; the plan takes \[rows = 6, teacher_topk = 8\]"):
+        plan(inp["logits"], inp["labels"], teacher_topk_ids=ids[:, :7], teacher_topk_logprobs=lp)
+    with pytest.raises(TypeError, match="teacher_topk_ids is int32; the plan expects int64"):
+        plan(inp["logits"], inp["labels"], teacher_topk_ids=ids.astype(np.int32), teacher_topk_logprobs=lp)
+
+
+def test_sparse_unchecked(be):
+    """check=False (HL_LOSS_UNCHECKED): no check of the teacher's ids (on CUDA no check kernel
+    and no synchronisation), the same results on valid input."""
+    terms, opts, inp = _sparse_plan_call(be, N=30, V=301, k=16)
+    check(be, run_lib(be, inp, terms, dict(opts, check=False)), run_ref(inp, terms, opts), "float32")
+
+
+@pytest.mark.parametrize("distill", [dict(terms=("grpo", "distill_jsd"), jsd_beta=0.5),
+                                     dict(terms=("grpo", "distill_fwd"), teacher_topk=4)])
+def test_gspo_with_a_two_pass_teacher_is_refused(be, distill):
+    """GSPO runs the split's statistics and finish; a sparse teacher and dense JSD have no split."""
+    with pytest.raises(headloss.HeadlossError, match="GSPO\\) runs the plan as its statistics and finish"):
+        LossPlan(50, "float32", device=be.name, ratio_level="seq_mean", **distill)

@@ -66,7 +66,8 @@ def be_of(dev):
     return types.SimpleNamespace(name=dev.type)
 
 
-CASES = ["ce", "ce_smooth_weights_cap", "z", "distill_fwd", "grpo_kl", "all", "gspo_all", "mis_seq_mean"]
+CASES = ["ce", "ce_smooth_weights_cap", "z", "distill_fwd", "grpo_kl", "all", "gspo_all", "mis_seq_mean",
+         "sparse_rl", "jsd_ce"]
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -138,6 +138,25 @@ def test_loss_autograd(dev):
         loss.backward()
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", ["sparse_rl", "jsd_ce"])
+def test_loss_distill_autograd(dev, case):
+    """A sparse teacher (ids and log-probs [2, 8, k]: leading dimensions flattened like the
+    logits') and dense JSD through the custom op: loss and .grad against the fp64 reference."""
+    from test_loss import build, rel, run_ref
+    dev = _device(dev)
+    terms, opts, inp = build(np.random.default_rng(4), 16, 300, "float32", case)
+    want_sc, _, want_grad = run_ref(inp, terms, opts, grad_scale=1.5)
+    t = {k: torch.from_numpy(v).to(dev) for k, v in inp.items()}
+    z = t.pop("logits").view(2, 8, 300).requires_grad_()
+    t = {k: v.view(2, 8, *v.shape[1:]) for k, v in t.items()}
+    loss, metrics = lm_head_loss(z, t.pop("labels"), terms=terms, **t, **opts)
+    (1.5 * loss).backward()
+    assert abs(loss.item() - want_sc["loss"]) < 1e-4 * (1 + abs(want_sc["loss"]))
+    assert abs(metrics["distill"].item() - want_sc["distill"]) < 1e-4
+    assert rel(z.grad.reshape(16, 300).cpu().numpy().astype(np.float64), want_grad) < 1e-4
+
+
 def test_loss_error_path():
     z = torch.randn(4, 10, requires_grad=True)
     with pytest.raises(headloss.HeadlossError, match="labels"):
