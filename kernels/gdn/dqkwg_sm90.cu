@@ -161,7 +161,8 @@ __device__ __forceinline__ void convert_states(const Sm90Params &P, unsigned cha
 // buffer p % 2 (once pass p - 2's dg is finished), then its V stages through the ring. Every lane
 // of warp 12 arrives on a stage's full barrier, after its gate writes: the consumers read the gates
 // once the pass's first stage has landed. With fp32 states (S32) all four warps also convert h and
-// dh into the slot and arrive, and the next pass's states are prefetched into L2 a pass ahead.
+// dh into the slot and arrive. (No L2 prefetch of the next pass's states: a bulk prefetch a pass
+// ahead cost 13% there, 1.104 -> 0.957 ms without it; bench/NOTES.md "GDN v10".)
 template <class T, int KH, int VF, int S32>
 __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, int pw) {
   using L = Layout<KH>;
@@ -190,15 +191,6 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
           float gv = 0.f;
           if (P.gated && r < it.n) gv = P.g ? P.g[(it.tok0 + r) * P.HV + hv] : P.g_gamma[hv] * float(r + 1);
           c.gam[gb * 64 + r] = gv;
-        }
-        if (S32 && lane == 0) {  // the next pass's states into L2 (this one's too, at the first)
-          const int64_t nxt = item + c.stride, bytes = int64_t(P.K) * P.V * 4;
-          const int64_t next = g + 1 < P.G ? hrow + 1 : (nxt / P.H) * P.HV + (nxt % P.H) * P.G;
-          for (int64_t r : {int64_t(hrow), next})
-            if ((r != hrow || pass == 0) && (r == hrow || g + 1 < P.G || nxt < P.items)) {
-              prefetch_l2(P.h32 + r * P.K * P.V, uint32_t(bytes));
-              prefetch_l2(P.dh32 + r * P.K * P.V, uint32_t(bytes));
-            }
         }
       }
       for (int s = 0; s < P.VCN; ++s, ++st) {

@@ -299,7 +299,7 @@ def test_opcheck():
     y = torch.tensor([1, 2, -100, 4, 19])
     opts = torch_ops._options_json(torch_ops._options_key(("ce", "z"), {"grad_weight_dtype": torch.float32}))
     for need in ((True, True), (True, False), (False, False)):
-        args = (x, w, y, *(None,) * 9, opts, 0.0, *need, None)  # 9 optional inputs
+        args = (x, w, y, *(None,) * 11, opts, 0.0, *need, None)  # 11 optional inputs
         torch.library.opcheck(torch.ops.headloss.linear_loss.default, args,
                               test_utils=("test_schema", "test_faketensor"))
 
