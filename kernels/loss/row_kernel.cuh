@@ -455,8 +455,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       hl::cuda::mbar_init(&mail_full[1], 1);
       hl::cuda::mbar_init(&next_full[0], 1);
       hl::cuda::mbar_init(&next_full[1], 1);
-      hl::cuda::mbar_init(&jmail_full[0], 1);
-      hl::cuda::mbar_init(&jmail_full[1], 1);
+      if (JSD) hl::cuda::mbar_init(&jmail_full[0], 1), hl::cuda::mbar_init(&jmail_full[1], 1);
     }
     cluster.sync();  // every peer's barriers are initialised before the first record arrives
   }

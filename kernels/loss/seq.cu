@@ -43,7 +43,7 @@ __device__ float row_logp(const SeqArgs &a, int64_t i) {
     memcpy(&s, rec, offsetof(RowStats<float>, mt));  // the student's fields
     all = c == 0 ? s : merge<false>(all, s, 1.0f);
   }
-  return all.zy - (all.m + logf(all.s));
+  return label_logp(all);
 }
 
 __global__ void __launch_bounds__(kSeqThreads) seq_kernel(const SeqArgs a) {

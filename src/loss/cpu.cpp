@@ -177,10 +177,9 @@ void seq_values_of_rows(const hl_loss_plan_st &p, const hl_loss_args_t &a, const
     SeqSums<double> sum{0.0, 0.0, 0.0};
     for (int64_t i = b; i < e; ++i) {
       if (src.labels && read_label(src, i) < 0) continue;
-      const CpuStats &st = merged[i];
       const double old = a.old_logprobs ? a.old_logprobs[i] : 0.0;
       sum.n += 1.0;
-      if (want_lr) sum.lr += st.zy - (st.m + std::log(st.s)) - old;
+      if (want_lr) sum.lr += label_logp(merged[i]) - old;
       if (want_roll) sum.roll += old - a.rollout_logprobs[i];
     }
     double vl = 0.0, vr = 0.0;

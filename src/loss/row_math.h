@@ -174,11 +174,14 @@ HL_HD RowInputs<F> read_inputs(const RowSource &s, int64_t i) {
   in.old_logp = opt(s.old_logp, in.has_old);
   in.ref_logp = opt(s.ref_logp, in.has_ref);
   in.rollout_logp = opt(s.rollout_logp, in.has_rollout);
-  bool unused;
-  in.seq_lr = opt(s.seq_lr, unused);
-  in.seq_roll = opt(s.seq_roll, unused);
+  in.seq_lr = s.seq_lr ? F(s.seq_lr[i]) : F(0);
+  in.seq_roll = s.seq_roll ? F(s.seq_roll[i]) : F(0);
   return in;
 }
+
+// logp_y of a row's merged record (-inf where no label is in it).
+template <class F>
+HL_HD F label_logp(const RowStats<F> &st) { return st.zy - (st.m + m_log(st.s)); }
 
 // A sequence's sums over its tokens (rows not ignored), which SeqValues turns into the values
 // every row of it reads: n tokens, sum of logp_y - old_logprob (GSPO), sum of old_logprob -
@@ -430,6 +433,7 @@ HL_HD void finish_scalars(const F *sum, F ratio_min, F ratio_max, F adv_min, F a
   const auto term = [&](unsigned bits, int field) {
     return (terms & bits) ? float(sum[field] * inv_d) : 0.0f;
   };
+  const auto mean = [&](int field) { return float(sum[field] * inv_w); };  // over valid rows
   const bool any = W > F(0);
   out[HL_LOSS_OUT_LOSS] = float(sum[R_LOSS] * inv_d);
   out[HL_LOSS_OUT_CE] = term(HL_LOSS_CE, R_CE);
@@ -441,29 +445,29 @@ HL_HD void finish_scalars(const F *sum, F ratio_min, F ratio_max, F adv_min, F a
   out[HL_LOSS_OUT_DIVISOR] = float(D);
   out[HL_LOSS_OUT_WEIGHT_SUM] = float(W);
   out[HL_LOSS_OUT_VALID_ROWS] = float(sum[R_VALID]);
-  out[HL_LOSS_OUT_LSE_MEAN] = float(sum[R_LSE] * inv_w);
-  out[HL_LOSS_OUT_ENTROPY_MEAN] = float(sum[R_H] * inv_w);
-  out[HL_LOSS_OUT_LOGP_MEAN] = float(sum[R_LOGP] * inv_w);
-  out[HL_LOSS_OUT_ACCURACY] = float(sum[R_ACC] * inv_w);
-  out[HL_LOSS_OUT_RATIO_MEAN] = float(sum[R_RATIO] * inv_w);
+  out[HL_LOSS_OUT_LSE_MEAN] = mean(R_LSE);
+  out[HL_LOSS_OUT_ENTROPY_MEAN] = mean(R_H);
+  out[HL_LOSS_OUT_LOGP_MEAN] = mean(R_LOGP);
+  out[HL_LOSS_OUT_ACCURACY] = mean(R_ACC);
+  out[HL_LOSS_OUT_RATIO_MEAN] = mean(R_RATIO);
   out[HL_LOSS_OUT_RATIO_MIN] = has_ratio && any ? float(ratio_min) : 0.0f;
   out[HL_LOSS_OUT_RATIO_MAX] = has_ratio && any ? float(ratio_max) : 0.0f;
-  out[HL_LOSS_OUT_CLIP_LOW] = float(sum[R_CLIP_LO] * inv_w);
-  out[HL_LOSS_OUT_CLIP_HIGH] = float(sum[R_CLIP_HI] * inv_w);
-  out[HL_LOSS_OUT_CLIP_ANY] = float(sum[R_CLIP_ANY] * inv_w);
-  out[HL_LOSS_OUT_K3_OLD] = float(sum[R_K3OLD] * inv_w);
-  out[HL_LOSS_OUT_KL_REF_MEAN] = float(sum[R_KLREF] * inv_w);
-  out[HL_LOSS_OUT_ADV_MEAN] = float(sum[R_ADV] * inv_w);
+  out[HL_LOSS_OUT_CLIP_LOW] = mean(R_CLIP_LO);
+  out[HL_LOSS_OUT_CLIP_HIGH] = mean(R_CLIP_HI);
+  out[HL_LOSS_OUT_CLIP_ANY] = mean(R_CLIP_ANY);
+  out[HL_LOSS_OUT_K3_OLD] = mean(R_K3OLD);
+  out[HL_LOSS_OUT_KL_REF_MEAN] = mean(R_KLREF);
+  out[HL_LOSS_OUT_ADV_MEAN] = mean(R_ADV);
   out[HL_LOSS_OUT_ADV_MIN] = has_adv && any ? float(adv_min) : 0.0f;
   out[HL_LOSS_OUT_ADV_MAX] = has_adv && any ? float(adv_max) : 0.0f;
-  out[HL_LOSS_OUT_DISTILL_KL_MEAN] = float(sum[R_DIST] * inv_w);
+  out[HL_LOSS_OUT_DISTILL_KL_MEAN] = mean(R_DIST);
   out[HL_LOSS_OUT_CISPO] = term(HL_LOSS_CISPO, R_CISPO);
-  out[HL_LOSS_OUT_DUAL_CLIP] = float(sum[R_DUAL] * inv_w);
-  out[HL_LOSS_OUT_ROLLOUT_KL_K1] = float(sum[R_RKL1] * inv_w);
-  out[HL_LOSS_OUT_ROLLOUT_KL_K3] = float(sum[R_RKL3] * inv_w);
-  out[HL_LOSS_OUT_ROLLOUT_WEIGHT_MEAN] = float(sum[R_RWEIGHT] * inv_w);
-  out[HL_LOSS_OUT_ROLLOUT_CORRECTED] = float(sum[R_RCORR] * inv_w);
-  out[HL_LOSS_OUT_TOPK_MASS] = float(sum[R_COVER] * inv_w);
+  out[HL_LOSS_OUT_DUAL_CLIP] = mean(R_DUAL);
+  out[HL_LOSS_OUT_ROLLOUT_KL_K1] = mean(R_RKL1);
+  out[HL_LOSS_OUT_ROLLOUT_KL_K3] = mean(R_RKL3);
+  out[HL_LOSS_OUT_ROLLOUT_WEIGHT_MEAN] = mean(R_RWEIGHT);
+  out[HL_LOSS_OUT_ROLLOUT_CORRECTED] = mean(R_RCORR);
+  out[HL_LOSS_OUT_TOPK_MASS] = mean(R_COVER);
   for (int k = 0; k < n; ++k) scalars[k] = out[k];
 }
 
