@@ -2,7 +2,8 @@
 
 bf16 inputs, h/dh in bf16 (fla's default) unless a row says fp32 states, log2-unit gate (fla 0.6),
 w/dv on (dw produced). Shapes: SPEC section 2, a varlen batch, GVA (value heads 2x the q/k heads as
-Qwen3-Next, 8x at K = 128, 4x at K = 256), fp32 states, and fla's state_v_first layout.
+Qwen3-Next, 8x at K = 128, 4x at K = 256), fp32 states, fla's state_v_first layout, and K = V = 100
+(not a multiple of 8: our portable kernel).
 fla refuses to run on Hopper with Triton 3.4-3.7.0 (a miscompile); for timing only, this script
 bypasses that guard by patching the module flag, and reports how far fla's output is from ours (fla's
 dg is off at the last token of a partial chunk, hence on varlen: bench/NOTES.md, "GDN v6").
@@ -30,10 +31,11 @@ GVA = [  # B, T, q/k heads, value heads, K = V
     ("GVA 8x", (4, 8192, 4, 32, 128)),
     ("GVA 4x", (4, 4096, 4, 16, 256)),
 ]
-STATES = [  # B, T, H, K = V with fp32 states / fla's state_v_first layout
+STATES = [  # B, T, H, K = V with fp32 states / fla's state_v_first layout / K, V not multiples of 8
     ("fp32 states", (8, 4096, 16, 128), dict(h_dtype=torch.float32)),
     ("state_v_first", (8, 4096, 16, 128), dict(vf=True)),
     ("Qwen3-Next GVA 2x, state_v_first", (4, 8192, 16, 128), dict(vf=True, HV=32)),
+    ("odd K = V (portable kernel: TMA needs 16-byte strides)", (8, 4096, 16, 100), {}),
 ]
 
 

@@ -10,7 +10,8 @@ still one pass), then GSPO on top of that (the sequence ratio needs every row's 
 gradient: statistics and finish, two passes over the logits; its floor is 1.5 copies), Liger CE + z
 (if importable), torch.compile and eager PyTorch CE + z + entropy (forward + backward), and
 torch.compile of the RL plans' terms: CE + z + entropy + clipped GRPO + k3 KL with their metrics
-(ratio mean, clip fraction, KL mean), and the same with GSPO's sequence ratio (verl's GSPO-token).
+(ratio mean, clip fraction, KL mean), and the same with GSPO's sequence ratio (verl's GSPO-token),
+and Liger's Triton GRPO loss on logits (GRPO + k3 KL, token and sequence importance sampling).
 Sequences: 512 rows each. Times are medians of CUDA-event timings after warm-up. Fast-LLM's
 GRPO / GSPO: not on PyPI (a source checkout with its own build), so not a column.
 
@@ -116,6 +117,36 @@ def liger_ce_z():
     return LigerCrossEntropyLoss(lse_square_scale=1e-4, return_z_loss=False)
 
 
+def liger_grpo():
+    """Liger's Triton GRPO loss on logits (liger_kernel.transformers.grpo_loss): GRPO + k3 KL, DAPO
+    token mean, its kl_mean and clip_ratio metrics; importance_sampling_level "sequence" is GSPO."""
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+    except Exception as e:  # noqa: BLE001
+        print(f"# Liger GRPO unavailable: {type(e).__name__}: {e}", flush=True)
+        return None
+    return triton_grpo_loss
+
+
+def time_liger_grpo(grpo, N, V, L=512):
+    """Liger GRPO forward + backward on N rows (N / L sequences of L tokens; its logits are
+    [B, L + 1, V], the last position dropped) at token and sequence level: two times in ms."""
+    B = N // L
+    x = (torch.randn(B, L + 1, V, device="cuda") * 2).to(torch.bfloat16).requires_grad_(True)
+    ids = torch.randint(0, V, (B, L), device="cuda")
+    old, ref = (-torch.rand(B, L, device="cuda") * 8 - 4 for _ in range(2))
+    adv, mask = torch.randn(B, device="cuda"), torch.ones(B, L, device="cuda", dtype=torch.bool)
+    times = []
+    for level in ("token", "sequence"):
+        def run(level=level):
+            x.grad = None
+            loss, _ = grpo(x, old, ref, ids, adv, mask, temperature=1.0, beta=0.04, eps_low=0.2, eps_high=0.2,
+                           loss_type="dapo", importance_sampling_level=level, reduce=True)
+            loss.backward()
+        times.append(median_ms(run, iters=20))
+    return times
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -125,13 +156,13 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
-    liger = liger_ce_z()
+    liger, grpo = liger_ce_z(), liger_grpo()
     compiled = None if args.no_compile else compile_per_shape(torch_ce_z_ent)
     compiled_rl = None if args.no_compile else compile_per_shape(torch_rl)
     head = ("| N x V | copy floor | CE+grad | % of copy BW | CE+z | CE+z+H+GRPO+KL+metrics | ratio to CE | "
             "+ dual clip, CISPO, k2 | ratio to CE | + MIS (seq) | ratio to CE | + GSPO (2 passes) | ratio to CE | "
             "Liger CE+z | CE vs Liger | torch.compile CE+z+H | eager CE+z+H | torch.compile RL | vs ours | "
-            "torch.compile GSPO | vs ours |")
+            "torch.compile GSPO | vs ours | Liger GRPO+KL | vs ours | Liger GSPO+KL | vs ours |")
     lines = [f"Device: {dev}; bf16 logits, bf16 gradient to its own buffer; headloss library "
              f"{headloss.version()}; median of CUDA-event timings (ms).", "", head,
              "|" + "---|" * (head.count("|") - 1)]
@@ -179,6 +210,8 @@ def main():
             x = logits.detach().requires_grad_(True)
             t_liger = median_ms(fwd_bwd(lambda a, b: liger(a, b), x, labels))
             del x
+        t_lgrpo, t_lgspo = time_liger_grpo(grpo, N, V) if grpo is not None and N % 512 == 0 else (None, None)
+        torch.cuda.empty_cache()
         small = N * V <= args.peer_max_elems
         if small:
             x = logits.detach().requires_grad_(True)
@@ -206,13 +239,17 @@ def main():
                 f"{t_seq['mis'] / t_ce:.3f} | {t_seq['gspo']:.3f} | {t_seq['gspo'] / t_ce:.3f} | "
                 f"{f(t_liger)} | {r(t_liger, t_ce)} | "
                 f"{f(t_comp)} | {f(t_eager)} | {f(t_crl)} | {r(t_crl, t_rl)} | {f(t_cgspo)} | "
-                f"{r(t_cgspo, t_seq['gspo'])} |")
+                f"{r(t_cgspo, t_seq['gspo'])} | {f(t_lgrpo)} | {r(t_lgrpo, t_full)} | {f(t_lgspo)} | "
+                f"{r(t_lgspo, t_seq['gspo'])} |")
         lines.append(line)
         print(line, flush=True)
         del logits
         torch.cuda.empty_cache()
     lines += ["", "copy floor: torch copy_ of the logits (1 read + 1 write). CE vs Liger: Liger's time over "
-              "ours (>1: we are faster). Labels unchecked (HL_LOSS_UNCHECKED) as the peers do."]
+              "ours (>1: we are faster). Labels unchecked (HL_LOSS_UNCHECKED) as the peers do. Liger GRPO+KL / GSPO+KL: "
+              "Liger's Triton GRPO loss (token / sequence importance sampling, k3 KL, DAPO mean, its two metrics; "
+              "sequences of 512 tokens) against our CE+z+H+GRPO+KL+metrics plan / our GSPO plan, which compute more "
+              "terms."]
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
 

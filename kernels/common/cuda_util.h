@@ -36,7 +36,8 @@ int per_device(std::atomic<int> (&cache)[kMaxDevices], Fn fn) {
   return v - 1;
 }
 
-inline bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+inline bool aligned_to(const void *p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+inline bool aligned16(const void *p) { return aligned_to(p, 16); }
 
 // Multiprocessor count of the current device (cached per device).
 int sm_count();

@@ -46,15 +46,29 @@ struct Params {
   int H, HV, K, V, G, KS, VCN;  // KS: 64-wide K slices; VCN: 32-wide V chunks
   int nsplit;                   // CTAs per (chunk, q/k head): KS (cluster) or 1
   float scale;
-  bool gated, log2, dg_on, dw_on, vec, vec4, reverse_cumsum, v_first;  // v_first: h, dh [.., V, K]
+  int vw;  // 16-bit elements a copy of q, k, v, do, dv (and 16-bit h, dh): 8, 4, 2 or 1 (element-wise)
+  bool gated, log2, dg_on, dw_on, vec4, reverse_cumsum, v_first;  // v_first: h, dh [.., V, K]
 };
 
+// A 64 x COLS block by cp.async copies of W elements (nc, ld multiples of W; rows aligned to them).
+template <int W, int COLS, int LDS, class T>
+__device__ __forceinline__ void load_vectors(T *dst, const T *src, int64_t ld, int nr, int nc) {
+  constexpr int kSeg = COLS / W, kPer = kTile * kSeg / kThreads;
+  static_assert(kPer * kThreads == kTile * kSeg, "whole copies a thread");
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int id = threadIdx.x + i * kThreads, r = id / kSeg, c = (id % kSeg) * W;
+    const bool ok = r < nr && c < nc;
+    cp_async_bytes<W * sizeof(T)>(dst + r * LDS + c, ok ? src + r * ld + c : src, ok);
+  }
+}
+
 // Loads a 64 x COLS block (row stride ld elements) into a shared tile of pitch LDS; zero outside
-// nr x nc. vec: 16-byte cp.async (S == T; nc, ld multiples of 8; 16-byte aligned rows). vec4: fp32
-// source read 16 bytes at a time and rounded (nc, ld multiples of 4, aligned). Else element-wise.
+// nr x nc. vw > 1: cp.async copies of vw elements (S == T: Params::vw). vec4: fp32 source read 16
+// bytes at a time and rounded (nc, ld multiples of 4, aligned). Else element-wise (odd K or V).
 // trans: the block is stored transposed (element (r, c) at src[c * ld + r]; element-wise).
 template <int COLS, int LDS, class T, class S>
-__device__ __forceinline__ void load_tile(T *dst, const S *src, int64_t ld, int nr, int nc, bool vec, bool vec4,
+__device__ __forceinline__ void load_tile(T *dst, const S *src, int64_t ld, int nr, int nc, int vw, bool vec4,
                                           bool trans = false) {
   const int tid = threadIdx.x;
   if (trans) {  // consecutive threads read consecutive rows: contiguous in the source
@@ -66,15 +80,11 @@ __device__ __forceinline__ void load_tile(T *dst, const S *src, int64_t ld, int 
     return;
   }
   if constexpr (sizeof(S) == sizeof(T)) {
-    if (vec) {
-      constexpr int kSeg = COLS / 8, kPer = kTile * kSeg / kThreads;
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int id = tid + i * kThreads, r = id / kSeg, c = (id % kSeg) * 8;
-        const bool ok = r < nr && c < nc;
-        cp_async16(dst + r * LDS + c, ok ? src + r * ld + c : src, ok ? 16 : 0);
-      }
-      return;
+    switch (vw) {
+      case 8: return load_vectors<8, COLS, LDS>(dst, src, ld, nr, nc);
+      case 4: return load_vectors<4, COLS, LDS>(dst, src, ld, nr, nc);
+      case 2: return load_vectors<2, COLS, LDS>(dst, src, ld, nr, nc);
+      default: break;
     }
   } else {
     if (vec4) {
@@ -139,9 +149,12 @@ __device__ __forceinline__ void stage_mma(float (&ds)[4][4], float (&dq)[4][4], 
   }
 }
 
-template <class T, class HT>
+// NARROW: K or V not a multiple of 8 (or a pointer not 16-byte aligned): the copies of P.vw
+// elements; else 16-byte copies alone (the narrow paths' code would cost registers: 2x the spills).
+template <class T, class HT, bool NARROW>
 __global__ void __launch_bounds__(kThreads, 2) dqkwg_kernel(Params P) {
   extern __shared__ __align__(16) unsigned char smem[];
+  const int vw = NARROW ? P.vw : 8;
   const int n_stage = P.dw_on ? 5 : 4;  // do, v, h, dh (, dv)
   T *stage = reinterpret_cast<T *>(smem);
   T *q_s = stage + kStages * n_stage * kStageTile, *k_s = q_s + kTileElems, *ds_s = k_s + kTileElems;
@@ -183,11 +196,11 @@ __global__ void __launch_bounds__(kThreads, 2) dqkwg_kernel(Params P) {
     const int64_t th = (cid * P.HV + hv) * P.K * P.V +
                        (P.v_first ? int64_t(vc) * kVC * P.K + ks * kTile : int64_t(ks) * kTile * P.V + vc * kVC);
     const int64_t ldh = P.v_first ? P.K : P.V;
-    load_tile<kVC, kLdS>(buf, dO + tv, ldv, nr, ncv, P.vec, false);
-    load_tile<kVC, kLdS>(buf + kStageTile, v + tv, ldv, nr, ncv, P.vec, false);
-    load_tile<kVC, kLdS>(buf + 2 * kStageTile, h + th, ldh, nrk, ncv, P.vec, P.vec4, P.v_first);
-    load_tile<kVC, kLdS>(buf + 3 * kStageTile, dh + th, ldh, nrk, ncv, P.vec, P.vec4, P.v_first);
-    if (P.dw_on) load_tile<kVC, kLdS>(buf + 4 * kStageTile, dv + tv, ldv, nr, ncv, P.vec, false);
+    load_tile<kVC, kLdS>(buf, dO + tv, ldv, nr, ncv, vw, false);
+    load_tile<kVC, kLdS>(buf + kStageTile, v + tv, ldv, nr, ncv, vw, false);
+    load_tile<kVC, kLdS>(buf + 2 * kStageTile, h + th, ldh, nrk, ncv, vw, P.vec4, P.v_first);
+    load_tile<kVC, kLdS>(buf + 3 * kStageTile, dh + th, ldh, nrk, ncv, vw, P.vec4, P.v_first);
+    if (P.dw_on) load_tile<kVC, kLdS>(buf + 4 * kStageTile, dv + tv, ldv, nr, ncv, vw, false);
   };
 
   float ds[4][4], dq[4][4], dk[4][4], dw[4][4];
@@ -216,8 +229,8 @@ __global__ void __launch_bounds__(kThreads, 2) dqkwg_kernel(Params P) {
     const bool new_slice = it % per_slice == 0;
     if (new_slice) {  // this slice's q, k (the previous slice's epilogues are over)
       it_slice = it;
-      load_tile<kTile, kLd>(q_s, q + tqk, ldqk, nr, nck, P.vec, false);
-      load_tile<kTile, kLd>(k_s, k + tqk, ldqk, nr, nck, P.vec, false);
+      load_tile<kTile, kLd>(q_s, q + tqk, ldqk, nr, nck, vw, false);
+      load_tile<kTile, kLd>(k_s, k + tqk, ldqk, nr, nck, vw, false);
     }
     cp_async_commit();
     issue_stage(it + 2);
@@ -305,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, 2) dqkwg_kernel(Params P) {
       }
       if (P.dw_on)
         store_block(static_cast<T *>(P.dw) + (tok0 * P.HV + hv) * P.K + ks * kTile, ldw, nr, nck, dw, -1.f, m0, n0,
-                    lane, P.vec);
+                    lane, vw > 1);
       if (P.G > 1) {  // GVA: running dq, dk sums over the value heads, each thread its own words
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -317,8 +330,8 @@ __global__ void __launch_bounds__(kThreads, 2) dqkwg_kernel(Params P) {
           }
       }
       if (hvl == P.G - 1) {
-        store_block(static_cast<T *>(P.dq) + tqk, ldqk, nr, nck, dq, 1.f, m0, n0, lane, P.vec);
-        store_block(static_cast<T *>(P.dk) + tqk, ldqk, nr, nck, dk, 1.f, m0, n0, lane, P.vec);
+        store_block(static_cast<T *>(P.dq) + tqk, ldqk, nr, nck, dq, 1.f, m0, n0, lane, vw > 1);
+        store_block(static_cast<T *>(P.dk) + tqk, ldqk, nr, nck, dk, 1.f, m0, n0, lane, vw > 1);
       }
       zero(ds), zero(dq), zero(dk), zero(dw);
       hdh = 0.f;
@@ -366,7 +379,7 @@ size_t smem_bytes(const hl_gdn_bwd_dqkwg_args_t &a) {
 
 template <class T, class HT>
 hl_status_t launch(Params p, int64_t heads_chunks, size_t smem, hl_stream_t stream) {
-  auto kernel = dqkwg_kernel<T, HT>;
+  auto kernel = p.vw == 8 ? dqkwg_kernel<T, HT, false> : dqkwg_kernel<T, HT, true>;
   // The limit belongs to the kernel, which calls of other sizes (maybe on other threads) share:
   // raise it to the most the device allows rather than to this call's size.
   int dev = 0, optin = 0;
@@ -432,6 +445,7 @@ chunk_table_kernel(const void *cu, bool cu64, int64_t n, int64_t T, int64_t *chu
 namespace hl::gdn {
 using namespace hl::cuda::gdn;
 using hl::cuda::aligned16;
+using hl::cuda::aligned_to;
 
 size_t cuda_workspace_bytes(const hl_gdn_bwd_dqkwg_args_t &a) {
   return a.cu_seqlens ? size_t(2 * (a.num_seqs + 1)) * sizeof(int64_t) : 0;
@@ -466,12 +480,15 @@ hl_status_t cuda_dqkwg_portable(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTab
   p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
   p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;
   p.v_first = a.flags & HL_GDN_STATE_V_FIRST;
-  // 16-byte paths for the 16-bit tensors; fp32 states are read 16 bytes at a time and rounded
-  p.vec = a.K % 8 == 0 && a.V % 8 == 0;
-  for (const void *ptr : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.dq, a.dk})
-    p.vec = p.vec && aligned16(ptr);
-  if (a.h_dtype == a.dtype) p.vec = p.vec && aligned16(a.h) && aligned16(a.dh);
-  if (a.dw) p.vec = p.vec && aligned16(a.dv) && aligned16(a.dw);
+  // The widest copies of the 16-bit tensors their K, V and pointers allow (16, 8 or 4 bytes; dq, dk,
+  // dw stored in pairs from 4); fp32 states are read 16 bytes at a time and rounded
+  std::vector<const void *> ptrs{a.q, a.k, a.v, a.do_, a.dq, a.dk};
+  if (a.h_dtype == a.dtype) ptrs.insert(ptrs.end(), {a.h, a.dh});
+  if (a.dw) ptrs.insert(ptrs.end(), {a.dv, a.dw});
+  p.vw = 8;
+  while (p.vw > 1 && (a.K % p.vw || a.V % p.vw ||
+                      !std::all_of(ptrs.begin(), ptrs.end(), [&](const void *x) { return aligned_to(x, 2 * p.vw); })))
+    p.vw /= 2;
   p.vec4 = a.h_dtype == HL_DTYPE_F32 && a.V % 4 == 0 && aligned16(a.h) && aligned16(a.dh);
 
   const int64_t heads_chunks = chunks * a.H;

@@ -268,7 +268,9 @@ GPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (1, 150, 2, 4, 64, 128, "none", False, None),
     (1, 150, 1, 2, 128, 64, "const2", True, None),
     (1, 100, 1, 1, 60, 100, "log", True, None),                   # padded K, V
-    (1, 130, 1, 1, 100, 60, "const", False, None),
+    (1, 130, 1, 1, 100, 60, "const", False, None),                # 8-byte copies (K, V multiples of 4)
+    (1, 140, 2, 4, 50, 36, "log2", True, None),                   # 4-byte copies (K a multiple of 2), GVA
+    (1, 90, 1, 1, 33, 47, "log", True, None),                     # odd K, V: element-wise
     (1, 400, 2, 4, 128, 128, "log2", True, [0, 17, 17, 200, 333, 400]),  # varlen, GVA
     # HV = H, K and V multiples of 8: the Hopper kernel's cases (K > 128: a cluster of two CTAs)
     (1, 300, 3, 3, 192, 72, "log2", True, None),                  # half-empty second K half, V partial
