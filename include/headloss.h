@@ -611,8 +611,8 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
 /* Workspace bounds for executing on `rows` rows: *min_bytes, the least any execution accepts, and
  * *fast_bytes, the size it runs fastest with (either pointer may be NULL). 0 on the CPU backend.
  * On CUDA the workspace holds per-row records and, for a plan with ranks > 1, the gathered
- * statistics of hl_loss_plan_execute_nccl; the logits form needs one size (min = fast), the fused
- * linear form also its chunks of logits. */
+ * statistics (dense JSD: and middle blocks) of hl_loss_plan_execute_nccl; the logits form needs
+ * one size (min = fast), the fused linear form also its chunks of logits. */
 HL_API hl_status_t hl_loss_plan_get_workspace_sizes(hl_loss_plan_t plan, int64_t rows,
                                                     size_t *min_bytes, size_t *fast_bytes);
 /* fast_bytes of hl_loss_plan_get_workspace_sizes. */

@@ -266,6 +266,24 @@ static void sparse_teacher(void **state) {
   assert_float_equal(b->scalars[HL_LOSS_OUT_TOPK_MASS], mass, 1e-6);
   assert_true(b->scalars[HL_LOSS_OUT_DISTILL] > 0.0f);
   assert_ok(hl_loss_plan_destroy(p));
+  /* On a shard its records carry the k logits: 8 more bytes an id (fp64), checked by stats. */
+  d.vocab_global = V + 3, d.ranks = 2;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  size_t block = 0;
+  assert_ok(hl_loss_plan_get_stats_size(p, N, &block));
+  assert_int_equal(block, 64 + N * (104 + 2 * 8));
+  int64_t *stats = calloc(block / 8, 8);
+  assert_fails(hl_loss_plan_execute_stats(p, &a, stats, block - 8, NULL), HL_STATUS_INVALID_VALUE,
+               "stats_bytes is");
+  assert_ok(hl_loss_plan_execute_stats(p, &a, stats, block, NULL));
+  double z[2];
+  memcpy(z, (char *)stats + 64 + 104, sizeof z); /* row 0's ids 0 and 5: the shard [0, 6) has both */
+  assert_float_equal(z[0], b->logits[0], 1e-12);
+  assert_float_equal(z[1], b->logits[5], 1e-12);
+  memcpy(z, (char *)stats + 64 + 3 * (104 + 16) + 104, sizeof z); /* row 3: padding */
+  assert_true(isinf(z[0]) && z[0] < 0 && isinf(z[1]));
+  free(stats);
+  assert_ok(hl_loss_plan_destroy(p));
   free(b);
 }
 
