@@ -204,18 +204,24 @@ int64_t topk_id(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i, in
   return int64_t(load(a.teacher_topk_ids, p.desc.teacher_topk_ids_dtype, i * a.teacher_topk_ids_stride + k));
 }
 
-// A sparse teacher's z_hat at row i's k ids from a merged record (after its CpuStats).
-const double *topk_z(const char *rec) { return reinterpret_cast<const double *>(rec + sizeof(CpuStats)); }
+// A sparse teacher's z_hat at entry k of a record (after its CpuStats).
+double topk_z(const char *rec, int k) {
+  double z;
+  std::memcpy(&z, rec + sizeof(CpuStats) + size_t(k) * sizeof z, sizeof z);
+  return z;
+}
 
-// A sparse teacher's DistillRow from its k ids' z_hat (the merged record's) and log-probs.
+// A sparse teacher's DistillRow of row i from its merged record (its ids' z_hat) and log-probs.
 DistillRow<double> sparse_distill(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i,
-                                  const CpuStats &st, const double *zk) {
+                                  const char *merged) {
   const Options &o = p.opt;
-  const double lse_s = student_lse(st, o);
+  const char *rec = merged + size_t(i) * record_bytes(p);
+  const double lse_s = student_lse(stats_of(p, merged, i), o);
   DivSums<double> sum{0, 0, 0, 0};
   for (int k = 0; k < o.topk; ++k) {
     double lq;
-    if (topk_id(p, a, i, k, &lq) >= 0) sum = add(sum, div_elem(o.divergence, double(o.jsd_beta), zk[k] * o.inv_ts - lse_s, lq));
+    if (topk_id(p, a, i, k, &lq) >= 0)
+      sum = add(sum, div_elem(o.divergence, double(o.jsd_beta), topk_z(rec, k) * o.inv_ts - lse_s, lq));
   }
   return sparse_row(o, sum);
 }
@@ -275,11 +281,8 @@ void cpu_merge(const hl_loss_plan_st &p, int64_t rows, const char *blocks, size_
       m = merge(m, s, double(p.opt.inv_ts));
       std::memcpy(out, &m, sizeof m);
       for (int k = 0; k < p.opt.topk; ++k) {  // the owner's z_hat (topk_absent elsewhere)
-        double x, y;
-        const size_t at = sizeof m + size_t(k) * sizeof x;
-        std::memcpy(&x, out + at, sizeof x), std::memcpy(&y, rec + at, sizeof y);
-        x = std::max(x, y);
-        std::memcpy(out + at, &x, sizeof x);
+        const double x = std::max(topk_z(out, k), topk_z(rec, k));
+        std::memcpy(out + sizeof m + size_t(k) * sizeof x, &x, sizeof x);
       }
     }
   }
@@ -329,8 +332,7 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
     if (grads) rows.load_row(i, z, v);
     const CpuStats st = stats_of(p, merged, i);
     const DistillRow<double> dx = o.distill == kDistillJsd ? dense_row(mid[i])
-                                  : o.topk ? sparse_distill(p, a, i, st, topk_z(merged + size_t(i) * record_bytes(p)))
-                                           : DistillRow<double>{};
+                                  : o.topk ? sparse_distill(p, a, i, merged) : DistillRow<double>{};
     const RowResult<double> r = finish_row(st, in, o, kd, two_pass ? &dx : nullptr);
     if (grads) {
       const int64_t label = in.label - first;  // outside [0, vocab) when another shard owns it
