@@ -312,8 +312,8 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  *            a_j = -q_j / p_s_j (FWD), log(p_s_j / q_j) + 1 (REV), (1 - b) log(p_s_j / m_j) (JSD).
  *            log m_j does not split into online sums: a dense JSD row takes one more pass over its
  *            columns (sum_j p_s log(p_s / m) and sum_j q log(q / m)) between the statistics and
- *            the gradient; not on sharded plans (NOT_SUPPORTED: it would need a second exchange),
- *            and such a plan runs whole: hl_loss_plan_execute (the split calls: NOT_SUPPORTED).
+ *            the gradient; its split (tensor-parallel) execution has a middle step and a second
+ *            exchange for them (hl_loss_plan_execute_middle).
  *   GRPO     -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp_y - old_logprob);
  *            with dual_clip = c > 1, for A < 0 then min(that, -c A) (dual-clip PPO, as verl's
  *            clip_ratio_c): no gradient where -c A binds (r > c)
@@ -341,9 +341,10 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  * The mean of sum_K q_k is reported (HL_LOSS_OUT_TOPK_MASS). Duplicate ids in a row, ids outside
  * [0, vocab_global) other than padding, and log-probs that are NaN, -inf or > 1e-3 are errors
  * (INVALID_VALUE, nothing written; on CUDA in the label check's synchronisation, which
- * HL_LOSS_UNCHECKED skips; unchecked, an id out of range counts as padding). Sharded plans:
- * NOT_SUPPORTED with a sparse teacher (each rank would need the k logits of the others in its
- * record); such a plan runs whole, like dense JSD. On CUDA, vocab <= INT_MAX.
+ * HL_LOSS_UNCHECKED skips; unchecked, an id out of range counts as padding). Sharded plans: ids
+ * are global; each rank's record carries the student's z_hat at the row's ids in its shard, so
+ * after the one exchange every rank has all k (see hl_loss_plan_execute_stats) and writes the
+ * gradient of the ids in its own columns. On CUDA, vocab <= INT_MAX.
  *
  * A row is ignored when its label is negative (this covers the usual -100) or, with
  * use_ignore_index, equal to ignore_index: it contributes to no term and no metric, and its
@@ -359,8 +360,8 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  *            sequence; the ratio and clip metrics are then sequence-level values, averaged over
  *            tokens. The mean needs every row's logp before any gradient: the plan runs as its
  *            own statistics and finish steps (the tensor-parallel split with one rank; the logits
- *            are read twice, the fused linear form keeps them in a workspace of fast_bytes; not with a
- *            sparse teacher or DISTILL_JSD, which have no such steps: NOT_SUPPORTED)
+ *            are read twice, the fused linear form keeps them in a workspace of fast_bytes; dense
+ *            DISTILL_JSD adds its middle step)
  * Rollout / trainer mismatch (rollout_logprobs: the inference engine's log-probs of the sampled
  * tokens; needs old_logprobs, the trainer's): with d = old_logprob - rollout_logprob and x = d
  * (rollout_level TOKEN), the sum of d over the token's sequence (SEQ_PRODUCT, verl's "sequence")
@@ -593,7 +594,7 @@ typedef struct {
  *
  * Tensor parallelism: W sharded by vocabulary rows (vocab = the shard's rows, vocab_start etc. as
  * for logits); the same stats / gather / finish protocol, one all-gather for the loss. Give stats
- * and finish the same workspace (hl_loss_plan_execute_stats_ws): when it holds every row's logits
+ * (and middle) and finish the same workspace (hl_loss_plan_execute_stats_ws): when it holds every row's logits
  * (fast_bytes of a sharded plan), finish reuses them (three products in all); otherwise finish
  * forms them again (four). grad_hidden is then this rank's part, G_shard W_shard (added to the
  * buffer with ACCUMULATE): the sum over ranks is the gradient, one all-reduce, the collective every
@@ -601,7 +602,7 @@ typedef struct {
  * in-place all-reduce of grad_hidden (which must be packed); with ACCUMULATE rank 0 adds its part
  * to what its buffer holds and the other ranks overwrite theirs, so every rank ends with the old
  * value plus the sum where the ranks' buffers held the same (replicated) values. Collectives a
- * step: 1 all-gather (rows x 32 or 64 bytes a rank) + 1 all-reduce of grad_hidden.
+ * step: 1 all-gather (rows x record bytes a rank; dense JSD: 2) + 1 all-reduce of grad_hidden.
  */
 
 /* Validates the description once and picks a specialised kernel (the fused linear form on CUDA
@@ -610,8 +611,8 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
 /* Workspace bounds for executing on `rows` rows: *min_bytes, the least any execution accepts, and
  * *fast_bytes, the size it runs fastest with (either pointer may be NULL). 0 on the CPU backend.
  * On CUDA the workspace holds per-row records and, for a plan with ranks > 1, the gathered
- * statistics of hl_loss_plan_execute_nccl; the logits form needs one size (min = fast), the fused
- * linear form also its chunks of logits. */
+ * statistics (dense JSD: and middle blocks) of hl_loss_plan_execute_nccl; the logits form needs
+ * one size (min = fast), the fused linear form also its chunks of logits. */
 HL_API hl_status_t hl_loss_plan_get_workspace_sizes(hl_loss_plan_t plan, int64_t rows,
                                                     size_t *min_bytes, size_t *fast_bytes);
 /* fast_bytes of hl_loss_plan_get_workspace_sizes. */
@@ -636,17 +637,35 @@ HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan);
  *      outputs (the same bits on every rank) and this rank's gradient slice.
  * hl_loss_plan_execute_nccl does the three steps on a communicator the caller owns.
  *
+ * Dense DISTILL_JSD needs two exchanges (hl_loss_plan_get_exchanges answers 2; every other plan
+ * 1): its sums of log m over the row need the row's merged statistics first. Between steps 2
+ * and 3:
+ *   2a. hl_loss_plan_execute_middle merges the gathered blocks as finish does and writes this
+ *       rank's middle block: per row sum_j (b q_j log(q_j / m_j) + (1 - b) p_j log(p_j / m_j))
+ *       and sum_j (1 - b) p_j log(p_j / m_j) over its columns;
+ *   2b. the caller all-gathers the middle blocks into a second buffer (any rank order);
+ *   3.  hl_loss_plan_execute_finish2, with both buffers, adds the ranks' middle sums in their
+ *       buffer order (the same bits on every rank) and finishes as hl_loss_plan_execute_finish.
+ * hl_loss_plan_execute_finish refuses such a plan, and _middle / _finish2 a plan of one exchange
+ * (INVALID_VALUE, nothing written). hl_loss_plan_execute_nccl does all of it (two all-gathers).
+ *
  * A block is hl_loss_plan_get_stats_size(plan, rows) bytes, in the plan's backend memory: a 64-byte
  * header of int64 fields (format tag 0x31534c48 "HLS1", a fingerprint of the plan, rows,
  * vocab_start, vocab, vocab_global, record bytes, 0), then one record per row: max z_hat, sum e,
  * sum e (z_hat - max), sum z_hat, the label's z_hat (-inf where another shard owns the label), the
  * argmax's global column (int64), and with distillation the teacher's max and sums and the
- * student-temperature sums (e = exp(z_hat - max)). Records are fp64 (104 bytes) on the CPU
- * backend; fp32 on CUDA (32 bytes, 64 with distillation), so ranks of one plan share a backend.
+ * student-temperature sums (e = exp(z_hat - max)); with a sparse teacher then the student's z_hat
+ * at each of the row's k ids, -inf at the ids of other shards and padding (the merge takes the
+ * max: the owner's value). Records are fp64 on the CPU backend (104 bytes, + 8 k with a sparse
+ * teacher); fp32 on CUDA (32 bytes, 64 with distillation, + 4 k rounded up to a multiple of 8
+ * with a sparse teacher), so ranks of one plan share a backend. A middle block
+ * (hl_loss_plan_get_middle_size) has the same header with tag 0x314d4c48 "HLM1", then the row's
+ * two sums (fp64 on the CPU, fp32 on CUDA).
  * finish refuses (INVALID_VALUE, nothing written) blocks that disagree with the plan or the rows,
- * a buffer smaller than ranks blocks, and shards that do not tile [0, vocab_global); on CUDA it
- * reads the headers with one stream synchronisation (with the label check), which
- * HL_LOSS_UNCHECKED skips. The finish's workspace is as for hl_loss_plan_execute.
+ * a buffer smaller than ranks blocks, and shards that do not tile [0, vocab_global) (middle and
+ * finish2 check both kinds of blocks so); on CUDA it reads the headers with one stream
+ * synchronisation (with the label check), which HL_LOSS_UNCHECKED skips. The workspace of
+ * middle and finish is as for hl_loss_plan_execute.
  */
 HL_API hl_status_t hl_loss_plan_get_stats_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes);
 HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss_args_t *args,
@@ -661,6 +680,21 @@ HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_los
                                                const void *gathered, size_t gathered_bytes,
                                                void *workspace, size_t workspace_bytes,
                                                hl_stream_t stream);
+/* 1, or 2 for a plan with a middle step (dense DISTILL_JSD). */
+HL_API hl_status_t hl_loss_plan_get_exchanges(hl_loss_plan_t plan, int *exchanges);
+/* Bytes of one rank's middle block (a plan of two exchanges). */
+HL_API hl_status_t hl_loss_plan_get_middle_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes);
+/* Step 2a: reads the gathered blocks, the logits and teacher logits (as stats: the same args). */
+HL_API hl_status_t hl_loss_plan_execute_middle(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                               const void *gathered, size_t gathered_bytes,
+                                               void *middle, size_t middle_bytes, void *workspace,
+                                               size_t workspace_bytes, hl_stream_t stream);
+/* Step 3 of a plan of two exchanges: gathered_middle holds the ranks' middle blocks. */
+HL_API hl_status_t hl_loss_plan_execute_finish2(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                                const void *gathered, size_t gathered_bytes,
+                                                const void *gathered_middle,
+                                                size_t gathered_middle_bytes, void *workspace,
+                                                size_t workspace_bytes, hl_stream_t stream);
 /*
  * The three steps on the caller's NCCL communicator (an ncclComm_t passed as void*, of `ranks`
  * ranks; the library never creates, aborts or destroys it): statistics into this rank's slot of

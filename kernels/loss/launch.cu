@@ -5,7 +5,8 @@
 //   rows:   statistics, gradient, and each row's record;
 //   reduce: the scalars from the records (sums.cuh: an order fixed by the row count, no float
 //           atomics: deterministic, and the same bits on every rank of a split).
-// The split execution runs rows in its kStats phase alone, then prep, rows (kFinish) and reduce.
+// The split execution runs rows in its kStats phase alone, then prep, rows (kFinish) and reduce;
+// dense JSD's middle step between them runs prep and rows (kMiddle).
 #include <climits>
 #include <cstring>
 #include <vector>
@@ -267,6 +268,10 @@ static size_t seq_at(int64_t rows) {
 static size_t gathered_at(const hl_loss_plan_st &p, int64_t rows) {
   return seq_at(rows) + (p.sequences ? (size_t(rows) * 2 * sizeof(float) + 15) / 16 * 16 : 0);
 }
+// The gathered middle blocks (a plan of two exchanges), after the gathered blocks.
+static size_t middle_at(const hl_loss_plan_st &p, int64_t rows) {
+  return gathered_at(p, rows) + size_t(p.desc.ranks) * block_bytes(p, rows);
+}
 
 // The kernel arguments every phase shares, for rows [row0, row0 + a.rows) of a call of `total`
 // rows (a's per-row pointers are those rows').
@@ -298,6 +303,8 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
   k.accumulate = d.grad_mode == HL_LOSS_GRAD_ACCUMULATE, k.keep_row = c.keep_row;
   k.col0 = d.vocab_start;
   k.block_bytes = int64_t(block_bytes(p, total));
+  k.middle_block_bytes = int64_t(block_bytes(p, total, true));
+  k.record_bytes = int64_t(record_bytes(p));
   k.ranks = d.ranks;
   k.row0 = row0;
   return k;
@@ -342,7 +349,8 @@ static hl_status_t launch_small(void (*kernel)(Exp...), int threads, int64_t cta
 }  // namespace cuda
 
 hl_status_t cuda::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                             const void *gathered, void *workspace, cudaStream_t stream) {
+                             Gathered g, void *workspace, cudaStream_t stream) {
+  const void *gathered = g.stats;
   char *w = static_cast<char *>(workspace);
   PrepOut *prep = reinterpret_cast<PrepOut *>(w);
   const hl_loss_plan_desc_t &d = p.desc;
@@ -363,13 +371,16 @@ hl_status_t cuda::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_
   }
   if (unchecked || (!a.labels && !gathered && !topk && !p.sequences)) return HL_STATUS_SUCCESS;
   long long bad = LLONG_MAX, bad_topk = LLONG_MAX;
-  std::vector<BlockHeader> headers(gathered ? size_t(d.ranks) : 0);
+  std::vector<BlockHeader> headers(gathered ? size_t(d.ranks) : 0), middles(g.middle ? size_t(d.ranks) : 0);
   const size_t cu_elt = dtype_size(d.cu_seqlens_dtype);
   std::vector<char> cu(p.sequences ? size_t(a.num_seqs + 1) * cu_elt : 0);
   if (a.labels) HL_CUDA_TRY(cudaMemcpyAsync(&bad, &prep->bad, sizeof bad, cudaMemcpyDeviceToHost, stream));
   if (topk) HL_CUDA_TRY(cudaMemcpyAsync(&bad_topk, &prep->bad_topk, sizeof bad_topk, cudaMemcpyDeviceToHost, stream));
   if (gathered)
     HL_CUDA_TRY(cudaMemcpy2DAsync(headers.data(), sizeof(BlockHeader), gathered, block_bytes(p, a.rows),
+                                  sizeof(BlockHeader), size_t(d.ranks), cudaMemcpyDeviceToHost, stream));
+  if (g.middle)
+    HL_CUDA_TRY(cudaMemcpy2DAsync(middles.data(), sizeof(BlockHeader), g.middle, block_bytes(p, a.rows, true),
                                   sizeof(BlockHeader), size_t(d.ranks), cudaMemcpyDeviceToHost, stream));
   if (p.sequences)
     HL_CUDA_TRY(cudaMemcpyAsync(cu.data(), a.cu_seqlens, cu.size(), cudaMemcpyDeviceToHost, stream));
@@ -397,18 +408,20 @@ hl_status_t cuda::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_
     return fail(HL_STATUS_INTERNAL_ERROR, "%s: the device found a bad entry in teacher_topk row %lld "
                 "that the host check passes", fn, bad_topk);
   }
-  return gathered ? check_blocks(fn, p, a.rows, headers.data()) : HL_STATUS_SUCCESS;
+  if (gathered) HL_TRY(check_blocks(fn, p, a.rows, headers.data()));
+  return g.middle ? check_blocks(fn, p, a.rows, middles.data(), true) : HL_STATUS_SUCCESS;
 }
 
 hl_status_t cuda::rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase,
-                           int64_t row0, int64_t total, const void *gathered, void *block,
+                           int64_t row0, int64_t total, Gathered gathered, void *block,
                            void *workspace, cudaStream_t stream, bool after_prep) {
   const CudaLaunch &c = pick_launch(p, a, phase);
   Params k = make_params(p, c, a, workspace, row0, total);
-  k.gathered = static_cast<const char *>(gathered);
+  k.gathered = static_cast<const char *>(gathered.stats);
+  k.gathered_middle = static_cast<const char *>(gathered.middle);
   if (block) {
     k.block = static_cast<char *>(block);
-    const BlockHeader h = make_header(p, total);
+    const BlockHeader h = make_header(p, total, phase == kMiddle);
     static_assert(sizeof h == sizeof k.header, "the header is 8 int64 fields");
     std::memcpy(k.header, &h, sizeof h);
   }
@@ -434,17 +447,25 @@ hl_status_t cuda::rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, vo
 namespace cuda {
 namespace {
 
-// prep, rows (kWhole or kFinish), reduce.
+// prep, rows (kWhole or kFinish), reduce; kMiddle: prep, rows into `block`.
 hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase,
-                     const void *gathered, void *workspace, cudaStream_t stream) {
-  if (a.rows == 0) return zero_scalars(p, a, stream);
+                     Gathered gathered, void *block, void *workspace, cudaStream_t stream) {
+  if (a.rows == 0) return phase == kMiddle ? HL_STATUS_SUCCESS : zero_scalars(p, a, stream);
   HL_TRY(rows_begin(fn, p, a, gathered, workspace, stream));
-  HL_TRY(rows_run(p, a, phase, 0, a.rows, gathered, nullptr, workspace, stream, true));
-  return rows_end(p, a, workspace, stream);
+  HL_TRY(rows_run(p, a, phase, 0, a.rows, gathered, block, workspace, stream, true));
+  return phase == kMiddle ? HL_STATUS_SUCCESS : rows_end(p, a, workspace, stream);
 }
 
 }  // namespace
 }  // namespace cuda
+
+// A block of no rows: the header alone (a pageable copy: staged before this returns).
+static hl_status_t write_header(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *block,
+                                bool middle, cudaStream_t s) {
+  const BlockHeader h = make_header(p, a.rows, middle);
+  HL_CUDA_TRY(cudaMemcpyAsync(block, &h, sizeof h, cudaMemcpyHostToDevice, s));
+  return HL_STATUS_SUCCESS;
+}
 
 hl_status_t cuda::zero_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, cudaStream_t stream) {
   if (a.scalars) HL_CUDA_TRY(cudaMemsetAsync(a.scalars, 0, size_t(p.opt.scalars) * sizeof(float), stream));
@@ -490,13 +511,14 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
     c.grid = hl::cuda::clusters_resident(c.kernel, kThreads, c.smem, c.cluster) * c.cluster;  // 0: cannot run
     return HL_STATUS_SUCCESS;
   };
-  for (int ph = kWhole; ph <= kFinish; ++ph) {
+  for (int ph = kWhole; ph < kPhases; ++ph) {
     CudaLaunch &c = p.cuda.phase[ph];
     c.kernel = pick(d.logits_dtype, ph, grad, p.opt.cap > 0, p.opt.distill);
-    if (!c.kernel) continue;  // dense JSD, a sparse teacher: no split phases (api.cpp refuses them)
+    if (!c.kernel) continue;  // kMiddle: dense JSD's alone
     // The split's phases re-read the logits; a finish without a gradient has no columns to share.
+    // kMiddle's CTAs take rows alone like kFinish's, so each needs the whole row: no cluster.
     c.keep_row = ph == kWhole && keep_row;
-    c.cluster = ph == kFinish && !grad ? 1 : cluster;
+    c.cluster = (ph == kFinish && !grad) || ph == kMiddle ? 1 : cluster;
     c.smem = c.keep_row ? bytes(c.cluster) : 0;
     HL_TRY(finish_choice(c));
     if (c.grid == 0)
@@ -520,7 +542,7 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
 }
 
 size_t cuda_base_workspace(const hl_loss_plan_st &p, int64_t rows) {
-  return cuda::gathered_at(p, rows) + size_t(p.desc.ranks) * block_bytes(p, rows);
+  return cuda::middle_at(p, rows) + (p.exchanges == 2 ? size_t(p.desc.ranks) * block_bytes(p, rows, true) : 0);
 }
 
 void cuda_workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes) {
@@ -528,40 +550,49 @@ void cuda_workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_by
   *min_bytes = *fast_bytes = cuda_base_workspace(p, rows);
 }
 
-void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace) {
-  return static_cast<char *>(workspace) + cuda::gathered_at(p, rows);
+void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace, bool middle) {
+  return static_cast<char *>(workspace) + (middle ? cuda::middle_at(p, rows) : cuda::gathered_at(p, rows));
 }
 
 hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                          void *workspace, size_t workspace_bytes, hl_stream_t stream) {
-  if (p.seq_stats) {  // the split with one rank, its block in the workspace
+  if (p.seq_stats) {  // the split with one rank, its blocks in the workspace
     void *block = cuda_gathered(p, a.rows, workspace);
+    void *middle = p.exchanges == 2 ? cuda_gathered(p, a.rows, workspace, true) : nullptr;
     HL_TRY(cuda_stats(fn, p, a, block, workspace, workspace_bytes, stream));
-    return cuda_finish(fn, p, a, block, workspace, workspace_bytes, stream);
+    if (middle) HL_TRY(cuda_middle(fn, p, a, block, middle, workspace, workspace_bytes, stream));
+    return cuda_finish(fn, p, a, block, middle, workspace, workspace_bytes, stream);
   }
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (p.linear) return cuda::linear_run(fn, p, a, kWhole, nullptr, nullptr, workspace, workspace_bytes, s);
-  return cuda::run_loss(fn, p, a, kWhole, nullptr, workspace, s);
+  if (p.linear) return cuda::linear_run(fn, p, a, kWhole, nullptr, {}, workspace, workspace_bytes, s);
+  return cuda::run_loss(fn, p, a, kWhole, {}, nullptr, workspace, s);
 }
 
 hl_status_t cuda_finish(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                        const void *gathered, void *workspace, size_t workspace_bytes,
+                        const void *gathered, const void *gathered_middle, void *workspace,
+                        size_t workspace_bytes, hl_stream_t stream) {
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const cuda::Gathered g{gathered, gathered_middle};
+  if (p.linear) return cuda::linear_run(fn, p, a, kFinish, nullptr, g, workspace, workspace_bytes, s);
+  return cuda::run_loss(fn, p, a, kFinish, g, nullptr, workspace, s);
+}
+
+hl_status_t cuda_middle(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                        const void *gathered, void *middle, void *workspace, size_t workspace_bytes,
                         hl_stream_t stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (p.linear) return cuda::linear_run(fn, p, a, kFinish, nullptr, gathered, workspace, workspace_bytes, s);
-  return cuda::run_loss(fn, p, a, kFinish, gathered, workspace, s);
+  if (a.rows == 0) return write_header(p, a, middle, true, s);
+  const cuda::Gathered g{gathered, nullptr};
+  if (p.linear) return cuda::linear_run(fn, p, a, kMiddle, middle, g, workspace, workspace_bytes, s);
+  return cuda::run_loss(fn, p, a, kMiddle, g, middle, workspace, s);
 }
 
 hl_status_t cuda_stats(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a, void *block,
                        void *workspace, size_t workspace_bytes, hl_stream_t stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (a.rows == 0) {  // the header alone (a pageable copy: staged before this returns)
-    const BlockHeader h = make_header(p, a.rows);
-    HL_CUDA_TRY(cudaMemcpyAsync(block, &h, sizeof h, cudaMemcpyHostToDevice, s));
-    return HL_STATUS_SUCCESS;
-  }
-  if (p.linear) return cuda::linear_run(fn, p, a, kStats, block, nullptr, workspace, workspace_bytes, s);
-  return cuda::rows_run(p, a, kStats, 0, a.rows, nullptr, block, nullptr, s, false);
+  if (a.rows == 0) return write_header(p, a, block, false, s);
+  if (p.linear) return cuda::linear_run(fn, p, a, kStats, block, {}, workspace, workspace_bytes, s);
+  return cuda::rows_run(p, a, kStats, 0, a.rows, {}, block, nullptr, s, false);
 }
 
 }  // namespace hl::loss

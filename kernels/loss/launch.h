@@ -10,17 +10,23 @@
 
 namespace hl::loss::cuda {
 
+// The gathered blocks a phase reads (device memory): the statistics (kFinish, kMiddle), and dense
+// JSD's middle sums (its kFinish).
+struct Gathered {
+  const void *stats = nullptr, *middle = nullptr;
+};
+
 // The prep kernel over all of a call's rows (a.rows > 0): D and zeroed counters, and the rows'
 // sequence values where the plan has sequences; then, unless the plan is unchecked, one
 // synchronisation that checks the labels, cu_seqlens and the gathered blocks' headers.
 hl_status_t rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                       const void *gathered, void *workspace, cudaStream_t stream);
+                       Gathered gathered, void *workspace, cudaStream_t stream);
 // The row kernel of `phase` over rows [row0, row0 + a.rows) of a call of `total` rows, whose
-// per-row pointers in `a` are already those rows'. block: kStats' output; gathered: kFinish's
-// input (every row's). after_prep: the prep kernel ran just before (it zeroed the counters, and
-// the row kernel may start early).
+// per-row pointers in `a` are already those rows'. block: kStats' and kMiddle's output; gathered:
+// kFinish's and kMiddle's input (every row's). after_prep: the prep kernel ran just before (it
+// zeroed the counters, and the row kernel may start early).
 hl_status_t rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase, int64_t row0,
-                     int64_t total, const void *gathered, void *block, void *workspace,
+                     int64_t total, Gathered gathered, void *block, void *workspace,
                      cudaStream_t stream, bool after_prep);
 // The reduce kernel: the scalars from the records of all of a call's rows (when a.scalars).
 hl_status_t rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,
@@ -34,7 +40,7 @@ hl_status_t zero_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, cuda
 // The fused linear form (linear.cu).
 void linear_workspace(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes);
 hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                       Phase phase, void *block, const void *gathered, void *workspace,
+                       Phase phase, void *block, Gathered gathered, void *workspace,
                        size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace hl::loss::cuda

@@ -102,7 +102,7 @@ void linear_workspace(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes,
 }
 
 hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                       Phase phase, void *block, const void *gathered, void *workspace,
+                       Phase phase, void *block, Gathered gathered, void *workspace,
                        size_t workspace_bytes, cudaStream_t stream) {
   const hl_loss_plan_desc_t &d = p.desc;
   Gemms &g = *p.gemms;
@@ -113,21 +113,21 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
                 "is %d", fn, gemms_device(g), dev);
   const int64_t N = a.rows, V = d.vocab, H = d.hidden;
   const hl_dtype_t wd = d.weight_dtype;
-  const bool grads = phase != kStats && p.dlogits;
+  const bool grads = writes_outputs(phase) && p.dlogits;
   const bool grad_weight = grads && a.grad_weight, grad_hidden = grads && a.grad_hidden;
   if (N == 0) {
     if (grad_weight && d.grad_weight_mode == HL_LOSS_GRAD_WRITE)
       HL_CUDA_TRY(cudaMemset2DAsync(a.grad_weight, size_t(a.grad_weight_stride) * dtype_size(d.grad_weight_dtype),
                                     0, size_t(H) * dtype_size(d.grad_weight_dtype), size_t(V), stream));
-    return zero_scalars(p, a, stream);
+    return writes_outputs(phase) ? zero_scalars(p, a, stream) : HL_STATUS_SUCCESS;
   }
   const Layout L = layout(p, N, workspace_bytes);
   char *w = static_cast<char *>(workspace);
   void *gemm_ws = w + L.gemm, *z = w + L.logits, *t = w + L.teacher;
   if (phase != kStats) HL_TRY(rows_begin(fn, p, a, gathered, workspace, stream));
-  // A split's finish reuses the statistics step's logits when every row's stayed; without a
-  // gradient it reads none.
-  const bool form = phase != kFinish || (p.dlogits && !L.keep);
+  // A split's middle step and finish reuse the statistics step's logits when every row's stayed
+  // (the middle step writes no gradient over them); a finish without a gradient reads none.
+  const bool form = phase == kMiddle ? !L.keep : phase != kFinish || (p.dlogits && !L.keep);
   for (int64_t i0 = 0; i0 < N; i0 += L.chunk) {
     const int64_t n = std::min(L.chunk, N - i0);
     const void *x = row(a.hidden, i0, a.hidden_stride, wd);
@@ -151,7 +151,7 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
                               a.grad_weight_stride, d.grad_weight_dtype,
                               i0 > 0 || d.grad_weight_mode == HL_LOSS_GRAD_ACCUMULATE}, gemm_ws, stream));
   }
-  return phase == kStats ? HL_STATUS_SUCCESS : rows_end(p, a, workspace, stream);
+  return writes_outputs(phase) ? rows_end(p, a, workspace, stream) : HL_STATUS_SUCCESS;
 }
 
 }  // namespace hl::loss::cuda

@@ -46,12 +46,14 @@ struct Params {
   Options o;
   bool grad_f32, accumulate, keep_row;
   // Tensor parallelism: the shard's first global column (labels and the argmax are global ids);
-  // kStats: this rank's block and its header; kFinish: the ranks' gathered blocks.
+  // kStats: this rank's block and its header (kMiddle: its middle block); kFinish and kMiddle:
+  // the ranks' gathered blocks; kFinish of dense JSD: their gathered middle blocks too.
   int64_t col0;
   char *block;
   int64_t header[8];
-  const char *gathered;
-  int64_t block_bytes;
+  const char *gathered, *gathered_middle;
+  int64_t block_bytes, middle_block_bytes;
+  int64_t record_bytes;  // a sparse teacher's (its k logits after the RowStats)
   int ranks;
   // The fused linear form runs a call's rows in chunks: row r of a chunk is row row0 + r of the
   // call's blocks (the other per-row pointers are the chunk's own).

@@ -19,7 +19,10 @@
 // elements rewritten, whole, after pass 2.
 // The tensor-parallel split runs the same kernel in two phases: kStats stops after pass 1 and
 // writes the row's record into this rank's block; kFinish skips pass 1, merges the ranks' records
-// of the row instead, and runs finish and pass 2 (re-reading the logits).
+// of the row instead, and runs finish and pass 2 (re-reading the logits). A sparse teacher's
+// records carry its ids' logits (the owner's), so kFinish gathers them from there. Dense JSD has a
+// third phase between them, kMiddle: the merge, then its middle pass into this rank's middle
+// block; kFinish adds the ranks' middle sums instead of that pass.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -335,6 +338,12 @@ constexpr int kRecordBytes = DISTILL ? int(sizeof(RowStats<float>)) : int(offset
 static_assert(offsetof(RowStats<float>, mt) == 32 && sizeof(RowStats<float>) == 64,
               "the record layout is documented in headloss.h");
 
+// Row r's record in a block: its offset (a sparse teacher's has its k logits after RowStats).
+template <int DISTILL>
+__device__ __forceinline__ int64_t record_at(const Params &p, int64_t r) {
+  return 64 + (p.row0 + r) * (DISTILL == kDistillSparse ? p.record_bytes : kRecordBytes<DISTILL>);
+}
+
 // Row r's records from every rank's block, merged by one warp (lane 0 gets the result): lane l
 // takes ranks l, l + 32, ..., then a fixed tree; the same bits on every rank.
 template <int DISTILL>
@@ -343,8 +352,7 @@ __device__ RowStats<float> gathered_stats(const Params &p, int64_t r) {
   const int lane = threadIdx.x % 32;
   RowStats<float> all = empty_stats<float>();
   for (int c = lane; c < p.ranks; c += 32) {
-    const uint2 *rec = reinterpret_cast<const uint2 *>(p.gathered + c * p.block_bytes + 64 +
-                                                       (p.row0 + r) * kRecordBytes<DISTILL>);
+    const uint2 *rec = reinterpret_cast<const uint2 *>(p.gathered + c * p.block_bytes + record_at<DISTILL>(p, r));
     RowStats<float> s = empty_stats<float>();
     uint2 *dst = reinterpret_cast<uint2 *>(&s);
 #pragma unroll
@@ -354,26 +362,59 @@ __device__ RowStats<float> gathered_stats(const Params &p, int64_t r) {
   return warp_tree_merge<DISTILL>(all, p.ranks < 32 ? p.ranks : 32, p.o.inv_ts);
 }
 
-// Row r's record into this rank's block; block 0 also writes the block's header (again for each
-// chunk of rows of the fused linear form: the same bytes).
-template <int DISTILL>
-__device__ void write_record(const Params &p, int64_t r, RowStats<float> st) {
-  constexpr int W = kRecordBytes<DISTILL> / 8;
-  if (st.amax != INT64_MAX) st.amax += p.col0;  // a global column
-  uint2 *rec = reinterpret_cast<uint2 *>(p.block + 64 + (p.row0 + r) * kRecordBytes<DISTILL>);
-  const uint2 *src = reinterpret_cast<const uint2 *>(&st);
-#pragma unroll
-  for (int k = 0; k < W; ++k) rec[k] = src[k];
+// Block 0 writes this rank's block header at its first row (again for each chunk of rows of the
+// fused linear form: the same bytes).
+__device__ __forceinline__ void write_header(const Params &p, int64_t r) {
   if (blockIdx.x == 0 && r == 0)
     for (int k = 0; k < 8; ++k) reinterpret_cast<int64_t *>(p.block)[k] = p.header[k];
 }
 
+// Row r's record into this rank's block, and the header.
+template <int DISTILL>
+__device__ void write_record(const Params &p, int64_t r, RowStats<float> st) {
+  constexpr int W = kRecordBytes<DISTILL> / 8;
+  if (st.amax != INT64_MAX) st.amax += p.col0;  // a global column
+  uint2 *rec = reinterpret_cast<uint2 *>(p.block + record_at<DISTILL>(p, r));
+  const uint2 *src = reinterpret_cast<const uint2 *>(&st);
+#pragma unroll
+  for (int k = 0; k < W; ++k) rec[k] = src[k];
+  write_header(p, r);
+}
+
+// A sparse teacher's logit z_hat at id k of row r in a block's record (topk_absent: not this
+// block's shard's).
+__device__ __forceinline__ float *topk_logit(const char *block, const Params &p, int64_t r, int k) {
+  return reinterpret_cast<float *>(const_cast<char *>(block) + record_at<kDistillSparse>(p, r) +
+                                   sizeof(RowStats<float>)) + k;
+}
+// Its value merged over the ranks' blocks: the max, i.e. the owner's (exact, any order).
+__device__ __forceinline__ float gathered_topk(const Params &p, int64_t r, int k) {
+  float z = topk_absent<float>();
+  for (int c = 0; c < p.ranks; ++c) z = fmaxf(z, *topk_logit(p.gathered + c * p.block_bytes, p, r, k));
+  return z;
+}
+
+// Dense JSD's middle step: row r's sums over this shard into the middle block; and the finish's
+// sums over the row, the ranks' added in their order in the buffer (the same bits on every rank).
+__device__ __forceinline__ void write_middle(const Params &p, int64_t r, MidSums<float> s) {
+  reinterpret_cast<MidSums<float> *>(p.block + 64)[p.row0 + r] = s;
+  write_header(p, r);
+}
+__device__ __forceinline__ MidSums<float> gathered_middle(const Params &p, int64_t r) {
+  MidSums<float> s{0.0f, 0.0f};
+  for (int c = 0; c < p.ranks; ++c)
+    s = add(s, reinterpret_cast<const MidSums<float> *>(p.gathered_middle + c * p.middle_block_bytes + 64)[p.row0 + r]);
+  return s;
+}
+
 template <class T, bool GRAD, bool CAP, int DISTILL, int PHASE, bool BULK>
 __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel(const Params p) {
-  static_assert(PHASE != kStats || !GRAD, "the statistics step writes no gradient");
+  static_assert((PHASE != kStats && PHASE != kMiddle) || !GRAD, "the statistics and middle steps write no gradient");
   static_assert(!BULK || DISTILL == kDistillNone, "bulk: the logits alone");
   constexpr bool JSD = DISTILL == kDistillJsd, SPARSE = DISTILL == kDistillSparse;
-  static_assert(PHASE == kWhole || !(JSD || SPARSE), "dense JSD and a sparse teacher run whole");
+  static_assert(PHASE != kMiddle || JSD, "the middle step is dense JSD's");
+  // kFinish and kMiddle read the ranks' merged records instead of pass 1.
+  constexpr bool MERGED = PHASE == kFinish || PHASE == kMiddle;
   constexpr int VEC = 16 / sizeof(T);
   // Without a soft-cap or distillation the passes read raw logits and fold the logit scale into
   // the exponent's constant and the row's coefficients (one multiply a column fewer a pass).
@@ -530,14 +571,16 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       const int64_t at = r * p.topk_ids_stride + tid;
       const int64_t id = p.topk_ids64 ? static_cast<const int64_t *>(p.topk_ids)[at]
                                       : int64_t(static_cast<const int32_t *>(p.topk_ids)[at]);
-      const bool ok = id >= 0 && id < p.vocab;
+      const int64_t j = id - p.col0;  // in this shard's columns
+      const bool ok = id >= 0 && id < o.vocab, mine = ok && j >= 0 && j < p.vocab;
       float tt;
-      tk_z[tid] = ok ? zhat<CAP>(to_float(x[id - lo]), o, tt) : 0.0f;
+      tk_z[tid] = PHASE == kFinish ? gathered_topk(p, r, tid)
+                  : mine ? zhat<CAP>(to_float(x[j - lo]), o, tt) : topk_absent<float>();
       tk_lq[tid] = ok ? p.topk_lp[r * p.topk_lp_stride + tid] : 0.0f;
-      tk_col[tid] = !ok ? kPadding : id >= lo && id < hi ? int(id - lo) : kElsewhere;
+      tk_col[tid] = !ok ? kPadding : mine && j >= lo && j < hi ? int(j - lo) : kElsewhere;
     }
     RowStats<float> all;  // the row's merged record (thread 0)
-    if (PHASE != kFinish) {
+    if (!MERGED) {
     // The label's logit, read by one thread before any gradient of this row is written.
     const bool owns_label = tid == 0 && label >= lo && label < hi;
     const T label_raw = owns_label ? x[label - lo] : T(0.0f);
@@ -626,9 +669,11 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       if (tid < 32) all = gathered_stats<DISTILL>(p, r);
     }
     // Dense JSD and a sparse teacher: sums over the slice (JSD's middle pass) or the k ids, taken
-    // once the row's lse is known; thread 0 gets the row's DistillRow.
+    // once the row's lse is known; thread 0 gets the row's DistillRow (kMiddle: writes JSD's sums).
     DistillRow<float> dx{};
-    if (JSD || SPARSE) {
+    if (JSD && PHASE == kFinish) {
+      if (tid == 0) dx = dense_row(gathered_middle(p, r));
+    } else if ((JSD || SPARSE) && PHASE != kStats) {
       if (tid == 0) lse_sh[0] = student_lse(all, o), lse_sh[1] = JSD ? teacher_lse(all) : 0.0f;
       __syncthreads();
       const float lse_s = lse_sh[0], lse_t = lse_sh[1], its = o.inv_ts, b = o.jsd_beta;
@@ -664,14 +709,18 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
         for (int c = 1; c < csize; ++c) part = add(part, jmail[parity][c]);
       }
 #endif
-      if (tid == 0) dx = JSD ? dense_row(part) : sparse_row(o, part);
+      const MidSums<float> mid{part.loss, part.pa};
+      if (tid == 0 && PHASE == kMiddle) write_middle(p, r, mid);
+      if (tid == 0) dx = JSD ? dense_row(mid) : sparse_row(o, part);
     }
+    // kStats: a sparse teacher's logits at its ids in this shard after the record.
+    if (SPARSE && PHASE == kStats && rank == 0 && tid < o.topk) *topk_logit(p.block, p, r, tid) = tk_z[tid];
     if (tid == 0) {
       if (PHASE == kStats) {
         if (rank == 0) write_record<DISTILL>(p, r, all);
       } else {
-      hl::cuda::wait_for_previous_grid();  // the prep kernel's kd (launch_rows: early)
-      row = finish_row(all, in, o, p.prep->kd, JSD || SPARSE ? &dx : nullptr);
+      hl::cuda::wait_for_previous_grid();  // the prep kernel's kd and counters (launch_rows: early)
+      if (PHASE != kMiddle) row = finish_row(all, in, o, p.prep->kd, JSD || SPARSE ? &dx : nullptr);
       next_sh = nxt;
       if (takes_rows) taken = atomicAdd(next_counter, 1u);  // stored after the barrier: no wait here
       }
@@ -684,7 +733,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     if (PHASE != kStats) __syncthreads();
     // The row's outputs, after the barrier: stores before it would hold every warp back.
     if (tid == 0 && takes_rows) after = 2 * step + taken;
-    if (PHASE != kStats && tid == 0 && rank == 0) {
+    if ((PHASE == kWhole || PHASE == kFinish) && tid == 0 && rank == 0) {
       if (p.records) store_floats<kRecFields>(p.records + r * kRecStride, row.rec);
       if (p.tok_loss) p.tok_loss[r] = row.token_loss;
       if (p.tok_logp) p.tok_logp[r] = row.logp;
@@ -771,20 +820,22 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
 #endif
 }
 
-// Dense JSD and a sparse teacher run whole (no split phases: null).
+// Dense JSD's statistics step is forward KL's (the same record); its middle step has no gradient
+// and no other divergence has one (null).
 template <class T, int PHASE, bool GRAD, bool CAP>
 const void *pick_distill(int distill) {
   using K = const void *;
-  switch (distill) {
-    case kDistillFwd: return K(row_kernel<T, GRAD, CAP, kDistillFwd, PHASE, false>);
-    case kDistillRev: return K(row_kernel<T, GRAD, CAP, kDistillRev, PHASE, false>);
-    case kDistillJsd:
-      if constexpr (PHASE == kWhole) return K(row_kernel<T, GRAD, CAP, kDistillJsd, kWhole, false>);
-      return nullptr;
-    case kDistillSparse:
-      if constexpr (PHASE == kWhole) return K(row_kernel<T, GRAD, CAP, kDistillSparse, kWhole, false>);
-      return nullptr;
-    default: return K(row_kernel<T, GRAD, CAP, kDistillNone, PHASE, false>);
+  if constexpr (PHASE == kMiddle) {
+    if constexpr (GRAD) return nullptr;
+    else return distill == kDistillJsd ? K(row_kernel<T, false, CAP, kDistillJsd, kMiddle, false>) : nullptr;
+  } else {
+    switch (distill) {
+      case kDistillFwd: return K(row_kernel<T, GRAD, CAP, kDistillFwd, PHASE, false>);
+      case kDistillRev: return K(row_kernel<T, GRAD, CAP, kDistillRev, PHASE, false>);
+      case kDistillJsd: return K(row_kernel<T, GRAD, CAP, PHASE == kStats ? kDistillFwd : kDistillJsd, PHASE, false>);
+      case kDistillSparse: return K(row_kernel<T, GRAD, CAP, kDistillSparse, PHASE, false>);
+      default: return K(row_kernel<T, GRAD, CAP, kDistillNone, PHASE, false>);
+    }
   }
 }
 
@@ -792,6 +843,8 @@ const void *pick_distill(int distill) {
 // chain factor (its records already hold z_hat).
 template <class T>
 const void *pick_row_kernel(int phase, bool grad, bool cap, int distill) {
+  if (phase == kMiddle)
+    return cap ? pick_distill<T, kMiddle, false, true>(distill) : pick_distill<T, kMiddle, false, false>(distill);
   if (phase == kStats)
     return cap ? pick_distill<T, kStats, false, true>(distill) : pick_distill<T, kStats, false, false>(distill);
   if (phase == kFinish) {

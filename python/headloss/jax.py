@@ -24,9 +24,10 @@ it; the backward pass scales it by the cotangent. Differentiation is with respec
 x, the weight and the residual).
 
 The vocabulary-sharded loss runs in three steps, one collective: loss_stats (each shard's block of
-statistics), an all-gather of the blocks, loss_finish; sharded_fused_loss does the three inside
-shard_map (jax.lax.all_gather) and is differentiable; sharded_linear_loss the same for the weight
-sharded by vocabulary rows. See examples/jax_shard_map.py.
+statistics), an all-gather of the blocks, loss_finish; dense distill_jsd adds loss_middle and a
+second all-gather of its blocks before loss_finish (loss_exchanges says which). sharded_fused_loss
+does the steps inside shard_map (jax.lax.all_gather) and is differentiable; sharded_linear_loss the
+same for the weight sharded by vocabulary rows. See examples/jax_shard_map.py.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ from ._lib import _HERE, lib_path
 from .loss import LEVELS, ROLLOUT_CORRECTIONS, SCALARS, TERMS, LossPlan, code_of, kl_estimator_code
 
 __all__ = ["rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "fused_loss", "sharded_fused_loss", "loss_stats",
-           "loss_finish", "linear_loss", "sharded_linear_loss", "loss_plan_count", "adapter_path"]
+           "loss_middle", "loss_finish", "loss_exchanges", "linear_loss", "sharded_linear_loss", "loss_plan_count", "adapter_path"]
 
 _CAST = {"llama": 0, "gemma": 1, "none": 2}
 _GRAD_MODES = {None: 0, "none": 0, "write": 1}
@@ -77,7 +78,7 @@ adapter_path = _find_adapter()
 _adapter = ctypes.CDLL(str(adapter_path))
 _adapter.hl_jax_loss_plan_count.restype = ctypes.c_int64
 
-for _name in ("rmsnorm_fwd", "rmsnorm_bwd", "loss", "loss_stats", "loss_finish"):
+for _name in ("rmsnorm_fwd", "rmsnorm_bwd", "loss", "loss_stats", "loss_middle", "loss_finish"):
     jax.ffi.register_ffi_target(f"headloss_{_name}", jax.ffi.pycapsule(getattr(_adapter, f"hl_jax_{_name}")),
                                 platform="CUDA")
     jax.ffi.register_ffi_target(f"headloss_{_name}",
@@ -367,9 +368,9 @@ def _grads(cfg: _Cfg, operands, need) -> list:
 
 def _loss_call(cfg: _Cfg, operands, extras, need, target: str = "headloss_loss", tail=()):
     """Runs the plan on its operands (logits, or hidden and weight) or, with target
-    "headloss_loss_finish" and tail (gathered, vocab_start), the finish of a shard; need: which
-    operands' gradients to form. Returns (scalars, gradients (None where not formed), token
-    outputs or None)."""
+    "headloss_loss_finish" and tail (gathered, [gathered_middle,] vocab_start), the finish of a
+    shard; need: which operands' gradients to form. Returns (scalars, gradients (None where not
+    formed), token outputs or None)."""
     inputs = 0
     args = list(operands)
     for bit, x in enumerate(extras):
@@ -380,8 +381,9 @@ def _loss_call(cfg: _Cfg, operands, extras, need, target: str = "headloss_loss",
     outs = [jax.ShapeDtypeStruct((len(SCALARS),), jnp.float32)] + [g[2] for g in grads if g[2] is not None]
     if cfg.token_outputs:
         outs += [jax.ShapeDtypeStruct(operands[0].shape[:-1], jnp.float32)] * 4
+    middle = {"middle": _i32(1)} if len(tail) == 3 else {}
     res = list(jax.ffi.ffi_call(target, outs, vmap_method="sequential")(
-        *args, *tail, inputs=_i32(inputs), token_outputs=_i32(cfg.token_outputs), linear=_i32(cfg.linear),
+        *args, *tail, inputs=_i32(inputs), token_outputs=_i32(cfg.token_outputs), linear=_i32(cfg.linear), **middle,
         **{mode: _i32(n) for (mode, _, _), n in zip(grads, need)}, **_attrs(cfg)))
     scalars = res.pop(0)
     gs = tuple(res.pop(0) if n else None for n in need)
@@ -399,18 +401,19 @@ def _platform(x) -> str:
 
 
 @lru_cache(maxsize=64)
-def _stats_bytes(device: str, vocab: int, dtype: str, labels_dtype: Optional[str], rows: int,
-                 opts) -> int:
-    """The library's size of one block (its records are fp64 on the CPU backend, fp32 on CUDA;
-    the same for both forms): XLA needs the result's shape when tracing."""
+def _split_bytes(device: str, vocab: int, dtype: str, labels_dtype: Optional[str], rows: int,
+                 opts) -> Tuple[int, int]:
+    """The library's sizes of one block of statistics and of one middle block (0: the plan has no
+    middle step): XLA needs the results' shapes when tracing (records are fp64 on the CPU backend,
+    fp32 on CUDA; the same for both forms)."""
     kw = {k: v for k, v in opts if k not in ("flags", "divisor", "use_ignore_index", "max_workspace_bytes")}
     if "cu_seqlens_dtype" in kw:  # an hl_dtype_t attribute; LossPlan takes a name
         kw["cu_seqlens_dtype"] = DTYPE_NAMES[kw["cu_seqlens_dtype"]]
     plan = LossPlan(vocab, dtype, device=device, labels_dtype=labels_dtype, grad=None, **kw)
-    return plan.stats_bytes(rows)
+    return plan.stats_bytes(rows), plan.middle_bytes(rows) if plan.exchanges == 2 else 0
 
 
-_STATS_INPUTS = (0, 2, 6, 7)  # the inputs statistics read: labels and the teacher's
+_STATS_INPUTS = (0, 2, 6, 7, 10, 11)  # the inputs statistics read: labels and the teacher's
 
 
 def _vocab(cfg: _Cfg, operands) -> int:
@@ -418,39 +421,53 @@ def _vocab(cfg: _Cfg, operands) -> int:
     return operands[1].shape[0] if cfg.linear else operands[0].shape[-1]
 
 
-def _stats_call(cfg: _Cfg, operands, extras, vocab_start, need):
-    """Step 1 of a shard: its block of statistics, uint8[hl_loss_plan_get_stats_size]."""
+def _split_call(target: str, cfg: _Cfg, operands, extras, tail, need):
+    """The statistics step (target "headloss_loss_stats", tail (vocab_start,)) or the middle step
+    ("headloss_loss_middle", tail (gathered, vocab_start)) of a shard: its block, uint8[bytes]."""
     kept = [(bit, extras[bit]) for bit in _STATS_INPUTS if bit < len(extras) and extras[bit] is not None]
-    labels = extras[0]
-    size = _stats_bytes(_platform(operands[0]), _vocab(cfg, operands), operands[0].dtype.name,
-                        None if labels is None else labels.dtype.name,
-                        math.prod(operands[0].shape[:-1]), cfg.opts)
+    sizes = _split_sizes(cfg, operands, extras, math.prod(operands[0].shape[:-1]))
     # The block's plan must be the finish's, gradient modes and dtypes included.
     grad_attrs = {}
     for (mode, dt, spec), n in zip(_grads(cfg, operands, need), need):
         grad_attrs.update({mode: _i32(n), dt: _i32(dtype_code(spec.dtype) if n else 0)})
-    return jax.ffi.ffi_call("headloss_loss_stats", jax.ShapeDtypeStruct((size,), jnp.uint8),
-                            vmap_method="sequential")(
-        *operands, *(x for _, x in kept), _vocab_start(vocab_start),
+    size = sizes[1] if target == "headloss_loss_middle" else sizes[0]
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((size,), jnp.uint8), vmap_method="sequential")(
+        *operands, *(x for _, x in kept), *tail[:-1], _vocab_start(tail[-1]),
         inputs=_i32(sum(1 << bit for bit, _ in kept)), linear=_i32(cfg.linear), **grad_attrs,
         **_attrs(cfg))
 
 
+def _split_sizes(cfg: _Cfg, operands, extras, rows: int) -> Tuple[int, int]:
+    """_split_bytes of a call's plan (a sparse teacher's k and ids' dtype from its ids)."""
+    labels, ids = extras[0], extras[_ALL_INPUTS.index("teacher_topk_ids")]
+    topk = () if ids is None else (("teacher_topk", int(ids.shape[-1])), ("topk_ids_dtype", ids.dtype.name))
+    return _split_bytes(_platform(operands[0]), _vocab(cfg, operands), operands[0].dtype.name,
+                        None if labels is None else labels.dtype.name, rows, cfg.opts + topk)
+
+
+def _exchanges(cfg: _Cfg, operands, extras) -> int:
+    """All-gathers the plan's split takes: 1, or 2 (dense distill_jsd: a middle step)."""
+    return 2 if _split_sizes(cfg, operands, extras, 1)[1] else 1
+
+
 def _run(cfg: _Cfg, operands, extras, need):
     """The whole loss, or with cfg.axis_name (inside shard_map) this shard's: stats, one
-    all-gather of the blocks over the axis, finish (the linear form: and one psum of grad_hidden,
-    each shard's part)."""
+    all-gather of the blocks over the axis (dense JSD: its middle step and a second one), finish
+    (the linear form: and one psum of grad_hidden, each shard's part)."""
     axis = cfg.axis_name
     if axis is None:
         return _loss_call(cfg, operands, extras, need)
     start = jax.lax.axis_index(axis) * _vocab(cfg, operands)
     # ffi_call types its results as the same on every device along the axis: true of the scalars
-    # and token outputs (the same bits everywhere), not of the block and the gradients. Say so for
+    # and token outputs (the same bits everywhere), not of the blocks and the gradients. Say so for
     # shard_map's check_vma (the gradient of the sharded operand must vary as it does).
     varying = partial(jax.lax.pcast, axis_name=axis, to="varying")
-    block = varying(_stats_call(cfg, operands, extras, start, need))
-    gathered = jax.lax.all_gather(block, axis, tiled=True)
-    scalars, gs, toks = _loss_call(cfg, operands, extras, need, "headloss_loss_finish", (gathered, start))
+    gather = lambda b: jax.lax.all_gather(varying(b), axis, tiled=True)  # noqa: E731
+    gathered = [gather(_split_call("headloss_loss_stats", cfg, operands, extras, (start,), need))]
+    if _exchanges(cfg, operands, extras) == 2:
+        gathered.append(gather(_split_call("headloss_loss_middle", cfg, operands, extras,
+                                           (gathered[0], start), need)))
+    scalars, gs, toks = _loss_call(cfg, operands, extras, need, "headloss_loss_finish", (*gathered, start))
     gs = [None if g is None else varying(g) for g in gs]
     if cfg.linear and gs[0] is not None:  # hidden is replicated: its gradient, the parts' sum
         gs[0] = jax.lax.psum(gs[0], axis)
@@ -537,7 +554,8 @@ def sharded_fused_loss(logits_shard, labels=None, *, axis_name, vocab_global: in
     (labels, weights, ...) is the whole batch's on every device.
 
     One collective: each device's block of statistics (hl_loss_plan_execute_stats), a
-    jax.lax.all_gather of the blocks over the axis, then hl_loss_plan_execute_finish. Every other
+    jax.lax.all_gather of the blocks over the axis, then hl_loss_plan_execute_finish (dense
+    distill_jsd: two, its middle step's blocks gathered the same way before the finish). Every other
     keyword argument and the return value are fused_loss's: the loss and metrics, the same on every
     device; jax.grad gives the gradient w.r.t. logits_shard (this device's slice of the full one).
     Take the gradient inside the shard_map body, or outside it with check_vma on (the default):
@@ -598,7 +616,8 @@ def sharded_linear_loss(hidden, weight_shard, labels=None, *, axis_name, vocab_g
     weight_shard (this device's rows) and w.r.t. hidden (each device's part, summed by one
     jax.lax.psum: the collective every tensor-parallel linear layer has). The statistics and the
     finish are two XLA calls with a workspace each, so the finish forms the logits again (four
-    products in all, against the three of LinearLossPlan.stats / finish sharing one workspace).
+    products in all, against the three of LinearLossPlan.stats / finish sharing one workspace;
+    dense distill_jsd's middle step forms them once more).
     """
     ranks = jax.lax.axis_size(axis_name)
     if weight_shard.shape[0] * ranks != vocab_global:
@@ -629,20 +648,41 @@ def loss_stats(logits_shard, labels=None, *, vocab_start, vocab_global: int, ran
     """
     cfg, extras = _kwargs_config("loss_stats", logits_shard, labels, kwargs,
                                  vocab_global=int(vocab_global), ranks=int(ranks))
-    return _stats_call(cfg, (logits_shard,), extras, vocab_start, (bool(grad),))
+    return _split_call("headloss_loss_stats", cfg, (logits_shard,), extras, (vocab_start,), (bool(grad),))
+
+
+def loss_exchanges(logits_shard, labels=None, *, vocab_global: int, ranks: int, **kwargs) -> int:
+    """All-gathers the split takes for these arguments (as loss_stats'): 1, or 2 for dense
+    distill_jsd, whose loss_middle and a second all-gather come before loss_finish."""
+    cfg, extras = _kwargs_config("loss_exchanges", logits_shard, labels, kwargs,
+                                 vocab_global=int(vocab_global), ranks=int(ranks))
+    return _exchanges(cfg, (logits_shard,), extras)
+
+
+def loss_middle(gathered, logits_shard, labels=None, *, vocab_start, vocab_global: int, ranks: int,
+                grad: bool = True, **kwargs):
+    """Step 2a of a split of two exchanges (hl_loss_plan_execute_middle): from the gathered blocks
+    (every shard's loss_stats, concatenated), this shard's middle block, a uint8 array to
+    all-gather like the first and pass to loss_finish as gathered_middle. Arguments as loss_stats.
+    """
+    cfg, extras = _kwargs_config("loss_middle", logits_shard, labels, kwargs,
+                                 vocab_global=int(vocab_global), ranks=int(ranks))
+    return _split_call("headloss_loss_middle", cfg, (logits_shard,), extras, (gathered, vocab_start),
+                       (bool(grad),))
 
 
 def loss_finish(gathered, logits_shard, labels=None, *, vocab_start, vocab_global: int, ranks: int,
-                grad: bool = True, **kwargs):
-    """Step 3 (hl_loss_plan_execute_finish): merges the gathered blocks (every shard's loss_stats,
-    concatenated) and returns (loss, metrics, grad or None), plus the token outputs with
+                grad: bool = True, gathered_middle=None, **kwargs):
+    """Step 3 (hl_loss_plan_execute_finish, with gathered_middle _finish2): merges the gathered
+    blocks (every shard's loss_stats, concatenated; with two exchanges also every shard's
+    loss_middle) and returns (loss, metrics, grad or None), plus the token outputs with
     token_outputs=True: the loss and metrics are the same bits on every shard, grad is this shard's
     columns of the gradient. Arguments as loss_stats; a buffer that does not hold the `ranks`
     blocks of one plan tiling the vocabulary raises with the library's message.
     """
     cfg, extras = _kwargs_config("loss_finish", logits_shard, labels, kwargs,
                                  vocab_global=int(vocab_global), ranks=int(ranks))
-    scalars, (g,), toks = _loss_call(cfg, (logits_shard,), extras, (bool(grad),), "headloss_loss_finish",
-                                     (gathered, _vocab_start(vocab_start)))
+    tail = (gathered,) + (() if gathered_middle is None else (gathered_middle,)) + (_vocab_start(vocab_start),)
+    scalars, (g,), toks = _loss_call(cfg, (logits_shard,), extras, (bool(grad),), "headloss_loss_finish", tail)
     out = (scalars[0], _metrics(scalars), g)
     return out + (toks,) if cfg.token_outputs else out

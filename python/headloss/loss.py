@@ -86,6 +86,12 @@ _stats = declare("hl_loss_plan_execute_stats_ws", c_ptr, ctypes.POINTER(_Args), 
                  c_ptr, ctypes.c_size_t, c_ptr)
 _finish = declare("hl_loss_plan_execute_finish", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t,
                   c_ptr, ctypes.c_size_t, c_ptr)
+_exchanges = declare("hl_loss_plan_get_exchanges", c_ptr, ctypes.POINTER(ctypes.c_int))
+_middle_size = declare("hl_loss_plan_get_middle_size", c_ptr, c_i64, ctypes.POINTER(ctypes.c_size_t))
+_middle = declare("hl_loss_plan_execute_middle", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t,
+                  c_ptr, ctypes.c_size_t, c_ptr, ctypes.c_size_t, c_ptr)
+_finish2 = declare("hl_loss_plan_execute_finish2", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t,
+                   c_ptr, ctypes.c_size_t, c_ptr, ctypes.c_size_t, c_ptr)
 _nccl = declare("hl_loss_plan_execute_nccl", c_ptr, ctypes.POINTER(_Args), c_ptr, c_ptr, ctypes.c_size_t,
                 c_ptr)
 _ITEMSIZE = {DTYPE_F32: 4, DTYPE_F16: 2, DTYPE_BF16: 2, DTYPE_I32: 4, DTYPE_I64: 8}
@@ -175,8 +181,10 @@ class LossPlan:
 
     Tensor parallelism: with vocab_global and ranks set, the plan is the shard [vocab_start,
     vocab_start + vocab) of the vocabulary; run it with stats(), an all-gather of the blocks, and
-    finish(), or with nccl() on an NCCL communicator. check=False skips the checks that
-    synchronise with the GPU (labels in range, gathered headers)."""
+    finish(), or with nccl() on an NCCL communicator. A plan of two exchanges (dense distill_jsd:
+    exchanges == 2) runs middle() on the gathered blocks, a second all-gather of its blocks, and
+    finish(..., gathered_middle=). check=False skips the checks that synchronise with the GPU
+    (labels in range, gathered headers)."""
 
     def __init__(self, vocab: int, dtype, *, terms=("ce",), device: str = "cpu", labels_dtype="int64",
                  ce_weight=1.0, z_weight=1.0, entropy_weight=1.0, distill_weight=1.0,
@@ -288,6 +296,19 @@ class LossPlan:
         wv = view(ws, "workspace")
         return ws, wv.ptr, int(np.prod(wv.shape)) * _ITEMSIZE[wv.dtype]
 
+    @property
+    def exchanges(self) -> int:
+        """All-gathers the split takes: 1, or 2 with a middle step (dense distill_jsd)."""
+        n = ctypes.c_int(0)
+        _check(_exchanges(self._handle, ctypes.byref(n)))
+        return n.value
+
+    def middle_bytes(self, rows: int) -> int:
+        """Bytes of one rank's middle block for `rows` rows (a plan of two exchanges)."""
+        n = ctypes.c_size_t(0)
+        _check(_middle_size(self._handle, rows, ctypes.byref(n)))
+        return n.value
+
     def stats_bytes(self, rows: int) -> int:
         """Bytes of one rank's block of statistics for `rows` rows."""
         n = ctypes.c_size_t(0)
@@ -312,18 +333,39 @@ class LossPlan:
                       wp, nbytes, lv.stream))
         return block
 
-    def finish(self, gathered, logits, labels=None, **kwargs) -> LossOutput:
-        """Step 3: merges the gathered blocks (every rank's stats(), concatenated) and returns the
-        scalars and per-token outputs (identical on every rank) and this shard's gradient.
-        Keyword arguments as for calling the plan."""
+    def middle(self, gathered, logits, labels=None, *, teacher_logits=None):
+        """Step 2a of a plan of two exchanges: from the gathered blocks, this rank's middle block
+        (an int64 array on the logits' device) to all-gather like the first."""
+        a, lv, _ = self._args(logits, labels, dict(teacher_logits=teacher_logits), 0.0, 0.0, None, False,
+                              False, None, None, outputs=False)
+        return self._middle_call(a, lv, gathered, None)
+
+    def _middle_call(self, a, lv, gathered, workspace):
+        block = empty(lv, (self.middle_bytes(a.rows) // 8,), DTYPE_I64)
+        gv, gbytes = _blocks(gathered, "gathered")
+        ws, wp, nbytes = self._workspace(lv, a.rows, workspace)
+        _check(_middle(self._handle, ctypes.byref(a), gv.ptr, gbytes, view(block, "middle").ptr,
+                       self.middle_bytes(a.rows), wp, nbytes, lv.stream))
+        return block
+
+    def finish(self, gathered, logits, labels=None, *, gathered_middle=None, **kwargs) -> LossOutput:
+        """Step 3: merges the gathered blocks (every rank's stats(), concatenated; with two
+        exchanges also gathered_middle, every rank's middle()) and returns the scalars and
+        per-token outputs (identical on every rank) and this shard's gradient. Keyword arguments
+        as for calling the plan."""
         a, lv, out = self._call_args(logits, labels, kwargs)
-        gv = view(gathered, "gathered")
-        if gv.strides != tuple(int(np.prod(gv.shape[i + 1:])) for i in range(len(gv.shape))):
-            raise ValueError("gathered must be contiguous")
-        gbytes = int(np.prod(gv.shape)) * _ITEMSIZE.get(gv.dtype, 0)
-        ws, wp, nbytes = self._workspace(lv, a.rows)
-        _check(_finish(self._handle, ctypes.byref(a), gv.ptr, gbytes, wp, nbytes, lv.stream))
+        self._finish_call(a, lv, gathered, gathered_middle, None)
         return out
+
+    def _finish_call(self, a, lv, gathered, gathered_middle, workspace):
+        gv, gbytes = _blocks(gathered, "gathered")
+        ws, wp, nbytes = self._workspace(lv, a.rows, workspace)
+        if gathered_middle is None:
+            _check(_finish(self._handle, ctypes.byref(a), gv.ptr, gbytes, wp, nbytes, lv.stream))
+        else:
+            mv, mbytes = _blocks(gathered_middle, "gathered_middle")
+            _check(_finish2(self._handle, ctypes.byref(a), gv.ptr, gbytes, mv.ptr, mbytes, wp, nbytes,
+                            lv.stream))
 
     def nccl(self, comm, logits, labels=None, **kwargs) -> LossOutput:
         """The three steps on an NCCL communicator of `ranks` ranks (an ncclComm_t as an int, e.g.
@@ -425,23 +467,29 @@ class LinearLossPlan(LossPlan):
         return out
 
     def stats(self, hidden, weight, labels=None, *, teacher_hidden=None, teacher_weight=None,
-              teacher_logits=None, workspace=None):
-        """Step 1 of the sharded loss (see LossPlan.stats). Pass the same workspace to finish():
-        when it holds every row's logits (fast_bytes of a sharded plan) finish reuses them."""
-        kw = dict(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_logits=teacher_logits)
+              teacher_logits=None, teacher_topk_ids=None, teacher_topk_logprobs=None, workspace=None):
+        """Step 1 of the sharded loss (see LossPlan.stats). Pass the same workspace to finish()
+        (and middle()): when it holds every row's logits (fast_bytes of a sharded plan) they
+        reuse them."""
+        kw = dict(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_logits=teacher_logits,
+                  teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs)
         a, lv, _ = self._linear_args(hidden, weight, labels, kw, None, None, outputs=False)
         if workspace is None and lv.backend == BACKEND_CUDA:
             workspace = self.workspace(hidden, a.rows, self.workspace_sizes(a.rows)[0])
         return self._stats_call(a, lv, workspace)
 
+    def middle(self, gathered, hidden, weight, labels=None, *, teacher_hidden=None, teacher_weight=None,
+               teacher_logits=None, workspace=None):
+        """Step 2a of a plan of two exchanges (see LossPlan.middle); pass stats()' workspace."""
+        kw = dict(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_logits=teacher_logits)
+        a, lv, _ = self._linear_args(hidden, weight, labels, kw, None, None, outputs=False)
+        return self._middle_call(a, lv, gathered, workspace)
+
     def finish(self, gathered, hidden, weight, labels=None, *, grad_hidden=None, grad_weight=None,
-               workspace=None, **kwargs) -> LinearLossOutput:
+               workspace=None, gathered_middle=None, **kwargs) -> LinearLossOutput:
         """Step 3: as LossPlan.finish; grad_hidden is this rank's part (sum it over the ranks)."""
         a, lv, out = self._linear_args(hidden, weight, labels, kwargs, grad_hidden, grad_weight)
-        gv = view(gathered, "gathered")
-        gbytes = int(np.prod(gv.shape)) * _ITEMSIZE.get(gv.dtype, 0)
-        ws, wp, nbytes = self._workspace(lv, a.rows, workspace)
-        _check(_finish(self._handle, ctypes.byref(a), gv.ptr, gbytes, wp, nbytes, lv.stream))
+        self._finish_call(a, lv, gathered, gathered_middle, workspace)
         return out
 
     def nccl(self, comm, hidden, weight, labels=None, *, grad_hidden=None, grad_weight=None,
@@ -499,6 +547,14 @@ class LinearLossPlan(LossPlan):
             grads.append(g)
         toks = _scalar_outputs(a, hv, (rows,), token_outputs, scalars, tokens)
         return a, hv, LinearLossOutput(toks[0], *grads, *toks[1:])
+
+
+def _blocks(x, name):
+    """The view and bytes of a contiguous buffer of gathered blocks."""
+    v = view(x, name)
+    if v.strides != tuple(int(np.prod(v.shape[i + 1:])) for i in range(len(v.shape))):
+        raise ValueError(f"{name} must be contiguous")
+    return v, int(np.prod(v.shape)) * _ITEMSIZE.get(v.dtype, 0)
 
 
 _TOPK_STRIDES = (("teacher_topk_ids", "teacher_topk_ids_stride"),

@@ -38,8 +38,12 @@
 //                       grad_hidden_dtype, grad_weight_dtype; i32 hl_dtype_t) name the finish's
 //                       gradient dtypes (the block's plan must match). The linear form's statistics
 //                       step takes a workspace of its own (finish forms the logits again).
-//   hl_jax_loss_finish  args as hl_jax_loss, then gathered (u8, the ranks' blocks), vocab_start
-//                       rets as hl_jax_loss
+//   hl_jax_loss_middle  dense JSD's middle step (hl_loss_plan_execute_middle): args as
+//                       hl_jax_loss_stats with gathered before vocab_start; rets its middle block
+//                       u8[hl_loss_plan_get_middle_size]; attrs as hl_jax_loss_stats
+//   hl_jax_loss_finish  args as hl_jax_loss, then gathered (u8, the ranks' blocks), with attr
+//                       middle = 1 the ranks' middle blocks (hl_loss_plan_execute_finish2),
+//                       vocab_start; rets as hl_jax_loss
 // vocab_start is a scalar s32 / s64 operand, not an attribute: under shard_map every device runs
 // one program and learns its shard's first column at run time (from jax.lax.axis_index).
 // Loss plans are created once per configuration (the plan description, vocab_start included, plus
@@ -486,30 +490,66 @@ ffi::Error Loss(hl_backend_t backend, hl_stream_t stream, int32_t device, ffi::S
   });
 }
 
-ffi::Error LossStats(hl_backend_t backend, hl_stream_t stream, int32_t device, ffi::ScratchAllocator *scratch,
-                     ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  LossCall c;
-  HL_JAX_TRY(LossInputs(backend, args, attrs, &c));
-  HL_JAX_TRY(VocabStart(backend, stream, args, &c));
-  // No gradient buffers here to take their dtypes from, yet the block's plan must be the finish's.
+// The operands of the statistics and middle steps (gathered: the middle step's gathered blocks,
+// before vocab_start). They have no gradient buffers to take the gradients' dtypes from, yet their
+// plan must be the finish's: the attributes name them.
+ffi::Error SplitInputs(hl_backend_t backend, hl_stream_t stream, ffi::RemainingArgs args,
+                       ffi::Dictionary attrs, LossCall *c, const void **gathered = nullptr,
+                       size_t *gathered_bytes = nullptr) {
+  HL_JAX_TRY(LossInputs(backend, args, attrs, c));
+  if (gathered) {
+    HL_JAX_ARG(g, args, c->ai++);
+    *gathered = g.untyped_data(), *gathered_bytes = g.size_bytes();
+  }
+  HL_JAX_TRY(VocabStart(backend, stream, args, c));
   const auto dtype = [&](const char *name) {
     return static_cast<hl_dtype_t>(Get<int32_t>(attrs, name, HL_DTYPE_NONE));
   };
-  c.d.grad_dtype = dtype("grad_dtype");
-  c.d.grad_hidden_dtype = dtype("grad_hidden_dtype");
-  c.d.grad_weight_dtype = dtype("grad_weight_dtype");
+  c->d.grad_dtype = dtype("grad_dtype");
+  c->d.grad_hidden_dtype = dtype("grad_hidden_dtype");
+  c->d.grad_weight_dtype = dtype("grad_weight_dtype");
+  return ffi::Error::Success();
+}
+
+// The plan's size of a block (`size`: the statistics' or the middle step's), which the result
+// `block` must have exactly: a larger one would pass the library's check but misplace the gathered
+// blocks.
+ffi::Error BlockBytes(hl_status_t (*size)(hl_loss_plan_t, int64_t, size_t *), const char *what,
+                      hl_loss_plan_t plan, const LossCall &c, const ffi::AnyBuffer &block, size_t *bytes) {
+  HL_JAX_TRY(Done(size(plan, c.a.rows, bytes), "the block size"));
+  if (block.size_bytes() == *bytes) return ffi::Error::Success();
+  return Invalid(std::string("the ") + what + " block has " + std::to_string(block.size_bytes()) +
+                 " bytes; this plan's has " + std::to_string(*bytes) + " (sized for another platform?)");
+}
+
+ffi::Error LossStats(hl_backend_t backend, hl_stream_t stream, int32_t device, ffi::ScratchAllocator *scratch,
+                     ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  LossCall c;
+  HL_JAX_TRY(SplitInputs(backend, stream, args, attrs, &c));
   HL_JAX_RET(block, rets, c.ri++);
   // The linear form forms its logits in a workspace; the logits form needs none here.
   return WithPlan(c, device, scratch, [&](hl_loss_plan_t plan, void *w, size_t ws_bytes) {
     size_t bytes = 0;
-    HL_JAX_TRY(Done(hl_loss_plan_get_stats_size(plan, c.a.rows, &bytes), "hl_loss_plan_get_stats_size"));
-    // A larger block would pass the library's size check but misplace the gathered blocks.
-    if (block->size_bytes() != bytes)
-      return Invalid("the stats block has " + std::to_string(block->size_bytes()) + " bytes; this plan's has " +
-                     std::to_string(bytes) + " (sized for another platform?)");
+    HL_JAX_TRY(BlockBytes(hl_loss_plan_get_stats_size, "stats", plan, c, *block, &bytes));
     return Done(hl_loss_plan_execute_stats_ws(plan, &c.a, block->untyped_data(), bytes, w, ws_bytes, stream),
                 "hl_loss_plan_execute_stats");
   }, c.d.hidden > 0);
+}
+
+ffi::Error LossMiddle(hl_backend_t backend, hl_stream_t stream, int32_t device, ffi::ScratchAllocator *scratch,
+                      ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  LossCall c;
+  const void *gathered = nullptr;
+  size_t gathered_bytes = 0;
+  HL_JAX_TRY(SplitInputs(backend, stream, args, attrs, &c, &gathered, &gathered_bytes));
+  HL_JAX_RET(block, rets, c.ri++);
+  return WithPlan(c, device, scratch, [&](hl_loss_plan_t plan, void *w, size_t ws_bytes) {
+    size_t bytes = 0;
+    HL_JAX_TRY(BlockBytes(hl_loss_plan_get_middle_size, "middle", plan, c, *block, &bytes));
+    return Done(hl_loss_plan_execute_middle(plan, &c.a, gathered, gathered_bytes, block->untyped_data(),
+                                            bytes, w, ws_bytes, stream),
+                "hl_loss_plan_execute_middle");
+  });
 }
 
 ffi::Error LossFinish(hl_backend_t backend, hl_stream_t stream, int32_t device,
@@ -518,11 +558,22 @@ ffi::Error LossFinish(hl_backend_t backend, hl_stream_t stream, int32_t device,
   LossCall c;
   HL_JAX_TRY(LossInputs(backend, args, attrs, &c));
   HL_JAX_ARG(gathered, args, c.ai++);
+  const bool two = Get<int32_t>(attrs, "middle", 0) != 0;
+  const void *middle = nullptr;
+  size_t middle_bytes = 0;
+  if (two) {
+    HL_JAX_ARG(m, args, c.ai++);
+    middle = m.untyped_data(), middle_bytes = m.size_bytes();
+  }
   HL_JAX_TRY(VocabStart(backend, stream, args, &c));
   HL_JAX_TRY(LossOutputs(rets, attrs, &c));
   return WithPlan(c, device, scratch, [&](hl_loss_plan_t plan, void *w, size_t bytes) {
-    return Done(hl_loss_plan_execute_finish(plan, &c.a, gathered.untyped_data(), gathered.size_bytes(), w,
-                                            bytes, stream),
+    const void *g = gathered.untyped_data();
+    if (two)
+      return Done(hl_loss_plan_execute_finish2(plan, &c.a, g, gathered.size_bytes(), middle, middle_bytes, w,
+                                               bytes, stream),
+                  "hl_loss_plan_execute_finish2");
+    return Done(hl_loss_plan_execute_finish(plan, &c.a, g, gathered.size_bytes(), w, bytes, stream),
                 "hl_loss_plan_execute_finish");
   });
 }
@@ -598,4 +649,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 HL_JAX_LOSS_HANDLERS(hl_jax_loss, Loss);
 HL_JAX_LOSS_HANDLERS(hl_jax_loss_stats, LossStats);
+HL_JAX_LOSS_HANDLERS(hl_jax_loss_middle, LossMiddle);
 HL_JAX_LOSS_HANDLERS(hl_jax_loss_finish, LossFinish);

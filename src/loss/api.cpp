@@ -172,15 +172,7 @@ hl_status_t validate_distill_desc(const char *fn, const hl_loss_plan_desc_t &d, 
     if (tt != 1.0f)
       return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_temperature is %g, but a sparse teacher's "
                   "log-probs are used as given (pass 0)", fn, double(d.teacher_temperature));
-    if (d.ranks > 1)
-      return fail(HL_STATUS_NOT_SUPPORTED, "%s: a sparse teacher (teacher_topk) on a vocabulary "
-                  "shard (ranks = %d) is not supported: each rank's record would need the k logits",
-                  fn, d.ranks);
   }
-  if (o.distill == kDistillJsd && d.ranks > 1)
-    return fail(HL_STATUS_NOT_SUPPORTED, "%s: DISTILL_JSD from a dense teacher on a vocabulary shard "
-                "(ranks = %d) is not supported: its middle pass would need a second exchange "
-                "(jsd_beta 0 or 1, forward or reverse KL, is one pass)", fn, d.ranks);
   return HL_STATUS_SUCCESS;
 }
 
@@ -271,9 +263,6 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   o.inv_tt = 1.0f / tt;
   o.inv_ts = 1.0f / ts;
   HL_TRY(validate_distill_desc(fn, d, tt, o));
-  if (o.seq_ratio && (o.distill == kDistillSparse || o.distill == kDistillJsd))
-    return fail(HL_STATUS_NOT_SUPPORTED, "%s: ratio_level SEQ_MEAN (GSPO) runs the plan as its "
-                "statistics and finish steps, which a sparse teacher and DISTILL_JSD do not have", fn);
   o.terms = d.terms;
   o.vocab = d.vocab_global;  // label smoothing averages over the whole vocabulary
   return HL_STATUS_SUCCESS;
@@ -359,7 +348,7 @@ hl_status_t check_output(const char *fn, const char *name, const void *ptr, int6
                          hl_loss_grad_mode_t mode, const char *mode_name, Phase phase) {
   if (mode == HL_LOSS_GRAD_NONE && ptr)
     return fail(HL_STATUS_INVALID_VALUE, "%s: %s is set but the plan's %s is NONE", fn, name, mode_name);
-  if (mode != HL_LOSS_GRAD_NONE && phase != kStats && rows > 0 && !ptr)
+  if (mode != HL_LOSS_GRAD_NONE && writes_outputs(phase) && rows > 0 && !ptr)
     return fail(HL_STATUS_INVALID_VALUE, "%s: %s is NULL; the plan's %s needs it", fn, name, mode_name);
   return HL_STATUS_SUCCESS;
 }
@@ -377,7 +366,7 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
   if ((a.cu_seqlens || a.num_seqs) && !p.sequences)
     return fail(HL_STATUS_INVALID_VALUE, "%s: cu_seqlens / num_seqs are set but the plan's "
                 "cu_seqlens_dtype is NONE", fn);
-  if (p.sequences && phase != kStats) {
+  if (p.sequences && writes_outputs(phase)) {
     HL_TRY(require(fn, "cu_seqlens", a.cu_seqlens, "a sequence-level option"));
     if (a.num_seqs < 1 && a.rows > 0)
       return fail(HL_STATUS_INVALID_VALUE, "%s: num_seqs is %lld; %lld rows need >= 1 sequence", fn,
@@ -385,7 +374,7 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
   }
   if (a.num_seqs < 0)
     return fail(HL_STATUS_INVALID_VALUE, "%s: num_seqs is %lld; must be >= 0", fn, (long long)a.num_seqs);
-  if (p.opt.rollout != HL_LOSS_ROLLOUT_NONE && phase != kStats && a.rows > 0) {
+  if (p.opt.rollout != HL_LOSS_ROLLOUT_NONE && writes_outputs(phase) && a.rows > 0) {
     HL_TRY(require(fn, "rollout_logprobs", a.rollout_logprobs, "a rollout correction"));
     HL_TRY(require(fn, "old_logprobs", a.old_logprobs, "a rollout correction"));
   }
@@ -442,11 +431,11 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
   }
   const std::pair<unsigned, const char *> policy_terms[] = {{HL_LOSS_GRPO, "GRPO"}, {HL_LOSS_CISPO, "CISPO"}};
   for (const auto &[bit, term] : policy_terms)
-    if ((d.terms & bit) && phase != kStats) {
+    if ((d.terms & bit) && writes_outputs(phase)) {
       HL_TRY(require(fn, "advantages", a.advantages, term));
       HL_TRY(require(fn, "old_logprobs", a.old_logprobs, term));
     }
-  if ((d.terms & HL_LOSS_GRPO_KL_REF) && phase != kStats)
+  if ((d.terms & HL_LOSS_GRPO_KL_REF) && writes_outputs(phase))
     HL_TRY(require(fn, "ref_logprobs", a.ref_logprobs, "GRPO_KL_REF"));
   if (a.grad && a.grad == a.logits) {
     if (d.grad_dtype != d.logits_dtype || a.grad_stride != a.logits_stride)
@@ -521,24 +510,30 @@ hl_status_t check_workspace(const char *fn, const hl_loss_plan_st &p, int64_t ro
   return check_location(fn, "workspace", ws, p.desc.backend);
 }
 
-// The arguments of a split call (statistics or finish): the plan, the arguments, host labels.
+// The arguments of a split call (statistics, middle or finish): the plan, the arguments, host
+// labels. exchanges: the steps' count of exchanges this call belongs to (0: either).
 hl_status_t split_args(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t *args, Phase phase,
-                       hl_loss_args_t *a) {
+                       int exchanges, hl_loss_args_t *a) {
   HL_TRY(check_not_null(fn, "plan", plan));
-  if (plan->opt.distill == kDistillJsd || plan->opt.distill == kDistillSparse)
-    return fail(HL_STATUS_NOT_SUPPORTED, "%s: a plan with dense JSD or a sparse teacher runs whole "
-                "(hl_loss_plan_execute): its sums over the row come after the row's statistics", fn);
+  if (exchanges == 1 && plan->exchanges == 2)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: the plan (dense DISTILL_JSD) needs two exchanges: "
+                "hl_loss_plan_execute_middle after the first gather, a second gather, then "
+                "hl_loss_plan_execute_finish2", fn);
+  if (exchanges == 2 && plan->exchanges == 1)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: the plan needs one exchange and has no middle step "
+                "(hl_loss_plan_get_exchanges): finish with hl_loss_plan_execute_finish", fn);
   HL_TRY(read_descriptor(fn, args, a));
   HL_TRY(validate_args(fn, *plan, *a, phase));
   return plan->desc.backend == HL_BACKEND_CPU ? check_host_inputs(fn, *plan, *a) : HL_STATUS_SUCCESS;
 }
 
-// A buffer of `ranks` blocks: present, large enough, 8-byte aligned, in the backend's memory,
-// clear of the call's other arguments.
+// A buffer of `ranks` blocks (MIDDLE: of the middle step): present, large enough, 8-byte aligned,
+// in the backend's memory, clear of the call's other arguments.
 hl_status_t check_block_buffer(const char *fn, const char *name, const void *buf, size_t bytes,
-                               int ranks, const hl_loss_args_t &a, const hl_loss_plan_st &p) {
+                               int ranks, const hl_loss_args_t &a, const hl_loss_plan_st &p,
+                               bool middle = false) {
   HL_TRY(check_not_null(fn, name, buf));
-  const size_t need = size_t(ranks) * block_bytes(p, a.rows);
+  const size_t need = size_t(ranks) * block_bytes(p, a.rows, middle);
   if (bytes < need)
     return fail(HL_STATUS_INVALID_VALUE, "%s: %s_bytes is %zu; %d block(s) of %lld rows need %zu",
                 fn, name, bytes, ranks, (long long)a.rows, need);
@@ -551,24 +546,56 @@ hl_status_t check_block_buffer(const char *fn, const char *name, const void *buf
   return HL_STATUS_SUCCESS;
 }
 
-// The CPU backend's finish: headers checked, rows merged in buffer order, the rest of the loss.
+// The buffers of the middle step and finish: the gathered blocks, then `n` middle blocks named
+// `name` (the middle step's output, or finish2's gathered ones; n = 0: none) and the workspace, each
+// checked, and clear of each other.
+hl_status_t check_split_buffers(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                                const void *gathered, size_t gathered_bytes, const char *name,
+                                const void *mid, size_t mid_bytes, int n, void *ws, size_t ws_bytes) {
+  HL_TRY(check_block_buffer(fn, "gathered", gathered, gathered_bytes, p.desc.ranks, a, p));
+  if (n) HL_TRY(check_block_buffer(fn, name, mid, mid_bytes, n, a, p, true));
+  HL_TRY(check_workspace(fn, p, a.rows, ws, ws_bytes));
+  if (overlaps(mid, mid_bytes, gathered, gathered_bytes))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: %s overlaps gathered", fn, name);
+  if (overlaps(ws, ws_bytes, gathered, gathered_bytes) || overlaps(ws, ws_bytes, mid, mid_bytes))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: workspace overlaps gathered or %s", fn, name);
+  return HL_STATUS_SUCCESS;
+}
+
+// The CPU backend: the headers of `gathered`'s blocks checked (MIDDLE: the middle step's), the
+// records after them.
+hl_status_t cpu_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows, const char *gathered,
+                       bool middle = false) {
+  const size_t bb = block_bytes(p, rows, middle);
+  std::vector<BlockHeader> h(size_t(p.desc.ranks));
+  for (int r = 0; r < p.desc.ranks; ++r) std::memcpy(&h[size_t(r)], gathered + size_t(r) * bb, sizeof(BlockHeader));
+  return check_blocks(fn, p, rows, h.data(), middle);
+}
+
+// The CPU backend's merge of the gathered blocks, rows in buffer order.
+std::vector<char> cpu_merged(const hl_loss_plan_st &p, int64_t rows, const char *gathered) {
+  std::vector<char> merged(size_t(rows) * record_bytes(p));
+  cpu_merge(p, rows, gathered + sizeof(BlockHeader), block_bytes(p, rows), p.desc.ranks, merged.data());
+  return merged;
+}
+
+// The CPU backend's finish: headers checked, rows merged in buffer order, for dense JSD the
+// ranks' middle sums added in buffer order (gathered_middle), the rest of the loss.
 hl_status_t cpu_merge_finish(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                             const char *gathered) {
-  const int ranks = p.desc.ranks;
-  const size_t bb = block_bytes(p, a.rows);
-  std::vector<BlockHeader> h(static_cast<size_t>(ranks));
-  for (int r = 0; r < ranks; ++r) std::memcpy(&h[size_t(r)], gathered + size_t(r) * bb, sizeof(BlockHeader));
-  HL_TRY(check_blocks(fn, p, a.rows, h.data()));
-  std::vector<CpuStats> merged(size_t(a.rows));
-  for (int r = 0; r < ranks; ++r) {
-    const char *rec = gathered + size_t(r) * bb + sizeof(BlockHeader);
-    for (int64_t i = 0; i < a.rows; ++i) {
-      CpuStats s;
-      std::memcpy(&s, rec + size_t(i) * sizeof s, sizeof s);
-      merged[size_t(i)] = r == 0 ? s : merge(merged[size_t(i)], s, double(p.opt.inv_ts));
-    }
+                             const char *gathered, const char *gathered_middle) {
+  HL_TRY(cpu_blocks(fn, p, a.rows, gathered));
+  std::vector<MidSums<double>> mid(gathered_middle ? size_t(a.rows) : 0);
+  if (gathered_middle) {
+    HL_TRY(cpu_blocks(fn, p, a.rows, gathered_middle, true));
+    const size_t bb = block_bytes(p, a.rows, true);
+    for (int r = 0; r < p.desc.ranks; ++r)
+      for (int64_t i = 0; i < a.rows; ++i) {
+        MidSums<double> m;
+        std::memcpy(&m, gathered_middle + size_t(r) * bb + sizeof(BlockHeader) + size_t(i) * sizeof m, sizeof m);
+        mid[size_t(i)] = r == 0 ? m : add(mid[size_t(i)], m);
+      }
   }
-  return cpu_finish(p, a, merged.data());
+  return cpu_finish(p, a, cpu_merged(p, a.rows, gathered).data(), mid.data());
 }
 
 }  // namespace
@@ -598,33 +625,41 @@ hl_status_t check_topk_row(const char *fn, const hl_loss_plan_st &p, int64_t i, 
 }
 
 size_t record_bytes(const hl_loss_plan_st &p) {
-  if (p.desc.backend == HL_BACKEND_CPU) return sizeof(CpuStats);
-  return p.opt.distill == kDistillNone ? offsetof(RowStats<float>, mt) : sizeof(RowStats<float>);
+  const size_t k = size_t(p.opt.topk);
+  if (p.desc.backend == HL_BACKEND_CPU) return sizeof(CpuStats) + k * sizeof(double);
+  if (p.opt.distill == kDistillNone) return offsetof(RowStats<float>, mt);
+  return sizeof(RowStats<float>) + (k * sizeof(float) + 7) / 8 * 8;
 }
 
-size_t block_bytes(const hl_loss_plan_st &p, int64_t rows) {
-  return sizeof(BlockHeader) + size_t(rows) * record_bytes(p);
+size_t middle_record_bytes(const hl_loss_plan_st &p) {
+  return p.desc.backend == HL_BACKEND_CPU ? sizeof(MidSums<double>) : sizeof(MidSums<float>);
 }
 
-BlockHeader make_header(const hl_loss_plan_st &p, int64_t rows) {
+size_t block_bytes(const hl_loss_plan_st &p, int64_t rows, bool middle) {
+  return sizeof(BlockHeader) + size_t(rows) * (middle ? middle_record_bytes(p) : record_bytes(p));
+}
+
+BlockHeader make_header(const hl_loss_plan_st &p, int64_t rows, bool middle) {
   const hl_loss_plan_desc_t &d = p.desc;
-  return BlockHeader{kBlockTag, p.fingerprint, rows, d.vocab_start, d.vocab, d.vocab_global,
-                     int64_t(record_bytes(p)), 0};
+  return BlockHeader{middle ? kMiddleTag : kBlockTag, p.fingerprint, rows, d.vocab_start, d.vocab,
+                     d.vocab_global, int64_t(middle ? middle_record_bytes(p) : record_bytes(p)), 0};
 }
 
 hl_status_t check_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows,
-                         const BlockHeader *headers) {
+                         const BlockHeader *headers, bool middle) {
   const hl_loss_plan_desc_t &d = p.desc;
   std::vector<std::pair<int64_t, int64_t>> shards;  // (vocab_start, vocab)
   bool mine = false;
+  const size_t rb = middle ? middle_record_bytes(p) : record_bytes(p);
   for (int r = 0; r < d.ranks; ++r) {
     const BlockHeader &h = headers[r];
-    if (h.tag != kBlockTag)
-      return fail(HL_STATUS_INVALID_VALUE, "%s: block %d is not a block of statistics from "
-                  "hl_loss_plan_execute_stats (bad header)", fn, r);
-    if (h.record_bytes != int64_t(record_bytes(p)))
+    if (h.tag != (middle ? kMiddleTag : kBlockTag))
+      return fail(HL_STATUS_INVALID_VALUE, "%s: %s block %d is not a block of %s (bad header)", fn,
+                  middle ? "middle" : "gathered", r, middle ? "middle sums from hl_loss_plan_execute_middle"
+                  : "statistics from hl_loss_plan_execute_stats");
+    if (h.record_bytes != int64_t(rb))
       return fail(HL_STATUS_INVALID_VALUE, "%s: block %d has %lld-byte records; this plan's are %zu "
-                  "(ranks on different backends?)", fn, r, (long long)h.record_bytes, record_bytes(p));
+                  "(ranks on different backends?)", fn, r, (long long)h.record_bytes, rb);
     if (h.rows != rows)
       return fail(HL_STATUS_INVALID_VALUE, "%s: block %d has %lld rows; this call has %lld (the "
                   "ranks disagree on N)", fn, r, (long long)h.rows, (long long)rows);
@@ -676,6 +711,7 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
                            : d.grad_mode != HL_LOSS_GRAD_NONE;
     p->sequences = d.cu_seqlens_dtype != HL_DTYPE_NONE;
     p->seq_stats = o.seq_ratio;
+    p->exchanges = o.distill == kDistillJsd ? 2 : 1;
     p->fingerprint = fingerprint(d);
 #if HL_HAVE_CUDA
     if (d.backend == HL_BACKEND_CUDA) HL_TRY(cuda_plan(fn, *p));
@@ -744,7 +780,7 @@ HL_API hl_status_t hl_loss_plan_execute_stats_ws(hl_loss_plan_t plan, const hl_l
   static const char *fn = "hl_loss_plan_execute_stats";
   return guarded(fn, [&]() -> hl_status_t {
     hl_loss_args_t a;
-    HL_TRY(split_args(fn, plan, args, kStats, &a));
+    HL_TRY(split_args(fn, plan, args, kStats, 0, &a));
     HL_TRY(check_block_buffer(fn, "stats", stats, stats_bytes, 1, a, *plan));
 #if HL_HAVE_CUDA
     if (plan->desc.backend == HL_BACKEND_CUDA) {
@@ -761,10 +797,8 @@ HL_API hl_status_t hl_loss_plan_execute_stats_ws(hl_loss_plan_t plan, const hl_l
 #endif
     (void)stream, (void)workspace, (void)workspace_bytes;
     const BlockHeader h = make_header(*plan, a.rows);
-    std::vector<CpuStats> st(size_t(a.rows));
-    cpu_stats(*plan, a, st.data());
     std::memcpy(stats, &h, sizeof h);
-    if (a.rows) std::memcpy(static_cast<char *>(stats) + sizeof h, st.data(), st.size() * sizeof(CpuStats));
+    cpu_stats(*plan, a, static_cast<char *>(stats) + sizeof h);
     return HL_STATUS_SUCCESS;
   });
 }
@@ -774,25 +808,97 @@ HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss
   return hl_loss_plan_execute_stats_ws(plan, args, stats, stats_bytes, nullptr, 0, stream);
 }
 
+HL_API hl_status_t hl_loss_plan_get_exchanges(hl_loss_plan_t plan, int *exchanges) {
+  static const char *fn = "hl_loss_plan_get_exchanges";
+  return guarded(fn, [&]() -> hl_status_t {
+    HL_TRY(check_not_null(fn, "plan", plan));
+    HL_TRY(check_not_null(fn, "exchanges", exchanges));
+    *exchanges = plan->exchanges;
+    return HL_STATUS_SUCCESS;
+  });
+}
+
+HL_API hl_status_t hl_loss_plan_get_middle_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes) {
+  static const char *fn = "hl_loss_plan_get_middle_size";
+  return guarded(fn, [&]() -> hl_status_t {
+    HL_TRY(check_not_null(fn, "plan", plan));
+    HL_TRY(check_not_null(fn, "bytes", bytes));
+    HL_TRY(check_positive(fn, "rows", rows));
+    if (plan->exchanges != 2)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: the plan needs one exchange and has no middle step", fn);
+    *bytes = block_bytes(*plan, rows, true);
+    return HL_STATUS_SUCCESS;
+  });
+}
+
+HL_API hl_status_t hl_loss_plan_execute_middle(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                               const void *gathered, size_t gathered_bytes,
+                                               void *middle, size_t middle_bytes, void *workspace,
+                                               size_t workspace_bytes, hl_stream_t stream) {
+  static const char *fn = "hl_loss_plan_execute_middle";
+  return guarded(fn, [&]() -> hl_status_t {
+    hl_loss_args_t a;
+    HL_TRY(split_args(fn, plan, args, kMiddle, 2, &a));
+    HL_TRY(check_split_buffers(fn, *plan, a, gathered, gathered_bytes, "middle", middle, middle_bytes, 1,
+                               workspace, workspace_bytes));
+#if HL_HAVE_CUDA
+    if (plan->desc.backend == HL_BACKEND_CUDA)
+      return cuda_middle(fn, *plan, a, gathered, middle, workspace, workspace_bytes, stream);
+#endif
+    (void)stream;
+    HL_TRY(cpu_blocks(fn, *plan, a.rows, static_cast<const char *>(gathered)));
+    std::vector<MidSums<double>> mid(size_t(a.rows));
+    cpu_middle(*plan, a, cpu_merged(*plan, a.rows, static_cast<const char *>(gathered)).data(), mid.data());
+    const BlockHeader h = make_header(*plan, a.rows, true);
+    std::memcpy(middle, &h, sizeof h);
+    if (a.rows) std::memcpy(static_cast<char *>(middle) + sizeof h, mid.data(), mid.size() * sizeof mid[0]);
+    return HL_STATUS_SUCCESS;
+  });
+}
+
+namespace {
+
+// hl_loss_plan_execute_finish (exchanges 1) and _finish2 (2: gathered_middle, the middle step's
+// blocks).
+hl_status_t finish(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t *args, int exchanges,
+                   const void *gathered, size_t gathered_bytes, const void *gathered_middle,
+                   size_t gathered_middle_bytes, void *workspace, size_t workspace_bytes,
+                   hl_stream_t stream) {
+  hl_loss_args_t a;
+  HL_TRY(split_args(fn, plan, args, kFinish, exchanges, &a));
+  HL_TRY(check_split_buffers(fn, *plan, a, gathered, gathered_bytes, "gathered_middle", gathered_middle,
+                             gathered_middle_bytes, exchanges == 2 ? plan->desc.ranks : 0, workspace,
+                             workspace_bytes));
+#if HL_HAVE_CUDA
+  if (plan->desc.backend == HL_BACKEND_CUDA)
+    return cuda_finish(fn, *plan, a, gathered, gathered_middle, workspace, workspace_bytes, stream);
+#endif
+  (void)stream;
+  return cpu_merge_finish(fn, *plan, a, static_cast<const char *>(gathered),
+                          static_cast<const char *>(gathered_middle));
+}
+
+}  // namespace
+
 HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_loss_args_t *args,
                                                const void *gathered, size_t gathered_bytes,
                                                void *workspace, size_t workspace_bytes,
                                                hl_stream_t stream) {
   static const char *fn = "hl_loss_plan_execute_finish";
   return guarded(fn, [&]() -> hl_status_t {
-    hl_loss_args_t a;
-    HL_TRY(split_args(fn, plan, args, kFinish, &a));
-    HL_TRY(check_block_buffer(fn, "gathered", gathered, gathered_bytes, plan->desc.ranks, a, *plan));
-    HL_TRY(check_workspace(fn, *plan, a.rows, workspace, workspace_bytes));
-#if HL_HAVE_CUDA
-    if (plan->desc.backend == HL_BACKEND_CUDA) {
-      if (overlaps(workspace, workspace_bytes, gathered, gathered_bytes))
-        return fail(HL_STATUS_INVALID_VALUE, "%s: workspace overlaps gathered", fn);
-      return cuda_finish(fn, *plan, a, gathered, workspace, workspace_bytes, stream);
-    }
-#endif
-    (void)stream;
-    return cpu_merge_finish(fn, *plan, a, static_cast<const char *>(gathered));
+    return finish(fn, plan, args, 1, gathered, gathered_bytes, nullptr, 0, workspace, workspace_bytes, stream);
+  });
+}
+
+HL_API hl_status_t hl_loss_plan_execute_finish2(hl_loss_plan_t plan, const hl_loss_args_t *args,
+                                                const void *gathered, size_t gathered_bytes,
+                                                const void *gathered_middle, size_t gathered_middle_bytes,
+                                                void *workspace, size_t workspace_bytes,
+                                                hl_stream_t stream) {
+  static const char *fn = "hl_loss_plan_execute_finish2";
+  return guarded(fn, [&]() -> hl_status_t {
+    return finish(fn, plan, args, 2, gathered, gathered_bytes, gathered_middle, gathered_middle_bytes,
+                  workspace, workspace_bytes, stream);
   });
 }
 
@@ -802,7 +908,7 @@ HL_API hl_status_t hl_loss_plan_execute_nccl(hl_loss_plan_t plan, const hl_loss_
   static const char *fn = "hl_loss_plan_execute_nccl";
   return guarded(fn, [&]() -> hl_status_t {
     hl_loss_args_t a;
-    HL_TRY(split_args(fn, plan, args, kFinish, &a));
+    HL_TRY(split_args(fn, plan, args, kFinish, 0, &a));
     HL_TRY(check_not_null(fn, "nccl_comm", nccl_comm));
     if (plan->desc.backend != HL_BACKEND_CUDA)
       return fail(HL_STATUS_NOT_SUPPORTED, "%s: NCCL needs a CUDA plan; on the CPU backend use "

@@ -6,6 +6,7 @@
 // (nothing of rows x vocab is held), and folds the gradient row into grad_hidden and grad_weight.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "../cpu/scalar.h"
@@ -163,9 +164,16 @@ RowInputs<double> row_inputs(const hl_loss_plan_st &p, const hl_loss_args_t &a, 
   return read_inputs<double>(row_source(p, a, nullptr, nullptr), i);
 }
 
+// Row i's merged record (its CpuStats).
+CpuStats stats_of(const hl_loss_plan_st &p, const char *merged, int64_t i) {
+  CpuStats st;
+  std::memcpy(&st, merged + size_t(i) * record_bytes(p), sizeof st);
+  return st;
+}
+
 // Every row's sequence values (SeqValues: seq_lr, seq_roll), from the merged statistics and the
 // inputs; cu_seqlens already checked.
-void seq_values_of_rows(const hl_loss_plan_st &p, const hl_loss_args_t &a, const CpuStats *merged,
+void seq_values_of_rows(const hl_loss_plan_st &p, const hl_loss_args_t &a, const char *merged,
                         std::vector<double> &lr, std::vector<double> &roll) {
   lr.assign(size_t(a.rows), 0.0), roll.assign(size_t(a.rows), 0.0);
   const bool want_lr = p.seq_stats && a.old_logprobs;
@@ -179,7 +187,7 @@ void seq_values_of_rows(const hl_loss_plan_st &p, const hl_loss_args_t &a, const
       if (src.labels && read_label(src, i) < 0) continue;
       const double old = a.old_logprobs ? a.old_logprobs[i] : 0.0;
       sum.n += 1.0;
-      if (want_lr) sum.lr += label_logp(merged[i]) - old;
+      if (want_lr) sum.lr += label_logp(stats_of(p, merged, i)) - old;
       if (want_roll) sum.roll += old - a.rollout_logprobs[i];
     }
     double vl = 0.0, vr = 0.0;
@@ -196,22 +204,24 @@ int64_t topk_id(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i, in
   return int64_t(load(a.teacher_topk_ids, p.desc.teacher_topk_ids_dtype, i * a.teacher_topk_ids_stride + k));
 }
 
-// A dense JSD row's or a sparse teacher's sums (DistillRow) from its z_hat and teacher / tau_t.
-DistillRow<double> distill_row(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i,
-                               const CpuStats &st, const std::vector<double> &z,
-                               const std::vector<double> &v) {
+// A sparse teacher's z_hat at entry k of a record (after its CpuStats).
+double topk_z(const char *rec, int k) {
+  double z;
+  std::memcpy(&z, rec + sizeof(CpuStats) + size_t(k) * sizeof z, sizeof z);
+  return z;
+}
+
+// A sparse teacher's DistillRow of row i from its merged record (its ids' z_hat) and log-probs.
+DistillRow<double> sparse_distill(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i,
+                                  const char *merged) {
   const Options &o = p.opt;
-  const double lse_s = student_lse(st, o), its = o.inv_ts, b = o.jsd_beta;
+  const char *rec = merged + size_t(i) * record_bytes(p);
+  const double lse_s = student_lse(stats_of(p, merged, i), o);
   DivSums<double> sum{0, 0, 0, 0};
-  if (o.distill == kDistillJsd) {
-    const double lse_t = teacher_lse(st);
-    for (size_t j = 0; j < z.size(); ++j) sum = add(sum, div_elem(kDistillJsd, b, z[j] * its - lse_s, v[j] - lse_t));
-    return dense_row(sum);
-  }
   for (int k = 0; k < o.topk; ++k) {
     double lq;
-    const int64_t id = topk_id(p, a, i, k, &lq);
-    if (id >= 0) sum = add(sum, div_elem(o.divergence, b, z[size_t(id)] * its - lse_s, lq));
+    if (topk_id(p, a, i, k, &lq) >= 0)
+      sum = add(sum, div_elem(o.divergence, double(o.jsd_beta), topk_z(rec, k) * o.inv_ts - lse_s, lq));
   }
   return sparse_row(o, sum);
 }
@@ -237,17 +247,67 @@ void grad_row(const Options &o, const std::vector<double> &z, const std::vector<
 
 }  // namespace
 
-void cpu_stats(const hl_loss_plan_st &p, const hl_loss_args_t &a, CpuStats *out) {
-  const int64_t first = p.desc.vocab_start;
+void cpu_stats(const hl_loss_plan_st &p, const hl_loss_args_t &a, char *out) {
+  const int64_t first = p.desc.vocab_start, V = p.desc.vocab;
   Rows rows(p, a, false);
-  std::vector<double> z(size_t(p.desc.vocab)), v(has_teacher(a) ? z.size() : 0);
+  std::vector<double> z(static_cast<size_t>(V)), v(has_teacher(a) ? z.size() : 0);
   for (int64_t i = 0; i < a.rows; ++i) {
     rows.load_row(i, z, v);
-    out[i] = row_stats(z, v, row_inputs(p, a, i).label - first, first, p.opt);
+    char *rec = out + size_t(i) * record_bytes(p);
+    const CpuStats st = row_stats(z, v, row_inputs(p, a, i).label - first, first, p.opt);
+    std::memcpy(rec, &st, sizeof st);
+    for (int k = 0; k < p.opt.topk; ++k) {  // the z_hat of the ids in this shard
+      double lq;
+      const int64_t j = topk_id(p, a, i, k, &lq) - first;
+      const double zk = j >= 0 && j < V ? z[size_t(j)] : topk_absent<double>();
+      std::memcpy(rec + sizeof st + size_t(k) * sizeof zk, &zk, sizeof zk);
+    }
   }
 }
 
-hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const CpuStats *merged) {
+void cpu_merge(const hl_loss_plan_st &p, int64_t rows, const char *blocks, size_t stride, int ranks,
+               char *merged) {
+  const size_t rb = record_bytes(p);
+  for (int64_t i = 0; i < rows; ++i) {
+    char *out = merged + size_t(i) * rb;
+    for (int r = 0; r < ranks; ++r) {
+      const char *rec = blocks + size_t(r) * stride + size_t(i) * rb;
+      if (r == 0) {
+        std::memcpy(out, rec, rb);
+        continue;
+      }
+      CpuStats m, s;
+      std::memcpy(&m, out, sizeof m), std::memcpy(&s, rec, sizeof s);
+      m = merge(m, s, double(p.opt.inv_ts));
+      std::memcpy(out, &m, sizeof m);
+      for (int k = 0; k < p.opt.topk; ++k) {  // the owner's z_hat (topk_absent elsewhere)
+        const double x = std::max(topk_z(out, k), topk_z(rec, k));
+        std::memcpy(out + sizeof m + size_t(k) * sizeof x, &x, sizeof x);
+      }
+    }
+  }
+}
+
+void cpu_middle(const hl_loss_plan_st &p, const hl_loss_args_t &a, const char *merged,
+                MidSums<double> *out) {
+  const Options &o = p.opt;
+  Rows rows(p, a, false);
+  std::vector<double> z(size_t(p.desc.vocab)), v(z.size());
+  for (int64_t i = 0; i < a.rows; ++i) {
+    rows.load_row(i, z, v);
+    const CpuStats st = stats_of(p, merged, i);
+    const double lse_s = student_lse(st, o), lse_t = teacher_lse(st), its = o.inv_ts;
+    MidSums<double> sum{0, 0};
+    for (size_t j = 0; j < z.size(); ++j) {
+      const DivSums<double> e = div_elem(kDistillJsd, double(o.jsd_beta), z[j] * its - lse_s, v[j] - lse_t);
+      sum = add(sum, MidSums<double>{e.loss, e.pa});
+    }
+    out[i] = sum;
+  }
+}
+
+hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const char *merged,
+                       const MidSums<double> *mid) {
   const Options &o = p.opt;
   double W = 0;
   for (int64_t i = 0; i < a.rows; ++i) {
@@ -264,15 +324,16 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
   std::vector<double> sum(kRecFields, 0.0), seq_lr, seq_roll;
   if (p.sequences) seq_values_of_rows(p, a, merged, seq_lr, seq_roll);
   double rmin = INFINITY, rmax = -INFINITY, amin = INFINITY, amax = -INFINITY;
-  // Dense JSD and a sparse teacher take sums over the row once its lse is known (one shard).
+  // Dense JSD's sums come from the middle step, a sparse teacher's from its ids' z_hat.
   const bool two_pass = o.distill == kDistillJsd || o.distill == kDistillSparse;
   for (int64_t i = 0; i < a.rows; ++i) {
     RowInputs<double> in = row_inputs(p, a, i);
     if (p.sequences) in.seq_lr = seq_lr[size_t(i)], in.seq_roll = seq_roll[size_t(i)];
-    if (grads || two_pass) rows.load_row(i, z, v);
-    DistillRow<double> dx{};
-    if (two_pass) dx = distill_row(p, a, i, merged[i], z, v);
-    const RowResult<double> r = finish_row(merged[i], in, o, kd, two_pass ? &dx : nullptr);
+    if (grads) rows.load_row(i, z, v);
+    const CpuStats st = stats_of(p, merged, i);
+    const DistillRow<double> dx = o.distill == kDistillJsd ? dense_row(mid[i])
+                                  : o.topk ? sparse_distill(p, a, i, merged) : DistillRow<double>{};
+    const RowResult<double> r = finish_row(st, in, o, kd, two_pass ? &dx : nullptr);
     if (grads) {
       const int64_t label = in.label - first;  // outside [0, vocab) when another shard owns it
       switch (o.distill) {
@@ -282,10 +343,11 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
         case kDistillSparse: grad_row<kDistillSparse>(o, z, v, r, label, g); break;
         default: grad_row<kDistillNone>(o, z, v, r, label, g);
       }
-      for (int k = 0; k < o.topk; ++k) {  // a sparse teacher's ids: their own a_k
+      for (int k = 0; k < o.topk; ++k) {  // a sparse teacher's ids in this shard: their own a_k
         double lq;
-        const int64_t id = topk_id(p, a, i, k, &lq);
-        if (id >= 0) g[size_t(id)] += topk_correction(r, o, z[size_t(id)], lq) * chain(o, z[size_t(id)]);
+        const int64_t j = topk_id(p, a, i, k, &lq) - first;  // padding (< 0) too: j < 0
+        if (j >= 0 && j < int64_t(z.size()))
+          g[size_t(j)] += topk_correction(r, o, z[size_t(j)], lq) * chain(o, z[size_t(j)]);
       }
       rows.put_grad(i, g);
     }
@@ -308,9 +370,11 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
 }
 
 hl_status_t cpu_execute(const hl_loss_plan_st &p, const hl_loss_args_t &a) {
-  std::vector<CpuStats> st(size_t(a.rows));
+  std::vector<char> st(size_t(a.rows) * record_bytes(p));
   cpu_stats(p, a, st.data());
-  return cpu_finish(p, a, st.data());
+  std::vector<MidSums<double>> mid(p.opt.distill == kDistillJsd ? size_t(a.rows) : 0);
+  if (!mid.empty()) cpu_middle(p, a, st.data(), mid.data());
+  return cpu_finish(p, a, st.data(), mid.data());
 }
 
 }  // namespace hl::loss

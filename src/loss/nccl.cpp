@@ -1,5 +1,6 @@
-// hl_loss_plan_execute_nccl: statistics, one in-place ncclAllGather, finish (and for the fused
-// linear form an in-place ncclAllReduce of grad_hidden), on the caller's communicator and stream. NCCL is loaded at run time (dlopen), so the library needs it neither to
+// hl_loss_plan_execute_nccl: statistics, one in-place ncclAllGather (dense JSD: then its middle
+// step and a second one), finish (and for the fused linear form an in-place ncclAllReduce of
+// grad_hidden), on the caller's communicator and stream. NCCL is loaded at run time (dlopen), so the library needs it neither to
 // build nor to load; only this call does.
 #if HL_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -72,13 +73,20 @@ hl_status_t nccl_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss
   const size_t bb = block_bytes(p, a.rows);
   HL_TRY(cuda_stats(fn, p, a, gathered + size_t(rank) * bb, workspace, workspace_bytes, stream));
   HL_NCCL_TRY(n.all_gather(gathered + size_t(rank) * bb, gathered, bb, kNcclUint8, comm, stream));
+  // Dense JSD: the middle step into this rank's slot of the middle blocks, a second all-gather.
+  char *middle = p.exchanges == 2 ? static_cast<char *>(cuda_gathered(p, a.rows, workspace, true)) : nullptr;
+  if (middle) {
+    const size_t mb = block_bytes(p, a.rows, true);
+    HL_TRY(cuda_middle(fn, p, a, gathered, middle + size_t(rank) * mb, workspace, workspace_bytes, stream));
+    HL_NCCL_TRY(n.all_gather(middle + size_t(rank) * mb, middle, mb, kNcclUint8, comm, stream));
+  }
   // The sum of the ranks' grad_hidden parts: with ACCUMULATE, rank 0 adds its part to the buffer
   // and the others start from zero, so the all-reduce adds the old value once.
   const bool reduce = a.grad_hidden && a.rows > 0;
   const size_t gh_bytes = size_t(a.rows) * size_t(d.hidden) * dtype_size(d.grad_hidden_dtype);
   if (reduce && rank != 0 && d.grad_hidden_mode == HL_LOSS_GRAD_ACCUMULATE)
     HL_CUDA_TRY(cudaMemsetAsync(a.grad_hidden, 0, gh_bytes, s));
-  HL_TRY(cuda_finish(fn, p, a, gathered, workspace, workspace_bytes, stream));
+  HL_TRY(cuda_finish(fn, p, a, gathered, middle, workspace, workspace_bytes, stream));
   if (!reduce) return HL_STATUS_SUCCESS;
   const int dt = d.grad_hidden_dtype == HL_DTYPE_F32 ? kNcclFloat32
                  : d.grad_hidden_dtype == HL_DTYPE_F16 ? kNcclFloat16 : kNcclBfloat16;

@@ -39,6 +39,9 @@ constexpr double kRestFloor = 5.9604644775390625e-08;
 // of ~0 a little above 0, logits passed by mistake go far above.
 constexpr float kTopkLogprobTol = 1e-3f;
 HL_HD bool topk_logprob_ok(float lp) { return lp <= kTopkLogprobTol && lp >= -3.402823466e38f; }
+// A sparse teacher's id in a record of another shard's (or padding): no z_hat there. The ranks'
+// records merge by max, so the owner's z_hat wins (and -inf, a real z_hat of -inf, stays exact).
+template <class F> HL_HD F topk_absent() { return neg_inf<F>(); }
 
 // The plan's options as the row math uses them: off terms have weight 0 and defaults resolved.
 struct Options {
@@ -260,9 +263,17 @@ template <class F>
 struct DistillRow {
   F loss, pa, ar, cover;
 };
-// A dense JSD row from the sums of div_elem over its columns.
+// Dense JSD's sums of div_elem over a row's columns that its DistillRow needs: the divergence and
+// sum_j p_j a_j. Sharded, each rank's middle step sums its columns, and the finish adds the ranks'.
 template <class F>
-HL_HD DistillRow<F> dense_row(const DivSums<F> &s) { return {s.loss, s.pa, F(0), F(0)}; }
+struct MidSums {
+  F loss, pa;
+};
+template <class F>
+HL_HD MidSums<F> add(const MidSums<F> &a, const MidSums<F> &b) { return {a.loss + b.loss, a.pa + b.pa}; }
+// A dense JSD row from those sums.
+template <class F>
+HL_HD DistillRow<F> dense_row(const MidSums<F> &s) { return {s.loss, s.pa, F(0), F(0)}; }
 // A sparse teacher's row from the sums of div_elem over its k ids: those plus the rest bucket.
 template <class F>
 HL_HD DistillRow<F> sparse_row(const Options &o, const DivSums<F> &s) {

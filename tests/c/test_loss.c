@@ -266,6 +266,24 @@ static void sparse_teacher(void **state) {
   assert_float_equal(b->scalars[HL_LOSS_OUT_TOPK_MASS], mass, 1e-6);
   assert_true(b->scalars[HL_LOSS_OUT_DISTILL] > 0.0f);
   assert_ok(hl_loss_plan_destroy(p));
+  /* On a shard its records carry the k logits: 8 more bytes an id (fp64), checked by stats. */
+  d.vocab_global = V + 3, d.ranks = 2;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  size_t block = 0;
+  assert_ok(hl_loss_plan_get_stats_size(p, N, &block));
+  assert_int_equal(block, 64 + N * (104 + 2 * 8));
+  int64_t *stats = calloc(block / 8, 8);
+  assert_fails(hl_loss_plan_execute_stats(p, &a, stats, block - 8, NULL), HL_STATUS_INVALID_VALUE,
+               "stats_bytes is");
+  assert_ok(hl_loss_plan_execute_stats(p, &a, stats, block, NULL));
+  double z[2];
+  memcpy(z, (char *)stats + 64 + 104, sizeof z); /* row 0's ids 0 and 5: the shard [0, 6) has both */
+  assert_float_equal(z[0], b->logits[0], 1e-12);
+  assert_float_equal(z[1], b->logits[5], 1e-12);
+  memcpy(z, (char *)stats + 64 + 3 * (104 + 16) + 104, sizeof z); /* row 3: padding */
+  assert_true(isinf(z[0]) && z[0] < 0 && isinf(z[1]));
+  free(stats);
+  assert_ok(hl_loss_plan_destroy(p));
   free(b);
 }
 
@@ -304,14 +322,64 @@ static void split_calls(void **state) {
                "NCCL needs a CUDA plan");
   assert_fails(hl_loss_plan_execute_nccl(p, &a, NULL, NULL, 0, NULL), HL_STATUS_INVALID_VALUE,
                "nccl_comm is NULL");
+  /* One exchange: no middle step. */
+  int exchanges = 0;
+  assert_ok(hl_loss_plan_get_exchanges(p, &exchanges));
+  assert_int_equal(exchanges, 1);
+  size_t mid = 0;
+  assert_fails(hl_loss_plan_get_middle_size(p, N, &mid), HL_STATUS_INVALID_VALUE, "has no middle step");
+  assert_fails(hl_loss_plan_execute_middle(p, &a, stats, 2 * block, stats, block, NULL, 0, NULL),
+               HL_STATUS_INVALID_VALUE, "has no middle step");
+  assert_fails(hl_loss_plan_execute_finish2(p, &a, stats, 2 * block, stats, block, NULL, 0, NULL),
+               HL_STATUS_INVALID_VALUE, "has no middle step");
+  assert_true(untouched(b));
   assert_ok(hl_loss_plan_destroy(p));
   free(stats);
+  free(b);
+}
+
+/* Dense JSD on a shard: two exchanges, its finish refuses to run without the middle blocks. */
+static void two_exchanges(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  d.terms = HL_LOSS_CE | HL_LOSS_DISTILL_JSD, d.distill_weight = 1.0f, d.jsd_beta = 0.5f;
+  d.vocab_start = 0, d.vocab_global = V + 3, d.ranks = 2;
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  int exchanges = 0;
+  size_t block = 0, mid = 0;
+  assert_ok(hl_loss_plan_get_exchanges(p, &exchanges));
+  assert_int_equal(exchanges, 2);
+  assert_ok(hl_loss_plan_get_stats_size(p, N, &block));
+  assert_ok(hl_loss_plan_get_middle_size(p, N, &mid));
+  assert_int_equal(mid, 64 + N * 16); /* header + two fp64 sums a row */
+  int64_t *stats = calloc(2 * block / 8, 8), *mids = calloc(2 * mid / 8, 8);
+  hl_loss_args_t a = args_for(b);
+  a.teacher_logits = b->teacher;
+  assert_ok(hl_loss_plan_execute_stats(p, &a, stats, block, NULL));
+  assert_fails(hl_loss_plan_execute_finish(p, &a, stats, 2 * block, NULL, 0, NULL), HL_STATUS_INVALID_VALUE,
+               "needs two exchanges");
+  assert_fails(hl_loss_plan_execute_middle(p, &a, stats, 2 * block, mids, mid - 1, NULL, 0, NULL),
+               HL_STATUS_INVALID_VALUE, "middle_bytes is");
+  /* The second block is zeros: a bad header, for the middle step and finish2 alike. */
+  assert_fails(hl_loss_plan_execute_middle(p, &a, stats, 2 * block, mids, mid, NULL, 0, NULL),
+               HL_STATUS_INVALID_VALUE, "block 1 is not a block of statistics");
+  assert_fails(hl_loss_plan_execute_finish2(p, &a, stats, 2 * block, NULL, 2 * mid, NULL, 0, NULL),
+               HL_STATUS_INVALID_VALUE, "gathered_middle is NULL");
+  assert_fails(hl_loss_plan_execute_finish2(p, &a, stats, 2 * block, stats, 2 * mid, NULL, 0, NULL),
+               HL_STATUS_INVALID_VALUE, "gathered_middle overlaps gathered");
+  assert_true(untouched(b));
+  assert_ok(hl_loss_plan_destroy(p));
+  free(stats);
+  free(mids);
   free(b);
 }
 
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(bad_descriptions), cmocka_unit_test(bad_arguments),
                                      cmocka_unit_test(small_exact_case), cmocka_unit_test(split_calls),
-                                     cmocka_unit_test(sparse_teacher)};
+                                     cmocka_unit_test(sparse_teacher), cmocka_unit_test(two_exchanges)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

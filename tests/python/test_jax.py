@@ -229,6 +229,55 @@ def test_split_steps_against_fused_loss(device, rng):
     assert rel(loss, ref_loss) <= 1e-5 and rel(grad, ref_grad) <= 1e-4
 
 
+def _topk(rng, t, k=16):
+    """A sparse teacher from teacher logits t: each row's top k (global ids), row 3 half padding."""
+    lq = t - np.log(np.exp(t).sum(1, keepdims=True))
+    ids = np.argsort(-t, 1)[:, :k].astype(np.int32)
+    lp = np.take_along_axis(lq, ids, 1).astype(np.float32)
+    ids[3, k // 2:] = -1
+    return ids, lp
+
+
+@pytest.mark.parametrize("teacher", ["sparse", "jsd"])
+def test_split_distill_against_fused_loss(device, rng, teacher):
+    """A sparse teacher (one exchange) and dense JSD (loss_middle and a second one): the split
+    steps on two uneven shards and sharded_fused_loss on a one-device mesh against fused_loss."""
+    z, t, labels, weights = [jax.device_put(a, device) for a in split_inputs(rng)]
+    if teacher == "sparse":
+        ids, lp = [jax.device_put(a, device) for a in _topk(rng, np.asarray(t))]
+        opts, tin = dict(terms=("ce", "distill_rev"), student_temperature=1.5), dict(teacher_topk_ids=ids, teacher_topk_logprobs=lp)
+        tcols = lambda s: {}  # noqa: E731  (global ids: the same on every shard)
+    else:
+        opts, tin = dict(terms=("ce", "entropy", "distill_jsd"), jsd_beta=0.375, teacher_temperature=2.0), dict(teacher_logits=t)
+        tcols = lambda s: dict(teacher_logits=cols(t, s))  # noqa: E731
+    common = {k: v for k, v in tin.items() if k != "teacher_logits"}
+
+    def whole(z):
+        return hlj.fused_loss(z, labels, weights=weights, **tin, **opts)[0]
+    ref_loss, ref_grad = jax.value_and_grad(whole)(z)
+    kw = dict(opts, vocab_global=V, ranks=len(SHARDS), weights=weights, **common)
+    shards = [(cols(z, s), dict(kw, vocab_start=jax.device_put(np.int32(s[0]), device), **tcols(s)))
+              for s in SHARDS]
+    assert hlj.loss_exchanges(*shards[0][0:1], labels, vocab_global=V, ranks=2, **opts, **common,
+                              **tcols(SHARDS[0])) == (2 if teacher == "jsd" else 1)
+    gathered = jnp.concatenate([hlj.loss_stats(zs, labels, **a) for zs, a in shards])
+    mid = {}
+    if teacher == "jsd":
+        mid["gathered_middle"] = jnp.concatenate([hlj.loss_middle(gathered, zs, labels, **a) for zs, a in shards])
+    outs = [hlj.loss_finish(gathered, zs, labels, **a, **mid) for zs, a in shards]
+    assert outs[0][0] == outs[1][0] and rel(outs[0][0], ref_loss) <= 1e-5
+    assert rel(jnp.concatenate([o[2] for o in outs], axis=1), ref_grad) <= 1e-4
+
+    mesh = jax.sharding.Mesh(np.array([device]), ("tp",))
+    tspec = P(None, "tp") if teacher == "jsd" else P()
+    tkeys = list(tin)
+    sharded = jax.shard_map(jax.value_and_grad(lambda z, y, w, *tv: hlj.sharded_fused_loss(
+        z, y, axis_name="tp", vocab_global=V, weights=w, **dict(zip(tkeys, tv)), **opts)[0]),
+        mesh=mesh, in_specs=(P(None, "tp"), P(), P(), *([tspec] * len(tkeys))), out_specs=(P(), P(None, "tp")))
+    loss, grad = jax.jit(sharded)(z, labels, weights, *tin.values())
+    assert rel(loss, ref_loss) <= 1e-5 and rel(grad, ref_grad) <= 1e-4
+
+
 def test_finish_refuses_blocks_of_other_shards(rng):
     z, t, labels, weights = split_inputs(rng)
     kw = dict(SPLIT_OPTIONS, vocab_global=V, ranks=len(SHARDS), teacher_logits=cols(t, SHARDS[0]))

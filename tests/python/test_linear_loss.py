@@ -222,39 +222,47 @@ def shard_plans(be, R, V, H, dtype, terms, opts, labels_dtype, **kw):
 
 @pytest.mark.parametrize("R", [2, 3, 4])
 @pytest.mark.parametrize("keep", [True, False])
-def test_sharded_equals_unsharded(be, R, keep):
+@pytest.mark.parametrize("case", ["all", "sparse_rl", "jsd_ce"])
+def test_sharded_equals_unsharded(be, R, keep, case):
     """The weight sharded by vocabulary rows over R ranks (run one after another here): stats,
     the blocks concatenated (the all-gather), finish; the ranks' grad_hidden parts summed (the
     all-reduce) and grad_weight shards stacked equal the unsharded result. keep: the workspace
-    holds every row's logits, so finish reuses them (CUDA); else finish forms them again."""
+    holds every row's logits, so finish reuses them (CUDA); else finish forms them again. A
+    sparse teacher's ids are global; dense JSD (a fused teacher) takes the middle step and a
+    second exchange, which reuse the kept logits too."""
     if be.name == "cpu" and not keep:
         pytest.skip("the CPU backend keeps no logits: one case covers it")
     dtype = "float32" if be.name == "cpu" else "bfloat16"
     rng = np.random.default_rng(R)
-    terms, opts, inp = make(rng, 23, 48, 211, dtype, "all", Ht=32)
+    Ht = 0 if case.startswith("sparse") else 32
+    terms, opts, inp = make(rng, 23, 48, 211, dtype, case, Ht=Ht)
+    ids = {"topk_ids_dtype": str(inp["teacher_topk_ids"].dtype)} if "teacher_topk_ids" in inp else {}
     X, W = inp["hidden"], inp["weight"]
-    bounds, plans = shard_plans(be, R, 211, 48, dtype, terms, opts, "int64", teacher_hidden=32)
+    bounds, plans = shard_plans(be, R, 211, 48, dtype, terms, opts, "int64", teacher_hidden=Ht, **ids)
     dev = {k: be.to_dev(v) for k, v in inp.items() if k not in ("hidden", "weight", "teacher_weight")}
     x, y = be.to_dev(X), dev.pop("labels")
-    th = dev.pop("teacher_hidden")
+    teacher = {k: dev.pop(k) for k in ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logprobs") if k in dev}
+    cat = (lambda bs: be.torch.cat([b.view(-1) for b in bs])) if be.name == "cuda" else np.concatenate
     ws, blocks = [], []
     for r, p in enumerate(plans):
         lo, hi = bounds[r], bounds[r + 1]
-        w, tw = be.to_dev(np.ascontiguousarray(W[lo:hi])), be.to_dev(np.ascontiguousarray(inp["teacher_weight"][lo:hi]))
+        w = be.to_dev(np.ascontiguousarray(W[lo:hi]))
+        tw = {"teacher_weight": be.to_dev(np.ascontiguousarray(inp["teacher_weight"][lo:hi]))} if Ht else {}
         wsr = None
         if be.name == "cuda":
             lo_b, hi_b = p.workspace_sizes(23)
             wsr = p.workspace(x, 23, hi_b if keep else lo_b)
         ws.append((w, tw, wsr))
-        blocks.append(p.stats(x, w, y, teacher_hidden=th, teacher_weight=tw, workspace=wsr))
-    if be.name == "cuda":
-        gathered = be.torch.cat([b.view(-1) for b in blocks])
-    else:
-        gathered = np.concatenate(blocks)
+        blocks.append(p.stats(x, w, y, workspace=wsr, **tw, **teacher))
+    gathered = cat(blocks)
+    mid = {}
+    if plans[0].exchanges == 2:
+        mid["gathered_middle"] = cat([p.middle(gathered, x, ws[r][0], y, workspace=ws[r][2], **ws[r][1], **teacher)
+                                      for r, p in enumerate(plans)])
     gh_sum, gws, scal = 0.0, [], []
     for r, p in enumerate(plans):
         w, tw, wsr = ws[r]
-        out = p.finish(gathered, x, w, y, teacher_hidden=th, teacher_weight=tw, workspace=wsr,
+        out = p.finish(gathered, x, w, y, workspace=wsr, **tw, **teacher, **mid,
                        grad_hidden=be.full((23, 48), dtype), grad_weight=be.full((int(bounds[r + 1] - bounds[r]), 48), dtype),
                        **dev)
         gh_sum = gh_sum + be.to_np(out.grad_hidden)

@@ -1,7 +1,9 @@
 """The sharded loss on two GPUs, one process each: the caller's collective
 (stats -> torch.distributed.all_gather_into_tensor -> finish) and hl_loss_plan_execute_nccl on a
 raw NCCL communicator, both against the unsharded plan on the whole vocabulary (scalars within
-1e-6, fp32 gradient within 1e-5) and bit-identical to each other. Skips without two GPUs."""
+1e-6, 5e-6 with distillation; fp32 gradient within 1e-5) and bit-identical to each other. Also a
+sparse teacher (global top-k ids) and dense JSD (the middle step and a second all-gather, which
+hl_loss_plan_execute_nccl does itself). Skips without two GPUs."""
 import os
 import sys
 import tempfile
@@ -16,18 +18,30 @@ N, V, SPLIT = 1000, 50257, 20011  # an odd vocabulary, uneven shards
 TERMS = ("ce", "z", "entropy", "grpo", "kl_ref")
 OPTS = dict(z_weight=1e-3, entropy_weight=-0.1, kl_ref_beta=0.05, label_smoothing=0.1, softcap=30.0,
             grad_dtype="float32")  # an fp32 gradient: the bound is on the merge, not on bf16 rounding
+# (terms, options, scalar tolerance) by case
+CASES = {"rl": (TERMS, OPTS, 1e-6),
+         "sparse": (("ce", "z", "distill_rev"), dict(OPTS, teacher_topk=64, student_temperature=1.5), 5e-6),
+         "jsd": (("ce", "entropy", "distill_jsd"), dict(OPTS, jsd_beta=0.3, teacher_temperature=2.0), 5e-6)}
 
 
-def _inputs(torch):
+def _inputs(torch, case):
     g = torch.Generator(device="cpu").manual_seed(1234)
     x = (torch.randn(N, V, generator=g) * 3).to(torch.bfloat16)
     y = torch.randint(0, V, (N,), generator=g)
     y[::7] = -100
     f = lambda: torch.randn(N, generator=g) * 0.3  # noqa: E731
-    return x, y, dict(advantages=f(), old_logprobs=f() - 10, ref_logprobs=f() - 10)
+    teacher = {}
+    u = (torch.randn(N, V, generator=g) * 3).to(torch.bfloat16)
+    if case == "jsd":
+        teacher["teacher_logits"] = u
+    if case == "sparse":  # the teacher's top 64 (global ids, both shards), row 3 half padding
+        lp, ids = torch.log_softmax(u.float(), 1).topk(64, 1)
+        ids[3, 32:] = -1
+        teacher = dict(teacher_topk_ids=ids, teacher_topk_logprobs=lp)
+    return x, y, dict(advantages=f(), old_logprobs=f() - 10, ref_logprobs=f() - 10), teacher
 
 
-def _worker(rank: int, init: str, errors: str) -> None:
+def _worker(rank: int, init: str, errors: str, case: str) -> None:
     try:
         import torch
         import torch.distributed as dist
@@ -37,25 +51,33 @@ def _worker(rank: int, init: str, errors: str) -> None:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2,
                                 device_id=torch.device("cuda", rank))
-        x, y, rows = _inputs(torch)
+        terms, opts, tol = CASES[case]
+        x, y, rows, teacher = _inputs(torch, case)
         x, y = x.cuda(), y.cuda()
         rows = {k: v.cuda() for k, v in rows.items()}
-        full = LossPlan(V, "bfloat16", terms=TERMS, device="cuda", **OPTS)(x, y, **rows)
+        teacher = {k: v.cuda() for k, v in teacher.items()}
+        full = LossPlan(V, "bfloat16", terms=terms, device="cuda", **opts)(x, y, **rows, **teacher)
         lo, n = (0, SPLIT) if rank == 0 else (SPLIT, V - SPLIT)
-        plan = LossPlan(n, "bfloat16", terms=TERMS, device="cuda", vocab_start=lo, vocab_global=V,
-                        ranks=2, **OPTS)
+        plan = LossPlan(n, "bfloat16", terms=terms, device="cuda", vocab_start=lo, vocab_global=V,
+                        ranks=2, **opts)
         xs = x[:, lo:lo + n]  # a strided view: the shard's columns of the whole logits
-        # 1. the caller's collective
-        block = plan.stats(xs, y)
+        ts = {k: v[:, lo:lo + n] if k == "teacher_logits" else v for k, v in teacher.items()}
+        # 1. the caller's collective(s)
+        block = plan.stats(xs, y, **ts)
         gathered = torch.empty(2 * block.numel(), dtype=block.dtype, device="cuda")
         dist.all_gather_into_tensor(gathered, block)
-        out = plan.finish(gathered, xs, y, **rows)
+        mid = {}
+        if plan.exchanges == 2:
+            m = plan.middle(gathered, xs, y, **ts)
+            mid["gathered_middle"] = torch.empty(2 * m.numel(), dtype=m.dtype, device="cuda")
+            dist.all_gather_into_tensor(mid["gathered_middle"], m)
+        out = plan.finish(gathered, xs, y, **rows, **ts, **mid)
         # 2. the library's NCCL path
         comm = Comm()
-        out2 = plan.nccl(comm.ptr, xs, y, **rows)
+        out2 = plan.nccl(comm.ptr, xs, y, **rows, **ts)
         torch.cuda.synchronize()
         ref, got = full.scalars.double().cpu().numpy(), out.scalars.double().cpu().numpy()
-        bad = np.abs(got - ref) > 1e-6 * np.maximum(np.abs(ref), 1e-3)
+        bad = np.abs(got - ref) > tol * np.maximum(np.abs(ref), 1e-3)
         assert not bad.any(), f"rank {rank}: scalars {np.flatnonzero(bad)}: {got[bad]} vs {ref[bad]}"
         g_ref = full.grad[:, lo:lo + n].double()
         err = (out.grad.double() - g_ref).norm() / g_ref.norm()
@@ -66,10 +88,10 @@ def _worker(rank: int, init: str, errors: str) -> None:
         dist.all_gather_into_tensor(both, out.scalars)
         assert torch.equal(both[0], both[1])
         # A plan for three ranks on this two-rank communicator is refused.
-        three = LossPlan(n, "bfloat16", terms=TERMS, device="cuda", vocab_start=lo, vocab_global=V,
-                         ranks=3, **OPTS)
+        three = LossPlan(n, "bfloat16", terms=terms, device="cuda", vocab_start=lo, vocab_global=V,
+                         ranks=3, **opts)
         try:
-            three.nccl(comm.ptr, xs, y, **rows)
+            three.nccl(comm.ptr, xs, y, **rows, **ts)
             raise AssertionError("a 3-rank plan ran on a 2-rank communicator")
         except headloss.HeadlossError as e:
             assert "communicator has 2 ranks" in str(e), str(e)
@@ -80,7 +102,8 @@ def _worker(rank: int, init: str, errors: str) -> None:
         raise
 
 
-def test_two_gpus_match_the_unsharded_loss():
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_gpus_match_the_unsharded_loss(case):
     torch = pytest.importorskip("torch")
     if not headloss.cuda_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
@@ -91,7 +114,7 @@ def test_two_gpus_match_the_unsharded_loss():
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, f"file://{tmp}/init", tmp)) for r in range(2)]
+        procs = [ctx.Process(target=_worker, args=(r, f"file://{tmp}/init", tmp, case)) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:

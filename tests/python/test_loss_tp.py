@@ -3,13 +3,15 @@ backend, or on one GPU), each with its slice of the logits, the blocks of statis
 (the all-gather), and every rank's finish compared with the unsharded run: the same bits on every
 rank, scalars within 1e-6 (the GRPO ratio metrics 4e-6), fp32 gradient slices within 1e-5, per-token outputs within 1e-5 (a
 token's loss is a difference of large terms, and the GPU merges in fp32 in another order). Then
-every refusal of bad blocks. The NCCL path on two GPUs is in test_loss_nccl.py."""
+every refusal of bad blocks. A sparse teacher (global ids, each rank's record carrying the
+student's logits at the ids in its shard) and dense JSD (a middle step and a second exchange) are
+checked against the fp64 reference too. The NCCL path on two GPUs is in test_loss_nccl.py."""
 import numpy as np
 import pytest
 
 import headloss
 from headloss.loss import SCALARS, LossPlan
-from test_loss import CASES, be, make_inputs  # noqa: F401  (be: the backend fixture)
+from test_loss import CASES, GRAD_TOL, be, make_inputs, rel, run_ref  # noqa: F401  (be: the backend fixture)
 
 N, V = 37, 1000
 
@@ -25,6 +27,8 @@ def plan_for(be, inp, terms, opts, shard=None, ranks=2, **extra):
     dtype = str(inp["logits"].dtype)
     labels_dtype = str(inp["labels"].dtype) if "labels" in inp else None
     kw = {} if shard is None else {"vocab_start": shard[0], "vocab_global": V, "ranks": ranks}
+    if "teacher_topk_ids" in inp:
+        kw["topk_ids_dtype"] = str(inp["teacher_topk_ids"].dtype)
     vocab = V if shard is None else shard[1]
     return LossPlan(vocab, dtype, terms=terms, device=be.name, labels_dtype=labels_dtype,
                     grad_dtype="float32", **kw, **opts, **extra)
@@ -41,6 +45,11 @@ def per_row(be, inp):
                                             "rollout_logprobs", "cu_seqlens") if k in inp}
 
 
+def sparse(be, inp):
+    """A sparse teacher's arrays (global ids: the same on every rank), if the case has one."""
+    return {k: be.to_dev(inp[k]) for k in ("teacher_topk_ids", "teacher_topk_logprobs") if k in inp}
+
+
 def concat(be, blocks):
     """The all-gather, simulated: the blocks one after another."""
     if be.name == "cpu":
@@ -49,21 +58,44 @@ def concat(be, blocks):
 
 
 def run_sharded(be, inp, terms, opts, shards):
-    """Every rank's LossOutput, after the simulated all-gather."""
+    """Every rank's LossOutput (its outputs NaN-poisoned before the finish), after the simulated
+    all-gather (and, for a plan of two exchanges, the middle step and the second one)."""
     plans = [plan_for(be, inp, terms, opts, s, len(shards)) for s in shards]
     labels = be.to_dev(inp["labels"]) if "labels" in inp else None
     blocks = [p.stats(columns(be, inp, "logits", s), labels,
-                      teacher_logits=columns(be, inp, "teacher_logits", s))
+                      teacher_logits=columns(be, inp, "teacher_logits", s), **sparse(be, inp))
               for p, s in zip(plans, shards)]
     gathered = concat(be, blocks)
-    return [p.finish(gathered, columns(be, inp, "logits", s), labels, token_outputs=True,
-                     teacher_logits=columns(be, inp, "teacher_logits", s), **per_row(be, inp))
+    mid = {}
+    if plans[0].exchanges == 2:
+        mid["gathered_middle"] = concat(be, [
+            p.middle(gathered, columns(be, inp, "logits", s), labels,
+                     teacher_logits=columns(be, inp, "teacher_logits", s)) for p, s in zip(plans, shards)])
+    return [p.finish(gathered, columns(be, inp, "logits", s), labels,
+                     scalars=be.full((len(SCALARS),), "float32"),
+                     tokens=[be.full((N,), "float32") for _ in range(4)], grad=be.full((N, s[1]), "float32"),
+                     teacher_logits=columns(be, inp, "teacher_logits", s), **sparse(be, inp), **mid,
+                     **per_row(be, inp))
             for p, s in zip(plans, shards)]
+
+
+def one_shard_row(rng, inp, shards, i=5):
+    """Row i's sparse teacher with all its ids in the widest shard (other ranks hold none)."""
+    start, size = max(shards, key=lambda s: s[1])
+    ids = inp["teacher_topk_ids"]
+    k = ids.shape[1]
+    ids[i] = start + rng.choice(size, k, replace=False) if size >= k else -1
+    q = rng.dirichlet(np.ones(k)) * 0.9
+    inp["teacher_topk_logprobs"][i] = np.log(q).astype(np.float32)
+
+
+DISTILL_CASES = ["sparse_fwd", "sparse_rev", "sparse_jsd", "sparse_rl", "sparse_jsd_ce", "sparse_k1",
+                 "jsd", "jsd_ce"]
 
 
 @pytest.mark.parametrize("R", [2, 3, 4, 8])
 @pytest.mark.parametrize("case", ["all", "ce_smooth_weights_cap", "distill_fwd", "grpo_kl", "rl",
-                                  "rl_cispo", "gspo_all", "mis_seq_mean"])
+                                  "rl_cispo", "gspo_all", "mis_seq_mean"] + DISTILL_CASES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sharded_matches_unsharded(be, rng, R, case, dtype):
     terms, opts, flags = CASES[case]
@@ -74,11 +106,13 @@ def test_sharded_matches_unsharded(be, rng, R, case, dtype):
     if "labels" in inp:  # some rows right, so the accuracy tests the merged (global) argmax
         hit = [i for i in range(2, N, 3) if inp["labels"][i] >= 0]
         inp["labels"][hit] = np.argmax(inp["logits"][hit].astype(np.float32), axis=1)
+    shards = random_shards(rng, R, V)
+    if "teacher_topk_ids" in inp:
+        one_shard_row(rng, inp, shards)
     full = plan_for(be, inp, terms, opts)(
         be.to_dev(inp["logits"]), be.to_dev(inp["labels"]) if "labels" in inp else None,
         token_outputs=True, teacher_logits=columns(be, inp, "teacher_logits", (0, V)),
-        **per_row(be, inp))
-    shards = random_shards(rng, R, V)
+        **sparse(be, inp), **per_row(be, inp))
     outs = run_sharded(be, inp, terms, opts, shards)
     ref = be.to_np(full.scalars)
     got = [be.to_np(o.scalars) for o in outs]
@@ -100,6 +134,99 @@ def test_sharded_matches_unsharded(be, rng, R, case, dtype):
     grad = np.concatenate([be.to_np(o.grad) for o in outs], axis=1)
     g_ref = be.to_np(full.grad)
     assert np.linalg.norm(grad - g_ref) <= 1e-5 * np.linalg.norm(g_ref)
+    if case in DISTILL_CASES:  # and the fp64 reference
+        rsc, rtoks, rgrad = run_ref(inp, terms, opts)
+        tol = 2e-4 if be.name == "cuda" else 2e-6
+        for k, name in enumerate(SCALARS):
+            assert abs(got[0][k] - rsc.get(name, 0.0)) <= tol * (1 + abs(rsc.get(name, 0.0))), name
+        assert rel(be.to_np(outs[0].token_loss), rtoks["loss"]) < (1e-4 if be.name == "cuda" else 1e-6)
+        assert rel(grad, rgrad) < GRAD_TOL["float32"] * (5 if be.name == "cuda" else 1)
+
+
+@pytest.mark.parametrize("R", [2, 3, 4])
+@pytest.mark.parametrize("beta", [0.125, 0.5, 0.875])
+def test_sharded_jsd_betas(be, rng, R, beta):
+    """Dense JSD's two exchanges at several betas, with CE, z-loss and entropy, against the
+    reference."""
+    terms, opts = ("ce", "z", "entropy", "distill_jsd"), dict(jsd_beta=beta, z_weight=1e-3,
+                                                              entropy_weight=-0.25, softcap=12.0,
+                                                              teacher_temperature=1.5)
+    inp = make_inputs(rng, N, V, "float32", teacher=True, weights=True)
+    shards = random_shards(rng, R, V)
+    outs = run_sharded(be, inp, terms, opts, shards)
+    rsc, rtoks, rgrad = run_ref(inp, terms, opts)
+    gpu = be.name == "cuda"
+    for k, name in enumerate(SCALARS):
+        want = rsc.get(name, 0.0)
+        assert abs(be.to_np(outs[0].scalars)[k] - want) <= (2e-4 if gpu else 2e-6) * (1 + abs(want)), name
+    grad = np.concatenate([be.to_np(o.grad) for o in outs], axis=1)
+    assert rel(grad, rgrad) < (1e-4 if gpu else 2e-6)
+
+
+def jsd_setup(be, rng):
+    """Two ranks of a dense-JSD plan, their stats and middle blocks gathered."""
+    terms, opts, _ = CASES["jsd_ce"]
+    inp = make_inputs(rng, N, V, "float32", teacher=True, weights=True, grpo="near")
+    shards = [(0, 400), (400, 600)]
+    plans = [plan_for(be, inp, terms, opts, s) for s in shards]
+    labels = be.to_dev(inp["labels"])
+    t = [columns(be, inp, "teacher_logits", s) for s in shards]
+    gathered = concat(be, [p.stats(columns(be, inp, "logits", s), labels, teacher_logits=t[r])
+                           for r, (p, s) in enumerate(zip(plans, shards))])
+    middle = concat(be, [p.middle(gathered, columns(be, inp, "logits", s), labels, teacher_logits=t[r])
+                         for r, (p, s) in enumerate(zip(plans, shards))])
+    return inp, shards, plans, gathered, middle
+
+
+def finish2_fails(be, plan, shard, inp, gathered, middle, needle):
+    """finish (finish2 with middle blocks) raises with `needle` and leaves its outputs untouched."""
+    scalars = be.full((len(SCALARS),), "float32")
+    grad = be.full((N, shard[1]), "float32")
+    kw = {} if middle is None else {"gathered_middle": middle}
+    with pytest.raises(headloss.HeadlossError, match=needle):
+        plan.finish(gathered, columns(be, inp, "logits", shard), be.to_dev(inp["labels"]), scalars=scalars,
+                    grad=grad, teacher_logits=columns(be, inp, "teacher_logits", shard), **kw,
+                    **per_row(be, inp))
+    assert np.isnan(be.to_np(scalars)).all() and np.isnan(be.to_np(grad)).all()
+
+
+def test_jsd_call_sequences(be, rng):
+    """A plan of two exchanges refuses the one-exchange finish; a plan of one refuses the middle
+    step and finish2; bad or short middle buffers are refused; nothing is written."""
+    inp, shards, plans, gathered, middle = jsd_setup(be, rng)
+    assert plans[0].exchanges == 2 and plans[0].middle_bytes(N) == 64 + N * (16 if be.name == "cpu" else 8)
+    finish2_fails(be, plans[0], shards[0], inp, gathered, None, "needs two exchanges")
+    finish2_fails(be, plans[0], shards[0], inp, gathered, middle[:-1], "gathered_middle_bytes is")
+    finish2_fails(be, plans[0], shards[0], inp, gathered, gathered * 1, "is not a block of middle sums")
+    finish2_fails(be, plans[0], shards[0], inp, middle, middle, "gathered_bytes is")
+    half = middle[:middle.shape[0] // 2]  # rank 0's middle block twice: column 0 owned twice
+    finish2_fails(be, plans[0], shards[0], inp, gathered, concat(be, [half, half]), "owned by two shards")
+    labels = be.to_dev(inp["labels"])
+    x0, t0 = columns(be, inp, "logits", shards[0]), columns(be, inp, "teacher_logits", shards[0])
+    with pytest.raises(headloss.HeadlossError, match="is not a block of statistics"):
+        plans[0].middle(gathered * 0, x0, labels, teacher_logits=t0)
+    with pytest.raises(headloss.HeadlossError, match="gathered_bytes is"):
+        plans[0].middle(gathered[:-1], x0, labels, teacher_logits=t0)
+    # A plan of one exchange (CE alone) has no middle step.
+    terms, opts, inp1, shards1, plans1, blocks1 = bad_setup(be, rng)
+    assert plans1[0].exchanges == 1
+    with pytest.raises(headloss.HeadlossError, match="has no middle step"):
+        plans1[0].middle(concat(be, blocks1), columns(be, inp1, "logits", shards1[0]), be.to_dev(inp1["labels"]))
+    with pytest.raises(headloss.HeadlossError, match="has no middle step"):
+        plans1[0].middle_bytes(N)
+    with pytest.raises(headloss.HeadlossError, match="has no middle step"):
+        plans1[0].finish(concat(be, blocks1), columns(be, inp1, "logits", shards1[0]), be.to_dev(inp1["labels"]),
+                         gathered_middle=concat(be, blocks1))
+
+
+def test_sparse_record_size(be):
+    """A sparse teacher's records carry its k logits: the block grows by k values a row."""
+    k = 16
+    base = LossPlan(400, "float32", terms=("distill_fwd",), device=be.name, vocab_start=0,
+                    vocab_global=V, ranks=2).stats_bytes(N)
+    topk = LossPlan(400, "float32", terms=("distill_fwd",), device=be.name, vocab_start=0,
+                    vocab_global=V, ranks=2, teacher_topk=k).stats_bytes(N)
+    assert topk - base == N * k * (8 if be.name == "cpu" else 4)
 
 
 def bad_setup(be, rng):
