@@ -644,10 +644,11 @@ HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan);
  *       rank's middle block: per row sum_j (b q_j log(q_j / m_j) + (1 - b) p_j log(p_j / m_j))
  *       and sum_j (1 - b) p_j log(p_j / m_j) over its columns;
  *   2b. the caller all-gathers the middle blocks into a second buffer (any rank order);
- *   3.  hl_loss_plan_execute_finish2, with both buffers, adds the ranks' middle sums in their
- *       buffer order (the same bits on every rank) and finishes as hl_loss_plan_execute_finish.
- * hl_loss_plan_execute_finish refuses such a plan, and _middle / _finish2 a plan of one exchange
- * (INVALID_VALUE, nothing written). hl_loss_plan_execute_nccl does all of it (two all-gathers).
+ *   3.  hl_loss_plan_execute_finish_with_middle, with both buffers, adds the ranks' middle sums
+ *       in their buffer order (the same bits on every rank) and finishes as
+ *       hl_loss_plan_execute_finish.
+ * hl_loss_plan_execute_finish refuses such a plan, and _middle / _finish_with_middle a plan of one
+ * exchange (INVALID_VALUE, nothing written). hl_loss_plan_execute_nccl does all of it (two all-gathers).
  *
  * A block is hl_loss_plan_get_stats_size(plan, rows) bytes, in the plan's backend memory: a 64-byte
  * header of int64 fields (format tag 0x31534c48 "HLS1", a fingerprint of the plan, rows,
@@ -663,7 +664,7 @@ HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan);
  * two sums (fp64 on the CPU, fp32 on CUDA).
  * finish refuses (INVALID_VALUE, nothing written) blocks that disagree with the plan or the rows,
  * a buffer smaller than ranks blocks, and shards that do not tile [0, vocab_global) (middle and
- * finish2 check both kinds of blocks so); on CUDA it reads the headers with one stream
+ * finish_with_middle check both kinds of blocks so); on CUDA it reads the headers with one stream
  * synchronisation (with the label check), which HL_LOSS_UNCHECKED skips. The workspace of
  * middle and finish is as for hl_loss_plan_execute.
  */
@@ -690,11 +691,13 @@ HL_API hl_status_t hl_loss_plan_execute_middle(hl_loss_plan_t plan, const hl_los
                                                void *middle, size_t middle_bytes, void *workspace,
                                                size_t workspace_bytes, hl_stream_t stream);
 /* Step 3 of a plan of two exchanges: gathered_middle holds the ranks' middle blocks. */
-HL_API hl_status_t hl_loss_plan_execute_finish2(hl_loss_plan_t plan, const hl_loss_args_t *args,
-                                                const void *gathered, size_t gathered_bytes,
-                                                const void *gathered_middle,
-                                                size_t gathered_middle_bytes, void *workspace,
-                                                size_t workspace_bytes, hl_stream_t stream);
+HL_API hl_status_t hl_loss_plan_execute_finish_with_middle(hl_loss_plan_t plan,
+                                                           const hl_loss_args_t *args,
+                                                           const void *gathered, size_t gathered_bytes,
+                                                           const void *gathered_middle,
+                                                           size_t gathered_middle_bytes,
+                                                           void *workspace, size_t workspace_bytes,
+                                                           hl_stream_t stream);
 /*
  * The three steps on the caller's NCCL communicator (an ncclComm_t passed as void*, of `ranks`
  * ranks; the library never creates, aborts or destroys it): statistics into this rank's slot of

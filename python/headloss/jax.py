@@ -673,7 +673,7 @@ def loss_middle(gathered, logits_shard, labels=None, *, vocab_start, vocab_globa
 
 def loss_finish(gathered, logits_shard, labels=None, *, vocab_start, vocab_global: int, ranks: int,
                 grad: bool = True, gathered_middle=None, **kwargs):
-    """Step 3 (hl_loss_plan_execute_finish, with gathered_middle _finish2): merges the gathered
+    """Step 3 (hl_loss_plan_execute_finish, with gathered_middle _finish_with_middle): merges the gathered
     blocks (every shard's loss_stats, concatenated; with two exchanges also every shard's
     loss_middle) and returns (loss, metrics, grad or None), plus the token outputs with
     token_outputs=True: the loss and metrics are the same bits on every shard, grad is this shard's

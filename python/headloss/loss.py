@@ -90,8 +90,8 @@ _exchanges = declare("hl_loss_plan_get_exchanges", c_ptr, ctypes.POINTER(ctypes.
 _middle_size = declare("hl_loss_plan_get_middle_size", c_ptr, c_i64, ctypes.POINTER(ctypes.c_size_t))
 _middle = declare("hl_loss_plan_execute_middle", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t,
                   c_ptr, ctypes.c_size_t, c_ptr, ctypes.c_size_t, c_ptr)
-_finish2 = declare("hl_loss_plan_execute_finish2", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t,
-                   c_ptr, ctypes.c_size_t, c_ptr, ctypes.c_size_t, c_ptr)
+_finish_with_middle = declare("hl_loss_plan_execute_finish_with_middle", c_ptr, ctypes.POINTER(_Args), c_ptr,
+                              ctypes.c_size_t, c_ptr, ctypes.c_size_t, c_ptr, ctypes.c_size_t, c_ptr)
 _nccl = declare("hl_loss_plan_execute_nccl", c_ptr, ctypes.POINTER(_Args), c_ptr, c_ptr, ctypes.c_size_t,
                 c_ptr)
 _ITEMSIZE = {DTYPE_F32: 4, DTYPE_F16: 2, DTYPE_BF16: 2, DTYPE_I32: 4, DTYPE_I64: 8}
@@ -364,8 +364,8 @@ class LossPlan:
             _check(_finish(self._handle, ctypes.byref(a), gv.ptr, gbytes, wp, nbytes, lv.stream))
         else:
             mv, mbytes = _blocks(gathered_middle, "gathered_middle")
-            _check(_finish2(self._handle, ctypes.byref(a), gv.ptr, gbytes, mv.ptr, mbytes, wp, nbytes,
-                            lv.stream))
+            _check(_finish_with_middle(self._handle, ctypes.byref(a), gv.ptr, gbytes, mv.ptr, mbytes, wp,
+                                       nbytes, lv.stream))
 
     def nccl(self, comm, logits, labels=None, **kwargs) -> LossOutput:
         """The three steps on an NCCL communicator of `ranks` ranks (an ncclComm_t as an int, e.g.

@@ -42,7 +42,7 @@
 //                       hl_jax_loss_stats with gathered before vocab_start; rets its middle block
 //                       u8[hl_loss_plan_get_middle_size]; attrs as hl_jax_loss_stats
 //   hl_jax_loss_finish  args as hl_jax_loss, then gathered (u8, the ranks' blocks), with attr
-//                       middle = 1 the ranks' middle blocks (hl_loss_plan_execute_finish2),
+//                       middle = 1 the ranks' middle blocks (hl_loss_plan_execute_finish_with_middle),
 //                       vocab_start; rets as hl_jax_loss
 // vocab_start is a scalar s32 / s64 operand, not an attribute: under shard_map every device runs
 // one program and learns its shard's first column at run time (from jax.lax.axis_index).
@@ -570,9 +570,9 @@ ffi::Error LossFinish(hl_backend_t backend, hl_stream_t stream, int32_t device,
   return WithPlan(c, device, scratch, [&](hl_loss_plan_t plan, void *w, size_t bytes) {
     const void *g = gathered.untyped_data();
     if (two)
-      return Done(hl_loss_plan_execute_finish2(plan, &c.a, g, gathered.size_bytes(), middle, middle_bytes, w,
-                                               bytes, stream),
-                  "hl_loss_plan_execute_finish2");
+      return Done(hl_loss_plan_execute_finish_with_middle(plan, &c.a, g, gathered.size_bytes(), middle,
+                                                          middle_bytes, w, bytes, stream),
+                  "hl_loss_plan_execute_finish_with_middle");
     return Done(hl_loss_plan_execute_finish(plan, &c.a, g, gathered.size_bytes(), w, bytes, stream),
                 "hl_loss_plan_execute_finish");
   });

@@ -518,7 +518,7 @@ hl_status_t split_args(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t
   if (exchanges == 1 && plan->exchanges == 2)
     return fail(HL_STATUS_INVALID_VALUE, "%s: the plan (dense DISTILL_JSD) needs two exchanges: "
                 "hl_loss_plan_execute_middle after the first gather, a second gather, then "
-                "hl_loss_plan_execute_finish2", fn);
+                "hl_loss_plan_execute_finish_with_middle", fn);
   if (exchanges == 2 && plan->exchanges == 1)
     return fail(HL_STATUS_INVALID_VALUE, "%s: the plan needs one exchange and has no middle step "
                 "(hl_loss_plan_get_exchanges): finish with hl_loss_plan_execute_finish", fn);
@@ -547,8 +547,8 @@ hl_status_t check_block_buffer(const char *fn, const char *name, const void *buf
 }
 
 // The buffers of the middle step and finish: the gathered blocks, then `n` middle blocks named
-// `name` (the middle step's output, or finish2's gathered ones; n = 0: none) and the workspace, each
-// checked, and clear of each other.
+// `name` (the middle step's output, or finish_with_middle's gathered ones; n = 0: none) and the
+// workspace, each checked, and clear of each other.
 hl_status_t check_split_buffers(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                                 const void *gathered, size_t gathered_bytes, const char *name,
                                 const void *mid, size_t mid_bytes, int n, void *ws, size_t ws_bytes) {
@@ -858,8 +858,8 @@ HL_API hl_status_t hl_loss_plan_execute_middle(hl_loss_plan_t plan, const hl_los
 
 namespace {
 
-// hl_loss_plan_execute_finish (exchanges 1) and _finish2 (2: gathered_middle, the middle step's
-// blocks).
+// hl_loss_plan_execute_finish (exchanges 1) and _finish_with_middle (2: gathered_middle, the middle
+// step's blocks).
 hl_status_t finish(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t *args, int exchanges,
                    const void *gathered, size_t gathered_bytes, const void *gathered_middle,
                    size_t gathered_middle_bytes, void *workspace, size_t workspace_bytes,
@@ -890,12 +890,12 @@ HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_los
   });
 }
 
-HL_API hl_status_t hl_loss_plan_execute_finish2(hl_loss_plan_t plan, const hl_loss_args_t *args,
+HL_API hl_status_t hl_loss_plan_execute_finish_with_middle(hl_loss_plan_t plan, const hl_loss_args_t *args,
                                                 const void *gathered, size_t gathered_bytes,
                                                 const void *gathered_middle, size_t gathered_middle_bytes,
                                                 void *workspace, size_t workspace_bytes,
                                                 hl_stream_t stream) {
-  static const char *fn = "hl_loss_plan_execute_finish2";
+  static const char *fn = "hl_loss_plan_execute_finish_with_middle";
   return guarded(fn, [&]() -> hl_status_t {
     return finish(fn, plan, args, 2, gathered, gathered_bytes, gathered_middle, gathered_middle_bytes,
                   workspace, workspace_bytes, stream);

@@ -330,7 +330,7 @@ static void split_calls(void **state) {
   assert_fails(hl_loss_plan_get_middle_size(p, N, &mid), HL_STATUS_INVALID_VALUE, "has no middle step");
   assert_fails(hl_loss_plan_execute_middle(p, &a, stats, 2 * block, stats, block, NULL, 0, NULL),
                HL_STATUS_INVALID_VALUE, "has no middle step");
-  assert_fails(hl_loss_plan_execute_finish2(p, &a, stats, 2 * block, stats, block, NULL, 0, NULL),
+  assert_fails(hl_loss_plan_execute_finish_with_middle(p, &a, stats, 2 * block, stats, block, NULL, 0, NULL),
                HL_STATUS_INVALID_VALUE, "has no middle step");
   assert_true(untouched(b));
   assert_ok(hl_loss_plan_destroy(p));
@@ -363,12 +363,12 @@ static void two_exchanges(void **state) {
                "needs two exchanges");
   assert_fails(hl_loss_plan_execute_middle(p, &a, stats, 2 * block, mids, mid - 1, NULL, 0, NULL),
                HL_STATUS_INVALID_VALUE, "middle_bytes is");
-  /* The second block is zeros: a bad header, for the middle step and finish2 alike. */
+  /* The second block is zeros: a bad header, for the middle step and finish_with_middle alike. */
   assert_fails(hl_loss_plan_execute_middle(p, &a, stats, 2 * block, mids, mid, NULL, 0, NULL),
                HL_STATUS_INVALID_VALUE, "block 1 is not a block of statistics");
-  assert_fails(hl_loss_plan_execute_finish2(p, &a, stats, 2 * block, NULL, 2 * mid, NULL, 0, NULL),
+  assert_fails(hl_loss_plan_execute_finish_with_middle(p, &a, stats, 2 * block, NULL, 2 * mid, NULL, 0, NULL),
                HL_STATUS_INVALID_VALUE, "gathered_middle is NULL");
-  assert_fails(hl_loss_plan_execute_finish2(p, &a, stats, 2 * block, stats, 2 * mid, NULL, 0, NULL),
+  assert_fails(hl_loss_plan_execute_finish_with_middle(p, &a, stats, 2 * block, stats, 2 * mid, NULL, 0, NULL),
                HL_STATUS_INVALID_VALUE, "gathered_middle overlaps gathered");
   assert_true(untouched(b));
   assert_ok(hl_loss_plan_destroy(p));

@@ -178,8 +178,8 @@ def jsd_setup(be, rng):
     return inp, shards, plans, gathered, middle
 
 
-def finish2_fails(be, plan, shard, inp, gathered, middle, needle):
-    """finish (finish2 with middle blocks) raises with `needle` and leaves its outputs untouched."""
+def finish_middle_fails(be, plan, shard, inp, gathered, middle, needle):
+    """finish (finish_with_middle with middle blocks) raises with `needle` and leaves its outputs untouched."""
     scalars = be.full((len(SCALARS),), "float32")
     grad = be.full((N, shard[1]), "float32")
     kw = {} if middle is None else {"gathered_middle": middle}
@@ -192,15 +192,15 @@ def finish2_fails(be, plan, shard, inp, gathered, middle, needle):
 
 def test_jsd_call_sequences(be, rng):
     """A plan of two exchanges refuses the one-exchange finish; a plan of one refuses the middle
-    step and finish2; bad or short middle buffers are refused; nothing is written."""
+    step and finish_with_middle; bad or short middle buffers are refused; nothing is written."""
     inp, shards, plans, gathered, middle = jsd_setup(be, rng)
     assert plans[0].exchanges == 2 and plans[0].middle_bytes(N) == 64 + N * (16 if be.name == "cpu" else 8)
-    finish2_fails(be, plans[0], shards[0], inp, gathered, None, "needs two exchanges")
-    finish2_fails(be, plans[0], shards[0], inp, gathered, middle[:-1], "gathered_middle_bytes is")
-    finish2_fails(be, plans[0], shards[0], inp, gathered, gathered * 1, "is not a block of middle sums")
-    finish2_fails(be, plans[0], shards[0], inp, middle, middle, "gathered_bytes is")
+    finish_middle_fails(be, plans[0], shards[0], inp, gathered, None, "needs two exchanges")
+    finish_middle_fails(be, plans[0], shards[0], inp, gathered, middle[:-1], "gathered_middle_bytes is")
+    finish_middle_fails(be, plans[0], shards[0], inp, gathered, gathered * 1, "is not a block of middle sums")
+    finish_middle_fails(be, plans[0], shards[0], inp, middle, middle, "gathered_bytes is")
     half = middle[:middle.shape[0] // 2]  # rank 0's middle block twice: column 0 owned twice
-    finish2_fails(be, plans[0], shards[0], inp, gathered, concat(be, [half, half]), "owned by two shards")
+    finish_middle_fails(be, plans[0], shards[0], inp, gathered, concat(be, [half, half]), "owned by two shards")
     labels = be.to_dev(inp["labels"])
     x0, t0 = columns(be, inp, "logits", shards[0]), columns(be, inp, "teacher_logits", shards[0])
     with pytest.raises(headloss.HeadlossError, match="is not a block of statistics"):
