@@ -341,11 +341,12 @@ class LossPlan:
         return self._middle_call(a, lv, gathered, None)
 
     def _middle_call(self, a, lv, gathered, workspace):
-        block = empty(lv, (self.middle_bytes(a.rows) // 8,), DTYPE_I64)
+        mbytes = self.middle_bytes(a.rows)
+        block = empty(lv, (mbytes // 8,), DTYPE_I64)
         gv, gbytes = _blocks(gathered, "gathered")
         ws, wp, nbytes = self._workspace(lv, a.rows, workspace)
-        _check(_middle(self._handle, ctypes.byref(a), gv.ptr, gbytes, view(block, "middle").ptr,
-                       self.middle_bytes(a.rows), wp, nbytes, lv.stream))
+        _check(_middle(self._handle, ctypes.byref(a), gv.ptr, gbytes, view(block, "middle").ptr, mbytes,
+                       wp, nbytes, lv.stream))
         return block
 
     def finish(self, gathered, logits, labels=None, *, gathered_middle=None, **kwargs) -> LossOutput:

@@ -587,13 +587,8 @@ hl_status_t cpu_merge_finish(const char *fn, const hl_loss_plan_st &p, const hl_
   std::vector<MidSums<double>> mid(gathered_middle ? size_t(a.rows) : 0);
   if (gathered_middle) {
     HL_TRY(cpu_blocks(fn, p, a.rows, gathered_middle, true));
-    const size_t bb = block_bytes(p, a.rows, true);
-    for (int r = 0; r < p.desc.ranks; ++r)
-      for (int64_t i = 0; i < a.rows; ++i) {
-        MidSums<double> m;
-        std::memcpy(&m, gathered_middle + size_t(r) * bb + sizeof(BlockHeader) + size_t(i) * sizeof m, sizeof m);
-        mid[size_t(i)] = r == 0 ? m : add(mid[size_t(i)], m);
-      }
+    cpu_merge_middle(a.rows, gathered_middle + sizeof(BlockHeader), block_bytes(p, a.rows, true),
+                     p.desc.ranks, mid.data());
   }
   return cpu_finish(p, a, cpu_merged(p, a.rows, gathered).data(), mid.data());
 }
@@ -890,11 +885,13 @@ HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_los
   });
 }
 
-HL_API hl_status_t hl_loss_plan_execute_finish_with_middle(hl_loss_plan_t plan, const hl_loss_args_t *args,
-                                                const void *gathered, size_t gathered_bytes,
-                                                const void *gathered_middle, size_t gathered_middle_bytes,
-                                                void *workspace, size_t workspace_bytes,
-                                                hl_stream_t stream) {
+HL_API hl_status_t hl_loss_plan_execute_finish_with_middle(hl_loss_plan_t plan,
+                                                           const hl_loss_args_t *args,
+                                                           const void *gathered, size_t gathered_bytes,
+                                                           const void *gathered_middle,
+                                                           size_t gathered_middle_bytes,
+                                                           void *workspace, size_t workspace_bytes,
+                                                           hl_stream_t stream) {
   static const char *fn = "hl_loss_plan_execute_finish_with_middle";
   return guarded(fn, [&]() -> hl_status_t {
     return finish(fn, plan, args, 2, gathered, gathered_bytes, gathered_middle, gathered_middle_bytes,

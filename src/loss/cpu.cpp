@@ -288,6 +288,15 @@ void cpu_merge(const hl_loss_plan_st &p, int64_t rows, const char *blocks, size_
   }
 }
 
+void cpu_merge_middle(int64_t rows, const char *blocks, size_t stride, int ranks, MidSums<double> *out) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int r = 0; r < ranks; ++r) {
+      MidSums<double> m;
+      std::memcpy(&m, blocks + size_t(r) * stride + size_t(i) * sizeof m, sizeof m);
+      out[i] = r == 0 ? m : add(out[i], m);
+    }
+}
+
 void cpu_middle(const hl_loss_plan_st &p, const hl_loss_args_t &a, const char *merged,
                 MidSums<double> *out) {
   const Options &o = p.opt;

@@ -104,6 +104,9 @@ void cpu_stats(const hl_loss_plan_st &p, const hl_loss_args_t &a, char *out);
 // order: the same bits on every rank), into `merged` (record_bytes(p) each).
 void cpu_merge(const hl_loss_plan_st &p, int64_t rows, const char *blocks, size_t stride, int ranks,
                char *merged);
+// The middle step's blocks of `ranks` ranks, `stride` bytes apart: each row's MidSums added in
+// their order (the same bits on every rank) into `out`.
+void cpu_merge_middle(int64_t rows, const char *blocks, size_t stride, int ranks, MidSums<double> *out);
 // Dense JSD's middle step: each row's MidSums over this shard's columns, from the merged records.
 void cpu_middle(const hl_loss_plan_st &p, const hl_loss_args_t &a, const char *merged,
                 MidSums<double> *out);
