@@ -9,9 +9,13 @@ contiguous shards. Per rank, median CUDA-event times (ms) of:
     all-reduce per statistic (max, sum of exponentials, label logit, sum p z for the entropy),
     then the gradient from the reduced statistics;
   - headloss unsharded on one GPU (the whole [N, V]) for scale.
+Also dense JSD distillation (CE + JSD against teacher logits sharded the same way: a middle step and
+a second all-gather) and the fused linear form (hidden [N, H], the weight sharded by vocabulary rows:
+one all-gather for the loss, one all-reduce of grad_hidden), the latter against its floor on a rank:
+the shard's three products through cuBLAS and the all-reduce of grad_hidden.
 Labels unchecked (no host synchronisation), as the peers do not check them.
 
-Usage: python3 bench/bench_loss_tp.py [--out table.md] [--shape 8192x128256]
+Usage: python3 bench/bench_loss_tp.py [--out table.md] [--shape 8192x128256] [--linear 8192x4096x128256]
 """
 from __future__ import annotations
 
@@ -103,6 +107,10 @@ def worker(rank: int, init: str, args) -> None:
     ours = split().scalars[0].item()
     t["PyTorch, an all-reduce per statistic"] = median_ms(lambda: torch_tp_loss(x, y, lo, dist), iters=20)
     theirs = torch_tp_loss(x, y, lo, dist)[0].item()
+    del grad, x
+    torch.cuda.empty_cache()
+    jt, jcolls = jsd_times(rank, N, V, y, comm)
+    lt, lcolls = linear_times(rank, *map(int, args.linear.split("x")), comm, dist)
     comm.destroy()
     if rank == 0:
         assert abs(ours - ref) <= 1e-5 * abs(ref) and abs(theirs - ref) <= 1e-3 * abs(ref), (ours, theirs, ref)
@@ -115,21 +123,94 @@ def worker(rank: int, init: str, args) -> None:
         base = t["PyTorch, an all-reduce per statistic"]
         rows = [[k, f"{v:.3f}", colls.get(k, ""), nbytes.get(k, ""),
                  f"{base / v:.2f}x" if k in colls else ""] for k, v in t.items()]
+        more = lambda tt, cc: [[k, f"{v:.3f}", cc.get(k, "")] for k, v in tt.items()]  # noqa: E731
         text = "\n".join([
             f"{header()}; 2 GPUs, one process each, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}",
             f"Loss: CE + z + entropy with gradient, bf16 [{N}, {V}] in two shards of {V // 2} columns; "
             f"loss {ref:.6f} (headloss sharded {ours:.6f}, PyTorch {theirs:.6f}).", "",
-            table(rows, ["per rank", "ms", "collectives", "bytes", "PyTorch / this"])])
+            table(rows, ["per rank", "ms", "collectives", "bytes", "PyTorch / this"]), "",
+            f"Dense JSD (CE + JSD, beta 0.5), bf16 student and teacher logits [{N}, {V}], the same shards:", "",
+            table(more(jt, jcolls), ["per rank", "ms", "collectives"]), "",
+            f"Fused linear form, CE, bf16 hidden [{args.linear.split('x')[0]}, {args.linear.split('x')[1]}], "
+            f"the weight's {args.linear.split('x')[2]} rows in two shards:", "",
+            table(more(lt, lcolls), ["per rank", "ms", "collectives"])])
         print(text, flush=True)
         if args.out:
             Path(args.out).write_text(text + "\n")
     dist.destroy_process_group()
 
 
+def jsd_times(rank, N, V, y, comm):
+    """Dense JSD: unsharded on rank 0, then the sharded NCCL call (stats, all-gather, middle,
+    all-gather, finish)."""
+    from common import median_ms
+    from headloss.loss import LossPlan
+    g = torch.Generator(device="cuda").manual_seed(1)
+    full = (torch.randn(N, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    tfull = (torch.randn(N, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    terms, opts = ("ce", "distill_jsd"), dict(jsd_beta=0.5, check=False)
+    t = {}
+    if rank == 0:
+        whole = LossPlan(V, "bfloat16", terms=terms, device="cuda", **opts)
+        gw = torch.empty_like(full)
+        t["JSD unsharded, 1 GPU"] = median_ms(lambda: whole(full, y, teacher_logits=tfull, grad=gw), iters=20)
+        del gw
+    lo, n = (0, V // 2) if rank == 0 else (V // 2, V - V // 2)
+    x, u = full[:, lo:lo + n].contiguous(), tfull[:, lo:lo + n].contiguous()
+    del full, tfull
+    torch.cuda.empty_cache()
+    plan = LossPlan(n, "bfloat16", terms=terms, device="cuda", vocab_start=lo, vocab_global=V, ranks=2, **opts)
+    grad = torch.empty_like(x)
+    t["JSD: hl_loss_plan_execute_nccl"] = median_ms(
+        lambda: plan.nccl(comm.ptr, x, y, teacher_logits=u, grad=grad), iters=20)
+    return t, {"JSD: hl_loss_plan_execute_nccl": f"{plan.exchanges} all-gathers"}
+
+
+def linear_times(rank, N, H, V, comm, dist):
+    """The fused linear form: unsharded on rank 0; the shard's NCCL call; the floor on a rank (the
+    shard's three products and the all-reduce of grad_hidden), timed in turns with the NCCL call."""
+    from common import interleaved_ms
+    from headloss.loss import LinearLossPlan
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(V, H, device="cuda", generator=g) * (2.5 / H ** 0.5)).to(torch.bfloat16)
+    y = torch.randint(0, V, (N,), device="cuda", generator=g)
+    t = {}
+    if rank == 0:
+        whole = LinearLossPlan(V, H, "bfloat16", terms=("ce",), device="cuda", check=False)
+        gh, gw, ws = torch.empty_like(x), torch.empty_like(w), whole.workspace(x, N)
+        t["linear unsharded, 1 GPU"] = interleaved_ms(
+            {"u": lambda: whole(x, w, y, grad_hidden=gh, grad_weight=gw, workspace=ws)}, iters=5)["u"]
+        del gh, gw, ws
+    lo, n = (0, V // 2) if rank == 0 else (V // 2, V - V // 2)
+    w = w[lo:lo + n].contiguous()
+    torch.cuda.empty_cache()
+    plan = LinearLossPlan(n, H, "bfloat16", terms=("ce",), device="cuda", vocab_start=lo, vocab_global=V,
+                          ranks=2, check=False)
+    gh, gw, ws = torch.empty_like(x), torch.empty_like(w), plan.workspace(x, N)
+    z, dx, dw = torch.empty(N, n, device="cuda", dtype=x.dtype), torch.empty_like(x), torch.empty_like(w)
+
+    def floor():
+        torch.matmul(x, w.T, out=z)
+        torch.matmul(z, w, out=dx)
+        torch.matmul(z.T, x, out=dw)
+        dist.all_reduce(dx)
+
+    both = interleaved_ms({"floor": floor, "ours": lambda: plan.nccl(comm.ptr, x, w, y, grad_hidden=gh,
+                                                                       grad_weight=gw, workspace=ws)}, iters=5)
+    t["linear floor: the shard's 3 products + all-reduce"] = both["floor"]
+    t["linear: hl_loss_plan_execute_nccl"] = both["ours"]
+    t["  vs its floor"] = both["ours"] / both["floor"]
+    colls = {"linear floor: the shard's 3 products + all-reduce": "1 all-reduce",
+             "linear: hl_loss_plan_execute_nccl": "1 all-gather + 1 all-reduce"}
+    return t, colls
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--shape", default="8192x128256")
+    ap.add_argument("--linear", default="8192x4096x128256", help="N x H x V of the fused linear rows")
     args = ap.parse_args()
     if torch.cuda.device_count() < 2:
         print("# bench_loss_tp: needs two GPUs; skipped")

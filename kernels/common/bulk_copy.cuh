@@ -35,17 +35,23 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
 #endif
 }
 
-// bytes (a multiple of 16, both addresses 16-byte aligned) from src into dst; completes the
-// current phase of bar (initialised with count 1) when they have landed.
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+// bytes (a multiple of 16, both addresses 16-byte aligned) from src into dst, counted on bar's
+// current phase (which an mbar_expect_tx of them, or of more, arms).
+__device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
 #if __CUDA_ARCH__ >= 900
-  mbar_expect_tx(bar, bytes);
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           smem_addr(dst)),
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
 #endif
+}
+
+// bulk_copy, arming bar (initialised with count 1) for it: its current phase completes when the
+// bytes have landed.
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+  mbar_expect_tx(bar, bytes);
+  bulk_copy(dst, src, bytes, bar);
 }
 
 // Starts an L2 fill of [p, p + bytes) (16-byte aligned, a multiple of 16 bytes); nothing to wait

@@ -36,6 +36,7 @@ constexpr int kPrepThreads = 128;
 constexpr int kPrepRowsPerThread = 16;
 constexpr size_t kPrepBytes = (sizeof(PrepOut) + 15) / 16 * 16;
 constexpr size_t kKeepTarget = 72 * 1024;     // a slice this small lets 3 CTAs share an SM
+constexpr size_t kKeepTargetTeacher = 100 * 1024;  // a student + teacher slice: 2 CTAs an SM
 constexpr size_t kStaticSmemSlack = 8 * 1024; // the kernel's own shared memory, rounded up
 
 struct PrepArgs {
@@ -232,11 +233,11 @@ reduce_kernel(const float *rec, int64_t rows, float *partials, unsigned *ticket,
   if (threadIdx.x == 0) write_scalars(acc, prep->D, has_ratio, has_adv, terms, n, out);
 }
 
-const void *pick_bulk(hl_dtype_t dt, int phase, bool grad, bool cap) {
+const void *pick_bulk(hl_dtype_t dt, int phase, bool grad, bool cap, int distill) {
   switch (dt) {
-    case HL_DTYPE_F32: return pick_bulk_kernel<float>(phase, grad, cap);
-    case HL_DTYPE_F16: return pick_bulk_kernel<__half>(phase, grad, cap);
-    default: return pick_bulk_kernel<__nv_bfloat16>(phase, grad, cap);
+    case HL_DTYPE_F32: return pick_bulk_kernel<float>(phase, grad, cap, distill);
+    case HL_DTYPE_F16: return pick_bulk_kernel<__half>(phase, grad, cap, distill);
+    default: return pick_bulk_kernel<__nv_bfloat16>(phase, grad, cap, distill);
   }
 }
 
@@ -322,10 +323,15 @@ static hl_status_t launch_rows(const CudaLaunch &c, const Params &k, cudaStream_
   return HL_STATUS_SUCCESS;
 }
 
-// The bulk-copy kernel of a phase where it exists and the rows are 16-byte aligned, else the other.
+// The bulk-copy kernel of a phase where it exists and the rows (a dense teacher's too) are
+// 16-byte aligned, else the other.
 static const CudaLaunch &pick_launch(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase) {
   const size_t elt = dtype_size(p.desc.logits_dtype);
-  const bool aligned = reinterpret_cast<uintptr_t>(a.logits) % 16 == 0 && a.logits_stride * elt % 16 == 0;
+  const auto rows16 = [&](const void *x, int64_t stride) {
+    return reinterpret_cast<uintptr_t>(x) % 16 == 0 && stride * elt % 16 == 0;
+  };
+  const bool aligned = rows16(a.logits, a.logits_stride) &&
+                       (!a.teacher_logits || rows16(a.teacher_logits, a.teacher_stride));
   return aligned && p.cuda.bulk[phase].kernel ? p.cuda.bulk[phase] : p.cuda.phase[phase];
 }
 
@@ -525,15 +531,20 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
       return fail(HL_STATUS_NOT_SUPPORTED,
                   "%s: no cluster of %d CTAs with %zu bytes of shared memory fits this device (vocab "
                   "%lld)", fn, c.cluster, c.smem, (long long)d.vocab);
-    // Bulk copies (Hopper): the whole-row shape, the slice kept in shared memory, where it fits.
+    // Bulk copies (Hopper): the whole-row shape, the slice kept in shared memory, where it fits;
+    // a dense teacher's slice beside it (twice the bytes: the smallest cluster whose two slices
+    // leave room for two CTAs an SM, as its kernels' registers allow).
     CudaLaunch &b = p.cuda.bulk[ph];
-    b.kernel = sm90 && keep_row && p.opt.distill == kDistillNone &&
-                       bytes(cluster) <= size_t(kMaxChunks) * kChunkPacks * 16
-                   ? pick_bulk(d.logits_dtype, ph, grad, p.opt.cap > 0) : nullptr;
+    const bool teacher = p.opt.distill != kDistillNone;
+    int bc = teacher ? 1 : cluster;
+    while (teacher && bc < max_cluster && 2 * bytes(bc) > kKeepTargetTeacher) bc *= 2;
+    b.kernel = sm90 && keep_row && bytes(bc) <= size_t(kMaxChunks) * kChunkPacks * 16 &&
+                       (teacher ? 2 : 1) * bytes(bc) <= cap_bytes
+                   ? pick_bulk(d.logits_dtype, ph, grad, p.opt.cap > 0, p.opt.distill) : nullptr;
     if (b.kernel) {
-      b.cluster = cluster;
+      b.cluster = bc;
       b.keep_row = true;
-      b.smem = bytes(cluster);
+      b.smem = (teacher ? 2 : 1) * bytes(bc);
       HL_TRY(finish_choice(b));
       if (b.grid == 0) b.kernel = nullptr;
     }

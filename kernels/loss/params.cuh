@@ -65,6 +65,6 @@ struct Params {
 template <class T>
 const void *pick_row_kernel(int phase, bool grad, bool cap, int distill);  // null: no such kernel
 template <class T>
-const void *pick_bulk_kernel(int phase, bool grad, bool cap);
+const void *pick_bulk_kernel(int phase, bool grad, bool cap, int distill);
 
 }  // namespace hl::loss::cuda

@@ -54,6 +54,16 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 __device__ __forceinline__ float fast_exp(float x) { return ex2(x * kLog2e); }
+// The column loops' exponential and log for row_math.h (its LibMath is libm's): one MUFU
+// instruction each (lg2.approx: ~2^-22 absolute error).
+struct FastMath {
+  __device__ __forceinline__ float exp(float x) const { return fast_exp(x); }
+  __device__ __forceinline__ float log(float x) const {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y * 0.6931471805599453f;
+  }
+};
 
 // z_hat from a raw logit; with a cap, t = tanh(scale z / cap) is kept for the chain factor.
 template <bool CAP>
@@ -317,7 +327,7 @@ __device__ __forceinline__ void grad_pack(const RowResult<float> &rr, const Opti
     if (k >= n) break;
     if (F == kGeneric) {
       const float pk = ex2(fmaf(z[k], c.s2, -c.lse2));
-      const float gk = grad_elem<DISTILL>(rr, o, z[k], v[k], pk, [](float a) { return fast_exp(a); });
+      const float gk = grad_elem<DISTILL>(rr, o, z[k], v[k], pk, FastMath{});
       g[k] = CAP ? gk * fmaf(-t[k], t[k], 1.0f) : gk;
     } else {
       const float e = ex2(fmaf(z[k], c.s2, -c.c2));
@@ -410,7 +420,8 @@ __device__ __forceinline__ MidSums<float> gathered_middle(const Params &p, int64
 template <class T, bool GRAD, bool CAP, int DISTILL, int PHASE, bool BULK>
 __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel(const Params p) {
   static_assert((PHASE != kStats && PHASE != kMiddle) || !GRAD, "the statistics and middle steps write no gradient");
-  static_assert(!BULK || DISTILL == kDistillNone, "bulk: the logits alone");
+  static_assert(!BULK || DISTILL == kDistillNone || (kDenseTeacher<DISTILL> && PHASE == kWhole),
+                "bulk: the logits, and a dense teacher's beside them in the whole-row step");
   constexpr bool JSD = DISTILL == kDistillJsd, SPARSE = DISTILL == kDistillSparse;
   static_assert(PHASE != kMiddle || JSD, "the middle step is dense JSD's");
   // kFinish and kMiddle read the ranks' merged records instead of pass 1.
@@ -422,6 +433,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   using V = Pack<T, VEC>;
   extern __shared__ uint4 smem_raw[];
   V *slice_smem = reinterpret_cast<V *>(smem_raw);
+  V *teacher_smem = slice_smem + p.slice / VEC;  // BULK with a dense teacher: its slice after ours
 #if __CUDA_ARCH__ >= 900
   // The cluster's records of a row by rank, two rows deep: each CTA stores its record into every
   // peer's mailbox (st.async), completing bytes on the peer's mail_full barrier, so a CTA waits
@@ -485,9 +497,13 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   const int nchunks = int((nvec + chunk - 1) / chunk);
   // Pack indices in a slice: 32-bit with BULK (at most kMaxChunks chunks), cheaper loop control.
   using Idx = std::conditional_t<BULK, int, int64_t>;
+  const auto teacher_of = [&](int64_t row) { return static_cast<const T *>(p.teacher) + row * p.teacher_stride + lo; };
   const auto request = [&](int64_t row, int c) {  // BULK, one thread: chunk c of a row's slice
     const int64_t i0 = c * chunk, n = min(chunk, nvec - i0);
-    hl::cuda::bulk_load(slice_smem + i0, slice_of(row) + i0 * VEC, uint32_t(n * 16), &full[c]);
+    const uint32_t bytes = uint32_t(n * 16);
+    hl::cuda::mbar_expect_tx(&full[c], kDenseTeacher<DISTILL> ? 2 * bytes : bytes);
+    hl::cuda::bulk_copy(slice_smem + i0, slice_of(row) + i0 * VEC, bytes, &full[c]);
+    if (kDenseTeacher<DISTILL>) hl::cuda::bulk_copy(teacher_smem + i0, teacher_of(row) + i0 * VEC, bytes, &full[c]);
   };
 #if __CUDA_ARCH__ >= 900
   if (csize > 1) {
@@ -561,9 +577,42 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
         }
       }
     };
-    const T *u = kDenseTeacher<DISTILL> ? static_cast<const T *>(p.teacher) + r * p.teacher_stride + lo : nullptr;
+    const T *u = kDenseTeacher<DISTILL> ? teacher_of(r) : nullptr;
     const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                          (!kDenseTeacher<DISTILL> || reinterpret_cast<uintptr_t>(u) % 16 == 0);
+    // The student's pack i after pass 1: from shared memory where kept.
+    const auto student = [&](Idx i) { return BULK || p.keep_row ? slice_smem[i] : load_cols<T, VEC>(x + i * VEC, aligned); };
+    // body(i, student pack, teacher pack) for this thread's packs i of [i0, end) after pass 1.
+    // A dense teacher's packs are loaded kBatch ahead of their use, as in pass 1 (one load in
+    // flight a thread is latency-bound); so are the student's in the steps after the exchange,
+    // which keep no row (kFinish, kMiddle). kWhole's come from shared memory at their use: held
+    // in registers too they spilled.
+    const auto for_packs = [&](Idx i0, Idx end, auto body) {
+      if constexpr (!kDenseTeacher<DISTILL>) {
+        for (Idx i = i0 + tid; i < end; i += kThreads) body(i, student(i), V{});
+      } else if constexpr (BULK) {
+        for (Idx i = i0 + tid; i < end; i += kThreads) body(i, slice_smem[i], teacher_smem[i]);
+      } else {
+        constexpr bool AHEAD = PHASE != kWhole;
+        for (Idx ib = i0 + tid; ib < end; ib += kBatch * kThreads) {
+          V xr[kBatch], tr[kBatch];
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b) {
+            const Idx i = ib + b * kThreads;
+            if (i >= end) break;
+            if constexpr (AHEAD) xr[b] = load_cols<T, VEC>(x + i * VEC, aligned);
+            tr[b] = load_cols<T, VEC>(u + i * VEC, aligned);
+          }
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b) {
+            const Idx i = ib + b * kThreads;
+            if (i >= end) break;
+            if constexpr (AHEAD) body(i, xr[b], tr[b]);
+            else body(i, student(i), tr[b]);
+          }
+        }
+      }
+    };
     const RowInputs<float> in = read_inputs<float>(p.src, r);
     const int64_t label = in.label - p.col0;  // in this shard's columns
     float t[VEC], z[VEC], v[VEC] = {};
@@ -602,9 +651,10 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
 #pragma unroll 4
           for (Idx i = Idx(c * chunk) + tid; i < end; i += kThreads) {
             unpack(slice_smem[i], z, t);
+            if (kDenseTeacher<DISTILL>) unpack_teacher(teacher_smem[i], v);
             accumulate<DISTILL, decltype(sumz)::value>(st, z, v, lo + i * VEC, o.inv_ts, zs, &apack, int(i));
           }
-          if (!GRAD) {  // the chunk is refilled once released: its argmax column first
+          if (!GRAD && !JSD) {  // the chunk is refilled once released: its argmax column first
             resolve_argmax();
             release(c);
           }
@@ -681,16 +731,18 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       const auto add_cols = [&](const float (&zz)[VEC], const float (&vv)[VEC], int n) {
 #pragma unroll
         for (int k = 0; k < VEC; ++k)
-          if (k < n) part = add(part, div_elem(kDistillJsd, b, zz[k] * its - lse_s, vv[k] - lse_t));
+          if (k < n) part = add(part, div_elem(kDistillJsd, b, zz[k] * its - lse_s, vv[k] - lse_t, FastMath{}));
       };
       if (SPARSE && tid < o.topk && tk_col[tid] != kPadding)
         part = div_elem(o.divergence, b, tk_z[tid] * its - lse_s, tk_lq[tid]);
       if (JSD) {  // the slice from shared memory (kept) or again from global memory; the teacher again
-        for (int64_t i = tid; i < nvec; i += kThreads) {
-          unpack(p.keep_row ? slice_smem[i] : load_cols<T, VEC>(x + i * VEC, aligned), z, t);
-          unpack_teacher(load_cols<T, VEC>(u + i * VEC, aligned), v);
+        for_packs(Idx(0), Idx(nvec), [&](Idx, const V &xr, const V &tr) {
+          unpack(xr, z, t);
+          unpack_teacher(tr, v);
           add_cols(z, v, VEC);
-        }
+        });
+        if (!GRAD)  // BULK: the middle pass was the row's last over its chunks
+          for (int c = 0; c < nchunks; ++c) release(c);
         if (tid == 0)
           for (int64_t j = tail_lo; j < hi; ++j) {
             float z1[VEC] = {}, v1[VEC] = {}, t1;
@@ -770,15 +822,14 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
           for (int c = 0; c < nchunks; ++c) {
             if (BULK && PHASE == kFinish) hl::cuda::mbar_wait(&full[c], phase);
             const Idx end = Idx(min(nvec, (c + 1) * chunk));
-            for (Idx i = Idx(c * chunk) + tid; i < end; i += kThreads) {
-              const V raw = BULK || p.keep_row ? slice_smem[i] : load_cols<T, VEC>(x + i * VEC, aligned);
+            for_packs(Idx(c * chunk), end, [&](Idx i, const V &raw, const V &traw) {
               unpack(raw, z, t);
-              if (kDenseTeacher<DISTILL>) unpack_teacher(load_cols<T, VEC>(u + i * VEC, aligned), v);
+              if (kDenseTeacher<DISTILL>) unpack_teacher(traw, v);
               float g[VEC];
               grad_pack<decltype(form_c)::value, DISTILL, CAP>(rr, o, gc, z, t, v, VEC, g);
               if (i == lpack) add_label(g, t, lk);
               store_grad<G, VEC, decltype(fast)::value>(grow + i * VEC, g, galigned, p.accumulate);
-            }
+            });
             release(c);
           }
         };
@@ -802,7 +853,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
           const int col = tid < o.topk ? tk_col[tid] : kElsewhere;
           if (col >= 0) {
             const float zk = tk_z[tid], pk = ex2(fmaf(zk, gc.s2, -gc.lse2));
-            float g = grad_elem<DISTILL>(rr, o, zk, 0.0f, pk, [](float a) { return fast_exp(a); }) +
+            float g = grad_elem<DISTILL>(rr, o, zk, 0.0f, pk, FastMath{}) +
                       topk_correction(rr, o, zk, tk_lq[tid]);
             if (lo + col == label) g += rr.cy;
             if (CAP) g *= 1.0f - (zk / o.cap) * (zk / o.cap);
@@ -855,11 +906,28 @@ const void *pick_row_kernel(int phase, bool grad, bool cap, int distill) {
   return cap ? pick_distill<T, kWhole, false, true>(distill) : pick_distill<T, kWhole, false, false>(distill);
 }
 
-// The bulk-copy variant of a phase's kernel (nullptr where it does not apply: distillation, and
-// a finish without a gradient, which reads no logits).
-template <class T>
-const void *pick_bulk_kernel(int phase, bool grad, bool cap) {
+// The bulk-copy whole-row kernel of a dense teacher's divergence (nullptr for the others).
+template <class T, bool GRAD, bool CAP>
+const void *pick_bulk_distill(int distill) {
   using K = const void *;
+  switch (distill) {
+    case kDistillFwd: return K(row_kernel<T, GRAD, CAP, kDistillFwd, kWhole, true>);
+    case kDistillRev: return K(row_kernel<T, GRAD, CAP, kDistillRev, kWhole, true>);
+    case kDistillJsd: return K(row_kernel<T, GRAD, CAP, kDistillJsd, kWhole, true>);
+    default: return nullptr;
+  }
+}
+
+// The bulk-copy variant of a phase's kernel (nullptr where it does not apply: a sparse teacher,
+// distillation in the split's steps, and a finish without a gradient, which reads no logits).
+template <class T>
+const void *pick_bulk_kernel(int phase, bool grad, bool cap, int distill) {
+  using K = const void *;
+  if (distill != kDistillNone) {
+    if (phase != kWhole) return nullptr;
+    if (grad) return cap ? pick_bulk_distill<T, true, true>(distill) : pick_bulk_distill<T, true, false>(distill);
+    return cap ? pick_bulk_distill<T, false, true>(distill) : pick_bulk_distill<T, false, false>(distill);
+  }
   if (phase == kStats)
     return cap ? K(row_kernel<T, false, true, kDistillNone, kStats, true>)
                : K(row_kernel<T, false, false, kDistillNone, kStats, true>);

@@ -3,5 +3,5 @@
 
 namespace hl::loss::cuda {
 template const void *pick_row_kernel<__nv_bfloat16>(int phase, bool grad, bool cap, int distill);
-template const void *pick_bulk_kernel<__nv_bfloat16>(int phase, bool grad, bool cap);
+template const void *pick_bulk_kernel<__nv_bfloat16>(int phase, bool grad, bool cap, int distill);
 }  // namespace hl::loss::cuda

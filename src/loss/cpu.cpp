@@ -236,10 +236,9 @@ double chain(const Options &o, double z) {
 template <int DISTILL>
 void grad_row(const Options &o, const std::vector<double> &z, const std::vector<double> &v,
               const RowResult<double> &r, int64_t label, std::vector<double> &g) {
-  const auto ex = [](double x) { return std::exp(x); };
   for (size_t j = 0; j < z.size(); ++j) {
     const double vj = DISTILL && DISTILL != kDistillSparse ? v[j] : 0.0;
-    double gj = grad_elem<DISTILL>(r, o, z[j], vj, std::exp(z[j] - r.lse), ex);
+    double gj = grad_elem<DISTILL>(r, o, z[j], vj, std::exp(z[j] - r.lse), LibMath<double>{});
     if (int64_t(j) == label) gj += r.cy;
     g[j] = gj * chain(o, z[j]);
   }

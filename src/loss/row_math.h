@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "headloss.h"
 
@@ -230,12 +231,13 @@ struct RowResult {
   F dsum, ar;  // JSD and sparse: sum_i p_s_i a_i; sparse: a_r, the rest bucket's a (headloss.h)
 };
 
-// log((1 - b) e^lps + b e^lq): JSD's log m_j.
+// The exponential and log of a column's math: libm's here (the CPU backend's fp64); the CUDA
+// kernels pass their one-instruction approximations (row_kernel.cuh's FastMath).
 template <class F>
-HL_HD F log_mix(F lps, F lq, F b) {
-  const F mx = m_max(lps, lq);
-  return mx + m_log((F(1) - b) * m_exp(lps - mx) + b * m_exp(lq - mx));
-}
+struct LibMath {
+  HL_HD F exp(F x) const { return m_exp(x); }
+  HL_HD F log(F x) const { return m_log(x); }
+};
 
 // One outcome's share of a divergence (headloss.h) at student and teacher log-probs lps, lq: its
 // term l_j, p_j a_j (a_j = dL/dp_j; formed without dividing by p_j), p_j and q_j. Summed over a
@@ -244,13 +246,20 @@ template <class F>
 struct DivSums {
   F loss, pa, p, q;
 };
-template <class F>
-HL_HD DivSums<F> div_elem(int divergence, F b, F lps, F lq) {
-  const F p = m_exp(lps), q = m_exp(lq);
+// JSD's share from p = e^lps and q = e^lq already formed: log m_j = log((1 - b) p + b q) takes
+// one log and no more exponentials; floored at F's least normal, so that a column where both
+// underflow adds 0 (not 0 * inf).
+template <class F, class M>
+HL_HD DivSums<F> jsd_elem(F b, F lps, F lq, F p, F q, const M &m) {
+  const F lm = m.log(m_max((F(1) - b) * p + b * q, std::numeric_limits<F>::min())), pl = p * (lps - lm);
+  return {b * q * (lq - lm) + (F(1) - b) * pl, (F(1) - b) * pl, p, q};
+}
+template <class F, class M = LibMath<F>>
+HL_HD DivSums<F> div_elem(int divergence, F b, F lps, F lq, const M &m = M{}) {
+  const F p = m.exp(lps), q = m.exp(lq);
   if (divergence == kDistillFwd) return {q * (lq - lps), -q, p, q};
   if (divergence == kDistillRev) return {p * (lps - lq), p * (lps - lq + F(1)), p, q};
-  const F lm = log_mix(lps, lq, b), pl = p * (lps - lm);
-  return {b * q * (lq - lm) + (F(1) - b) * pl, (F(1) - b) * pl, p, q};
+  return jsd_elem(b, lps, lq, p, q, m);
 }
 template <class F>
 HL_HD DivSums<F> add(const DivSums<F> &a, const DivSums<F> &b) {
@@ -411,14 +420,14 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
 // factor (1 - tanh^2) and adds cy at the label column. z: z_hat_j, v: teacher_j / tau_t, p: p_j.
 // With a sparse teacher this is the element off the top-k ids (v unused); topk_correction adds
 // an id's own part.
-template <int DISTILL, class F, class Exp>
-HL_HD F grad_elem(const RowResult<F> &r, const Options &o, F z, F v, F p, Exp ex) {
+template <int DISTILL, class F, class M>
+HL_HD F grad_elem(const RowResult<F> &r, const Options &o, F z, F v, F p, const M &m) {
   F g = p * (r.cp + r.cpz * z) + r.cc;
   if (DISTILL != kDistillNone) {
-    const F lps = z * F(o.inv_ts) - r.lse_s, lq = v - r.lse_t, ps = ex(lps);
-    if (DISTILL == kDistillFwd) g += r.dk * (ps - ex(lq));
+    const F lps = z * F(o.inv_ts) - r.lse_s, lq = v - r.lse_t, ps = m.exp(lps);
+    if (DISTILL == kDistillFwd) g += r.dk * (ps - m.exp(lq));
     else if (DISTILL == kDistillRev) g += r.dk * ps * (lps - lq - r.dist_loss);
-    else if (DISTILL == kDistillJsd) g += r.dk * (div_elem(kDistillJsd, F(o.jsd_beta), lps, lq).pa - ps * r.dsum);
+    else if (DISTILL == kDistillJsd) g += r.dk * (jsd_elem(F(o.jsd_beta), lps, lq, ps, m.exp(lq), m).pa - ps * r.dsum);
     else g += r.dk * ps * (r.ar - r.dsum);
   }
   return g;

@@ -3,7 +3,9 @@
 raw NCCL communicator, both against the unsharded plan on the whole vocabulary (scalars within
 1e-6, 5e-6 with distillation; fp32 gradient within 1e-5) and bit-identical to each other. Also a
 sparse teacher (global top-k ids) and dense JSD (the middle step and a second all-gather, which
-hl_loss_plan_execute_nccl does itself). Skips without two GPUs."""
+hl_loss_plan_execute_nccl does itself). The fused linear form too: the weight sharded by
+vocabulary rows, hl_loss_plan_execute_nccl all-reducing grad_hidden (written, and accumulated onto
+what the buffer held), with and without the logits kept in the workspace. Skips without two GPUs."""
 import os
 import sys
 import tempfile
@@ -41,6 +43,85 @@ def _inputs(torch, case):
     return x, y, dict(advantages=f(), old_logprobs=f() - 10, ref_logprobs=f() - 10), teacher
 
 
+# The fused linear form: rows, hidden size, a teacher's hidden size (a fused JSD teacher)
+LN, LH, LHT = 301, 192, 96
+LINEAR = {"linear_rl": (TERMS, {k: v for k, v in OPTS.items() if k != "grad_dtype"}),
+          "linear_jsd": (("ce", "entropy", "distill_jsd"),
+                         dict(label_smoothing=0.1, entropy_weight=-0.1, jsd_beta=0.3, teacher_temperature=2.0))}
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _linear_worker(rank: int, case: str, torch, dist, Comm) -> None:
+    """The linear form on two GPUs against the unsharded plan on this GPU (which rounds the same
+    logits to bf16 between the products: the bounds are the test_linear_loss ones)."""
+    from headloss.loss import LinearLossPlan
+    terms, opts = LINEAR[case]
+    Ht = LHT if case == "linear_jsd" else 0
+    g = torch.Generator(device="cpu").manual_seed(4321)
+    x = torch.randn(LN, LH, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(V, LH, generator=g) * 2.5 / LH ** 0.5).to(torch.bfloat16).cuda()
+    y = torch.randint(0, V, (LN,), generator=g).cuda()
+    y[::7] = -100
+    kw = {}
+    if Ht:
+        kw["teacher_hidden"] = torch.randn(LN, Ht, generator=g).to(torch.bfloat16).cuda()
+        kw["teacher_weight"] = (torch.randn(V, Ht, generator=g) * 2.5 / Ht ** 0.5).to(torch.bfloat16).cuda()
+    if "grpo" in terms:
+        f = lambda: (torch.randn(LN, generator=g) * 0.3).cuda()  # noqa: E731
+        kw.update(advantages=f(), old_logprobs=f() - 10, ref_logprobs=f() - 10)
+    f32 = dict(grad_hidden_dtype="float32", grad_weight_dtype="float32")
+    whole = LinearLossPlan(V, LH, "bfloat16", terms=terms, device="cuda", teacher_hidden=Ht, **f32, **opts)
+    full = whole(x, w, y, **kw)
+    lo, n = (0, SPLIT) if rank == 0 else (SPLIT, V - SPLIT)
+    shard = {k: (v[lo:lo + n].contiguous() if k == "teacher_weight" else v) for k, v in kw.items()}
+    ws = w[lo:lo + n].contiguous()
+    mk = lambda mode: LinearLossPlan(n, LH, "bfloat16", terms=terms, device="cuda", vocab_start=lo,  # noqa: E731
+                                     vocab_global=V, ranks=2, teacher_hidden=Ht, grad_hidden=mode, **f32, **opts)
+    plan = mk("write")
+    small, fast = plan.workspace_sizes(LN)
+    comm = Comm()
+    outs = []
+    for nbytes in (fast, small):  # fast: the logits kept for finish; small: formed again
+        # 1. the caller's collectives: stats, all-gather(s), finish, the all-reduce of grad_hidden
+        wsp = plan.workspace(x, LN, nbytes)
+        block = plan.stats(x, ws, y, workspace=wsp, **{k: v for k, v in shard.items() if k.startswith("teacher")})
+        gathered = torch.empty(2 * block.numel(), dtype=block.dtype, device="cuda")
+        dist.all_gather_into_tensor(gathered, block)
+        mid = {}
+        if plan.exchanges == 2:
+            m = plan.middle(gathered, x, ws, y, workspace=wsp,
+                            **{k: v for k, v in shard.items() if k.startswith("teacher")})
+            mid["gathered_middle"] = torch.empty(2 * m.numel(), dtype=m.dtype, device="cuda")
+            dist.all_gather_into_tensor(mid["gathered_middle"], m)
+        out = plan.finish(gathered, x, ws, y, workspace=wsp, **shard, **mid)
+        dist.all_reduce(out.grad_hidden)
+        # 2. the library's NCCL path (outputs poisoned: an unwritten element fails)
+        gh = torch.full((LN, LH), float("nan"), device="cuda")
+        gw = torch.full((n, LH), float("nan"), device="cuda")
+        out2 = plan.nccl(comm.ptr, x, ws, y, grad_hidden=gh, grad_weight=gw,
+                         workspace=plan.workspace(x, LN, nbytes), **shard)
+        torch.cuda.synchronize()
+        for k in ("scalars", "grad_hidden", "grad_weight"):
+            assert torch.equal(getattr(out, k), getattr(out2, k)), f"rank {rank}: {k}: NCCL path != caller's"
+        ref, got = full.scalars.double().cpu().numpy(), out2.scalars.double().cpu().numpy()
+        bad = np.abs(got - ref) > 1e-4 * (1 + np.abs(ref))
+        assert not bad.any(), f"rank {rank}: scalars {np.flatnonzero(bad)}: {got[bad]} vs {ref[bad]}"
+        assert _rel(out2.grad_hidden, full.grad_hidden) < 5e-3, f"rank {rank}: grad_hidden"
+        assert _rel(out2.grad_weight, full.grad_weight[lo:lo + n]) < 5e-3, f"rank {rank}: grad_weight"
+        outs.append(out2)
+    # ACCUMULATE: the sum of the parts added once to what the buffer held, on every rank.
+    start = torch.randn(LN, LH, generator=g).cuda()
+    acc = mk("accumulate").nccl(comm.ptr, x, ws, y, grad_hidden=start.clone(), **shard)
+    assert _rel(acc.grad_hidden, start + outs[0].grad_hidden) < 1e-6, f"rank {rank}: accumulated grad_hidden"
+    both = torch.empty(2, LN * LH, device="cuda")
+    dist.all_gather_into_tensor(both, acc.grad_hidden.view(-1))
+    assert torch.equal(both[0], both[1]), "the ranks' grad_hidden differ"
+    comm.destroy()
+
+
 def _worker(rank: int, init: str, errors: str, case: str) -> None:
     try:
         import torch
@@ -51,6 +132,10 @@ def _worker(rank: int, init: str, errors: str, case: str) -> None:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2,
                                 device_id=torch.device("cuda", rank))
+        if case in LINEAR:
+            _linear_worker(rank, case, torch, dist, Comm)
+            dist.destroy_process_group()
+            return
         terms, opts, tol = CASES[case]
         x, y, rows, teacher = _inputs(torch, case)
         x, y = x.cuda(), y.cuda()
@@ -102,7 +187,7 @@ def _worker(rank: int, init: str, errors: str, case: str) -> None:
         raise
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES) + list(LINEAR))
 def test_two_gpus_match_the_unsharded_loss(case):
     torch = pytest.importorskip("torch")
     if not headloss.cuda_available() or torch.cuda.device_count() < 2:
