@@ -595,7 +595,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       } else {
         constexpr bool AHEAD = PHASE != kWhole;
         for (Idx ib = i0 + tid; ib < end; ib += kBatch * kThreads) {
-          V xr[kBatch], tr[kBatch];
+          [[maybe_unused]] V xr[kBatch];  // AHEAD's
+          V tr[kBatch];
 #pragma unroll
           for (int b = 0; b < kBatch; ++b) {
             const Idx i = ib + b * kThreads;
