@@ -424,6 +424,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
                 "bulk: the logits, and a dense teacher's beside them in the whole-row step");
   constexpr bool JSD = DISTILL == kDistillJsd, SPARSE = DISTILL == kDistillSparse;
   static_assert(PHASE != kMiddle || JSD, "the middle step is dense JSD's");
+  // The bulk kernels are launched where code_arch() >= 90 alone: empty in an sm_80 pass.
+  if constexpr (BULK && !hl::cuda::kClusterCode) return;
   // kFinish and kMiddle read the ranks' merged records instead of pass 1.
   constexpr bool MERGED = PHASE == kFinish || PHASE == kMiddle;
   constexpr int VEC = 16 / sizeof(T);
