@@ -7,9 +7,10 @@
 //   pass 2: the gradient of the slice from shared memory, fp32, one rounding at the store.
 // Terms that are off cost nothing: the gradient, the soft-cap and distillation are template
 // arguments; the other terms only change per-row coefficients.
-// BULK (sm_90, 16-byte aligned rows, no distillation): the slice is not loaded through registers
-// but copied into shared memory by bulk copies, so the whole slice is in flight at once (1.23x
-// faster at 8192 x 128256 than kBatch register loads; see bench/NOTES.md). The slice streams in
+// BULK (sm_90, 16-byte aligned rows; no sparse teacher; a dense teacher only in the whole-row
+// step, its slice beside the student's): the slice is not loaded through registers but copied
+// into shared memory by bulk copies, so the whole slice is in flight at once (1.23x faster at
+// 8192 x 128256 than kBatch register loads; dense JSD 1.4x; see bench/NOTES.md). The slice streams in
 // chunks, each with a `full` barrier (landed) and an `empty` one (the row's last pass has read
 // it): the next row's chunk is requested as soon as it is free, so its load overlaps this row's
 // gradient pass, and pass 1 starts on the first chunk that lands.
