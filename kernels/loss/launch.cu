@@ -507,6 +507,11 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   while (cluster < max_cluster && bytes(cluster) > kKeepTarget) cluster *= 2;
   const bool keep_row = bytes(cluster) <= cap_bytes;
   if (!keep_row && cluster > 8) cluster = 8;
+  // The bulk kernels' slices a CTA: a dense teacher's beside the logits' (sparse: the logits alone),
+  // in the smallest cluster whose two slices leave room for two CTAs an SM.
+  const size_t slices = p.opt.distill == kDistillNone || p.opt.distill == kDistillSparse ? 1 : 2;
+  int bc = slices == 1 ? cluster : 1;
+  while (slices == 2 && bc < max_cluster && 2 * bytes(bc) > kKeepTargetTeacher) bc *= 2;
   const auto finish_choice = [&](CudaLaunch &c) -> hl_status_t {
     // The attribute belongs to the kernel, which plans of other vocabularies share: allow the most
     // any plan may use, so that a later plan never lowers it under an earlier one's launch.
@@ -531,20 +536,15 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
       return fail(HL_STATUS_NOT_SUPPORTED,
                   "%s: no cluster of %d CTAs with %zu bytes of shared memory fits this device (vocab "
                   "%lld)", fn, c.cluster, c.smem, (long long)d.vocab);
-    // Bulk copies (Hopper): the whole-row shape, the slice kept in shared memory, where it fits;
-    // a dense teacher's slice beside it (twice the bytes: the smallest cluster whose two slices
-    // leave room for two CTAs an SM, as its kernels' registers allow).
+    // Bulk copies (Hopper): the whole-row shape, the slices kept in shared memory, where they fit.
     CudaLaunch &b = p.cuda.bulk[ph];
-    const bool teacher = p.opt.distill != kDistillNone;
-    int bc = teacher ? 1 : cluster;
-    while (teacher && bc < max_cluster && 2 * bytes(bc) > kKeepTargetTeacher) bc *= 2;
     b.kernel = sm90 && keep_row && bytes(bc) <= size_t(kMaxChunks) * kChunkPacks * 16 &&
-                       (teacher ? 2 : 1) * bytes(bc) <= cap_bytes
+                       slices * bytes(bc) <= cap_bytes
                    ? pick_bulk(d.logits_dtype, ph, grad, p.opt.cap > 0, p.opt.distill) : nullptr;
     if (b.kernel) {
       b.cluster = bc;
       b.keep_row = true;
-      b.smem = (teacher ? 2 : 1) * bytes(bc);
+      b.smem = slices * bytes(bc);
       HL_TRY(finish_choice(b));
       if (b.grid == 0) b.kernel = nullptr;
     }
