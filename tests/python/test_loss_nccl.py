@@ -78,6 +78,7 @@ def _linear_worker(rank: int, case: str, torch, dist, Comm) -> None:
     lo, n = (0, SPLIT) if rank == 0 else (SPLIT, V - SPLIT)
     shard = {k: (v[lo:lo + n].contiguous() if k == "teacher_weight" else v) for k, v in kw.items()}
     ws = w[lo:lo + n].contiguous()
+    teach = {k: v for k, v in shard.items() if k.startswith("teacher")}  # what stats / middle take
     mk = lambda mode: LinearLossPlan(n, LH, "bfloat16", terms=terms, device="cuda", vocab_start=lo,  # noqa: E731
                                      vocab_global=V, ranks=2, teacher_hidden=Ht, grad_hidden=mode, **f32, **opts)
     plan = mk("write")
@@ -87,13 +88,12 @@ def _linear_worker(rank: int, case: str, torch, dist, Comm) -> None:
     for nbytes in (fast, small):  # fast: the logits kept for finish; small: formed again
         # 1. the caller's collectives: stats, all-gather(s), finish, the all-reduce of grad_hidden
         wsp = plan.workspace(x, LN, nbytes)
-        block = plan.stats(x, ws, y, workspace=wsp, **{k: v for k, v in shard.items() if k.startswith("teacher")})
+        block = plan.stats(x, ws, y, workspace=wsp, **teach)
         gathered = torch.empty(2 * block.numel(), dtype=block.dtype, device="cuda")
         dist.all_gather_into_tensor(gathered, block)
         mid = {}
         if plan.exchanges == 2:
-            m = plan.middle(gathered, x, ws, y, workspace=wsp,
-                            **{k: v for k, v in shard.items() if k.startswith("teacher")})
+            m = plan.middle(gathered, x, ws, y, workspace=wsp, **teach)
             mid["gathered_middle"] = torch.empty(2 * m.numel(), dtype=m.dtype, device="cuda")
             dist.all_gather_into_tensor(mid["gathered_middle"], m)
         out = plan.finish(gathered, x, ws, y, workspace=wsp, **shard, **mid)
