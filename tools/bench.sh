@@ -3,7 +3,7 @@
 # given (default: every one), and the C latency benchmark with rmsnorm. Each prints its table and
 # writes it to $OUT/bench_NAME.md (default bench/out/; committed tables go to bench/results/).
 # Needs a GPU, PyTorch and the built library; BUILD names the build folder (default build),
-# HL_BENCH_ARGS="..." adds arguments to every bench script.
+# HL_BENCH_ARGS="..." adds arguments to every bench script (shell-quoted: '--only "odd K"').
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
@@ -18,11 +18,11 @@ if ! "$PY" -c "import sys, headloss; sys.exit(not headloss.cuda_available())" 2>
 fi
 names=("$@")
 [ ${#names[@]} -eq 0 ] && mapfile -t names < <(ls bench/bench_*.py | sed 's#bench/bench_\(.*\)\.py#\1#')
+eval "extra=(${HL_BENCH_ARGS:-})"
 status=0
 for n in "${names[@]}"; do
   echo "== bench $n"
-  # shellcheck disable=SC2086  # the arguments are meant to split
-  timeout 300 "$PY" "bench/bench_$n.py" --out "$OUT/bench_$n.md" ${HL_BENCH_ARGS:-} 2>&1 | tail -40 || status=1
+  timeout 300 "$PY" "bench/bench_$n.py" --out "$OUT/bench_$n.md" "${extra[@]}" 2>&1 | tail -40 || status=1
   if [ "$n" = rmsnorm ] && [ -x "$BUILD/bench/rmsnorm_latency" ]; then
     "$BUILD/bench/rmsnorm_latency" | tee "$OUT/rmsnorm_latency.txt" || status=1
   fi

@@ -3,7 +3,8 @@
 # run GPU tests under compute-sanitizer (memcheck, racecheck), run the benchmarks, and leave
 # logs and tables in $OUT. Steps: tools/device.sh [build] [test] [sanitize] [bench-NAME ...]
 # (default: all; bench-NAME runs bench/bench_NAME.py; `bench` runs every benchmark).
-# HL_TESTS="tests/python/test_x.py ..." limits the test step to those files, HL_SANITIZE="rms gdn"
+# HL_TESTS="tests/python/test_x.py ..." limits the test step to those pytest arguments (shell-quoted:
+# HL_TESTS='tests/python/test_gdn.py -k "cuda and K100"'), HL_SANITIZE="rms gdn"
 # the sanitizer step to those families (rms, loss, linear, tp, gdn), HL_BENCH_ARGS="..." adds arguments to
 # every bench-NAME script (tools/bench.sh). HL_COMMIT=<hash> names the commit in the benchmark tables (the device's
 # copy of the tree has no current .git).
@@ -34,7 +35,8 @@ grep -E "spill" "$OUT/ptxas.txt" | grep -v " 0 bytes spill stores, 0 bytes spill
 
 if want test; then
   echo "== tests"
-  python3 -m pytest ${HL_TESTS:-tests/python} -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -25
+  eval "tests=(${HL_TESTS:-tests/python})"
+  python3 -m pytest "${tests[@]}" -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   build-device/examples/rmsnorm_example || status=1
 fi
