@@ -69,6 +69,14 @@ __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
 #endif
 }
 
+// Orders this thread's generic-proxy shared-memory accesses (and, after a barrier, those it has
+// seen) with its later async-proxy ones (TMA, wgmma), and back.
+__device__ __forceinline__ void fence_proxy_async() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 // Waits until the phase of bar with this parity has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
 #if __CUDA_ARCH__ >= 900

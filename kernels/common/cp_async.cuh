@@ -23,6 +23,13 @@ __device__ __forceinline__ void cp_async_bytes(void *dst, const void *src, bool 
                  "r"(valid ? BYTES : 0) : "memory");
   }
 }
+// One arrival on bar once this thread's earlier cp.async copies have landed (noinc: it is one of
+// the arrivals the barrier was initialised to expect). sm_90.
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t *bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

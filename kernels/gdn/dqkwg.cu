@@ -530,6 +530,9 @@ hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64
   }
   if (chunks * a.H == 0) return HL_STATUS_SUCCESS;
   if (sm90_takes(a, chunks)) return cuda_dqkwg_sm90(a, table, chunks, stream);
+  if (kernel_forced("sm90"))
+    return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: HEADLOSS_GDN_KERNEL=sm90, but the Hopper kernel does not take "
+                "this call (device, build or inputs)");
   return cuda_dqkwg_portable(a, table, chunks, stream);
 }
 

@@ -19,6 +19,14 @@
 // (see row_factors), so K = 128 runs 128 columns a CTA at any G. In a cluster, rank 1 sends its
 // dg partial to rank 0 (st.async into a mailbox two passes deep), which adds it in a fixed order:
 // deterministic, no atomics, no workspace.
+// K or V not a multiple of 8 (ODD = 1): a tensor map's strides must be multiples of 16 bytes, so q, k
+// are mapped "folded" as [tokens][H * K] (row stride H K, a multiple of 8 elements) and a head's box
+// starts at column hq K + k0 (likewise do, v, dv as [tokens][HV * V]); the box's columns past K or V
+// hold the next head's (past the last head: zeros). For q, k they only reach output columns past K,
+// which are not stored, and the dg row sums, which are masked; do, v, dv's are zeroed in the slot by
+// the producer warpgroup (the sums over V). 16-bit states whose rows TMA cannot take are copied by
+// the producer warpgroup (hand_states), and dq, dk, dw rows that start off 16 bytes are stored in
+// narrower pieces.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -26,8 +34,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 
 #include "common/bulk_copy.cuh"
+#include "common/cp_async.cuh"
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
 #include "gdn/dqkwg_sm90.h"
@@ -55,6 +65,12 @@ struct Sm90Params {  // CUtensorMap members keep it 64-byte aligned
   int H, HV, G, K, V, VCN, nsplit;  // G = HV / H value heads a q/k head
   float scale;
   bool gated, log2, dg_on, dw_on, reverse_cumsum;
+  // ODD kernels only (after the fields the others read, whose code stays as it was):
+  const void *h16, *dh16;      // 16-bit states the producer warpgroup copies (hand)
+  int fk_x, fk_y, fv_x, fv_y;  // q, k (fk) and do, v, dv (fv): column c of head h at (c + h fx, h fy):
+                               // folded (fx = K or V, fy = 0) or not (0, 1)
+  int hw;                      // hand: bytes a copy (8, 4 or 2)
+  bool hand, vpad;             // states by hand; folded V (its last stage's columns past V zeroed)
 };
 
 // Where item (chunk, q/k head) lies; its value heads are hq G .. hq G + G - 1.
@@ -86,7 +102,7 @@ struct Layout {
   static constexpr int kPos = kMail + 2 * 64 * 4;             // [kSlots] where a slot's item lies
   static constexpr int kStage = kPos + kSlots * 32;           // [12] a consumer warp's 16 x 64 outputs
   static constexpr int kBars = kStage + 12 * kStageBytes;     // full, empty [kSlots]; qk_full, qk_empty,
-  static constexpr int kBytes = kBars + (2 * kSlots + 10) * 8; //  gam_empty, mail_full, mail_free [2]
+  static constexpr int kBytes = kBars + (3 * kSlots + 10) * 8; //  gam_empty, mail_full, mail_free [2]; land [kSlots]
   static constexpr size_t kSmem = size_t(kBytes) + 1024;      // room to align the base
 };
 
@@ -96,6 +112,7 @@ struct Cta {
   using L = Layout<KH>;
   unsigned char *sm;
   uint64_t *full, *empty, *qk_full, *qk_empty, *gam_empty, *mail_full, *mail_free;
+  uint64_t *land;  // ODD, folded V: a slot's do, v, dv landed, before their columns past V are zeroed
   float *gam, *red, *part, *mail;
   ItemPos *pos;
   uint32_t rank;          // which KH-wide part of K (0 without a cluster)
@@ -105,7 +122,7 @@ struct Cta {
   __device__ Cta(const Sm90Params &P, unsigned char *base) : sm(base) {
     uint64_t *bars = reinterpret_cast<uint64_t *>(sm + L::kBars);
     full = bars, empty = full + L::kSlots, qk_full = empty + L::kSlots, qk_empty = qk_full + 2;
-    gam_empty = qk_empty + 2, mail_full = gam_empty + 2, mail_free = mail_full + 2;
+    gam_empty = qk_empty + 2, mail_full = gam_empty + 2, mail_free = mail_full + 2, land = mail_free + 2;
     gam = reinterpret_cast<float *>(sm + L::kGam), red = reinterpret_cast<float *>(sm + L::kRed);
     part = reinterpret_cast<float *>(sm + L::kPart), mail = reinterpret_cast<float *>(sm + L::kMail);
     pos = reinterpret_cast<ItemPos *>(sm + L::kPos);
@@ -156,6 +173,105 @@ __device__ __forceinline__ void convert_states(const Sm90Params &P, unsigned cha
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the wgmma reads them (async proxy)
 }
 
+// ODD: unit u (W elements) of a stage's h then dh, KH x 64 (VF: 64 x KH, rows of V) as
+// convert_states lays them out: its offset in the state (src) and in the slot's tiles (dst); 2 if it
+// lies inside the state, 1 past V (zeros copied in), 0 past K (never copied: prime_states zeroed it).
+template <int W, int KH, int VF>
+__device__ __forceinline__ int state_unit(const Sm90Params &P, int u, int s, int k0, int64_t &src, int &dst) {
+  constexpr int kRow = 64 / W;  // units a 128-byte tile row
+  const int r = u / kRow % KH, p = u % kRow;
+  // the unit's row and first column in the [K, V] (VF: [V, K]) state
+  const int row = VF ? 64 * s + r % 64 : k0 + r, col = (VF ? k0 + 64 * (r / 64) : 64 * s) + W * p;
+  src = int64_t(row) * (VF ? P.K : P.V) + col;
+  dst = (u < KH * kRow ? 0 : KH * 128) + r * 128 + (((W * p / 8) ^ (r & 7)) << 4) + W * p % 8 * 2;
+  return (VF ? col < P.K : row < P.K) ? 1 + (VF ? row < P.V : col < P.V) : 0;
+}
+
+// ODD, hand states copied by cp.async: the elements of every slot's h, dh tiles past K (rows, or
+// columns with VF; the same for every stage of the CTA), which no copy writes, zeroed once (t: the
+// producer thread).
+template <int KH, int VF>
+__device__ __forceinline__ void prime_states(const Sm90Params &P, const Cta<KH> &c, int t) {
+  using L = Layout<KH>;
+#pragma unroll 1
+  for (int u = t; u < L::kSlots * 2 * KH * 64; u += 128) {
+    int64_t off;
+    int dst;
+    if (!state_unit<1, KH, VF>(P, u % (2 * KH * 64), 0, c.k0, off, dst))
+      *reinterpret_cast<unsigned short *>(c.sm + u / (2 * KH * 64) * L::kSlot + 3 * kRowTile + dst) = 0;
+  }
+}
+
+// ODD: 16-bit states whose rows TMA cannot take (V, or K with VF, not a multiple of 8): a stage's h
+// and dh copied by the producer warpgroup's 128 threads (t) where TMA would put them, P.hw bytes a
+// copy, then one arrival a thread on bar. 8 or 4 bytes: cp.async (zero-filled past V), landing
+// through cp.async.mbarrier.arrive.noinc: no registers held, so the whole stage is in flight at once
+// (up to 32 copies a thread at KH = 128) while the producer keeps its 56 registers and the consumers
+// their 152 (the fp32 loader needs 96 for its 16 loads in flight, which cost the consumers 16 and
+// made them spill); the consumers fence the proxies before their wgmma. 2 bytes (odd K or V;
+// cp.async has no 2-byte form): through registers, 16 loads in flight a thread (every unit stored:
+// skipping those past K spilled 484 bytes).
+template <class T, int KH, int VF>
+__device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *h_tile, int64_t state, int s, int k0,
+                                            int t, uint64_t *bar) {
+  using U = unsigned short;
+  const U *h = static_cast<const U *>(P.h16) + state * P.K * P.V, *dh = static_cast<const U *>(P.dh16) + state * P.K * P.V;
+  auto copy = [&](auto w) {  // w: elements a copy, 4 or 2
+    constexpr int W = decltype(w)::value, kUnits = 2 * KH * 64 / W;
+#pragma unroll(W == 4 ? 4 : 1)  // (W = 2 unrolled spilled 48-88 bytes in the producer's 56 registers)
+    for (int u = t; u < kUnits; u += 128) {
+      int64_t off;
+      int dst;
+      const int in = state_unit<W, KH, VF>(P, u, s, k0, off, dst);
+      if (in) cp_async_bytes<2 * W>(h_tile + dst, in == 2 ? (u < kUnits / 2 ? h : dh) + off : h, in == 2);
+    }
+    cp_async_arrive_noinc(bar);
+  };
+  if (P.hw == 8) return copy(std::integral_constant<int, 4>());
+  if (P.hw == 4) return copy(std::integral_constant<int, 2>());
+  constexpr int kUnits = 2 * KH * 64, kBatch = 16;
+  static_assert(kUnits % (128 * kBatch) == 0, "whole batches");
+#pragma unroll 1
+  for (int u0 = 0; u0 < kUnits; u0 += 128 * kBatch) {
+    U x[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int u = u0 + b * 128 + t;
+      int64_t off;
+      int dst;
+      x[b] = state_unit<1, KH, VF>(P, u, s, k0, off, dst) == 2 ? __ldg((u < kUnits / 2 ? h : dh) + off) : U(0);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      int64_t off;
+      int dst;
+      state_unit<1, KH, VF>(P, u0 + b * 128 + t, s, k0, off, dst);
+      *reinterpret_cast<U *>(h_tile + dst) = x[b];
+    }
+  }
+  mbar_arrive(bar);
+}
+
+// ODD, folded V: the last stage's columns vr.. (vr = V % 64, not a multiple of 8) of do, v (and dv:
+// `tiles` 64 x 64 tiles at b) hold the next value head's (zeros past the last head). They meet in the
+// sums over V (ds = do v^T, dq, dk, dw), where even zeros on the other side would let a non-finite
+// neighbour through: zeroed here, by warps 13-15 (t: 0..95) once the tiles have landed.
+__device__ __forceinline__ void zero_pad(unsigned char *b, int tiles, int vr, int t) {
+  const int c0 = vr / 8, nch = 8 - c0, keep = vr % 8;  // 16-byte chunk c0 keeps its first `keep` elements
+  for (int u = t; u < tiles * 64 * nch; u += 96) {
+    const int r = u / nch % 64, ch = c0 + u % nch;
+    uint4 *p = reinterpret_cast<uint4 *>(b + u / (64 * nch) * kRowTile + r * 128 + ((ch ^ (r & 7)) << 4));
+    uint32_t w[4] = {0u, 0u, 0u, 0u};
+    if (ch == c0) {
+      memcpy(w, p, 16);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w[k] = 2 * k + 2 <= keep ? w[k] : 2 * k + 1 == keep ? w[k] & 0xffffu : 0u;
+    }
+    memcpy(p, w, 16);
+  }
+  fence_proxy_async();  // the wgmma reads them (async proxy)
+}
+
 // The producer warpgroup (pw: its warp, 0..3). Warp 12 (pw 0) loads with TMA. Per item: q, k into
 // buffer i % 2 (once item i - 2's epilogues are over); per pass p (value head): its gates into
 // buffer p % 2 (once pass p - 2's dg is finished), then its V stages through the ring. Every lane
@@ -163,13 +279,20 @@ __device__ __forceinline__ void convert_states(const Sm90Params &P, unsigned cha
 // once the pass's first stage has landed. With fp32 states (S32) all four warps also convert h and
 // dh into the slot and arrive. (No L2 prefetch of the next pass's states: a bulk prefetch a pass
 // ahead cost 13% there, 1.104 -> 0.957 ms without it; bench/NOTES.md "GDN v10".)
-template <class T, int KH, int VF, int S32>
+// ODD: all four warps walk the stages and arrive once a warp (5 arrivals with lane 0's expect_tx);
+// with hand states each thread also copies its part of h and dh (128 more); with folded V the last
+// stage's do, v, dv land on the slot's land barrier instead, and warps 13-15 zero their columns past V.
+template <class T, int KH, int VF, int S32, int ODD>
 __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, int pw) {
   using L = Layout<KH>;
   const int lane = threadIdx.x % 32;
   const bool lead = pw == 0;
   uint32_t st = 0, pass = 0;  // stages and passes issued so far
+  uint32_t land_par = 0;      // ODD: bit j, the parity of slot j's land barrier's next phase
   int64_t i = 0;
+  if constexpr (ODD) {
+    if (!S32 && P.hand && P.hw >= 4) prime_states<KH, VF>(P, c, 32 * pw + lane);
+  }
   for (int64_t item = c.first; item < P.items; item += c.stride, ++i) {
     const ItemPos it(P, item);
     const int tok0 = int(it.tok0), qb = int(i & 1);
@@ -178,8 +301,9 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
       if (lane == 0) {
         mbar_expect_tx(&c.qk_full[qb], L::kQK);
         for (int b = 0; b < KH / 64; ++b) {
-          tma_load_3d(c.template q<T>(qb) + b * kRowTile / 2, &P.m_q, c.k0 + 64 * b, it.hq, tok0, &c.qk_full[qb]);
-          tma_load_3d(c.template k<T>(qb) + b * kRowTile / 2, &P.m_k, c.k0 + 64 * b, it.hq, tok0, &c.qk_full[qb]);
+          const int x = c.k0 + 64 * b + (ODD ? it.hq * P.fk_x : 0), y = ODD ? it.hq * P.fk_y : it.hq;
+          tma_load_3d(c.template q<T>(qb) + b * kRowTile / 2, &P.m_q, x, y, tok0, &c.qk_full[qb]);
+          tma_load_3d(c.template k<T>(qb) + b * kRowTile / 2, &P.m_k, x, y, tok0, &c.qk_full[qb]);
         }
       }
     }
@@ -198,13 +322,19 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
         if (st >= L::kSlots) mbar_wait(&c.empty[slot], (st / L::kSlots - 1) & 1);
         unsigned char *b = c.sm + slot * L::kSlot, *h = b + 3 * kRowTile, *dh = h + L::kHTile;
         uint64_t *bar = &c.full[slot];
+        const bool pad = ODD && P.vpad && s == P.VCN - 1;  // (ODD) folded V, its last stage
+        const bool tma_states = !S32 && !(ODD && P.hand);
         if (lead && lane == 0) {
           if (g == 0 && s == 0) c.pos[slot] = it;  // the consumers need not locate the item (varlen: a search)
-          mbar_expect_tx(bar, (P.dw_on ? 3 : 2) * kRowTile + (S32 ? 0 : 2 * L::kHTile));
-          tma_load_3d(b, &P.m_do, 64 * s, hv, tok0, bar);
-          tma_load_3d(b + kRowTile, &P.m_v, 64 * s, hv, tok0, bar);
-          if (P.dw_on) tma_load_3d(b + 2 * kRowTile, &P.m_dv, 64 * s, hv, tok0, bar);
-          if (!S32) {
+          const uint32_t vbytes = (P.dw_on ? 3 : 2) * kRowTile;
+          uint64_t *vbar = pad ? &c.land[slot] : bar;
+          if (pad) mbar_expect_tx(vbar, vbytes);
+          mbar_expect_tx(bar, (pad ? 0 : vbytes) + (tma_states ? 2 * L::kHTile : 0));
+          const int x = 64 * s + (ODD ? hv * P.fv_x : 0), y = ODD ? hv * P.fv_y : hv;
+          tma_load_3d(b, &P.m_do, x, y, tok0, vbar);
+          tma_load_3d(b + kRowTile, &P.m_v, x, y, tok0, vbar);
+          if (P.dw_on) tma_load_3d(b + 2 * kRowTile, &P.m_dv, x, y, tok0, vbar);
+          if (tma_states) {
             if (VF) {  // [V, K] states: KH / 64 boxes of 64 rows of V by 64 columns of K
               for (int k = 0; k < KH / 64; ++k) {
                 tma_load_3d(h + k * kRowTile, &P.m_h, c.k0 + 64 * k, 64 * s, hrow, bar);
@@ -216,7 +346,19 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
             }
           }
         }
-        if (S32) {
+        if constexpr (ODD) {
+          if (S32) convert_states<T, VF, KH>(P, h, hrow, s, c.k0, 32 * pw + lane);
+          else if (P.hand) hand_states<T, KH, VF>(P, h, hrow, s, c.k0, 32 * pw + lane, bar);
+          if (pad) {
+            if (pw > 0) {
+              mbar_wait(&c.land[slot], (land_par >> slot) & 1);
+              zero_pad(b, P.dw_on ? 3 : 2, P.V - 64 * (P.VCN - 1), 32 * (pw - 1) + lane);
+            }
+            land_par ^= 1u << slot;
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(bar);
+        } else if (S32) {
           convert_states<T, VF, KH>(P, h, hrow, s, c.k0, 32 * pw + lane);
           mbar_arrive(bar);
         } else if (lane != 0) {
@@ -285,16 +427,22 @@ __device__ __forceinline__ void finish_dg(const Sm90Params &P, const Cta<KH> &c,
 }
 
 // rs[h] += sum over this thread's columns of acc (rows m0 + lane/4 + 8h) times the same elements
-// of a swizzled 64 x KH tile, two columns at a time.
-template <class T, int KH>
+// of a swizzled 64 x KH tile, two columns at a time. ODD: columns < nk only (a folded q, k tile holds
+// the next head's past K, and acc there what ds k or ds^T q made of them: selects, not products).
+template <class T, int KH, int ODD>
 __device__ __forceinline__ void row_dots(float (&rs)[2], const float (&acc)[KH / 8][4], const T *tile, int m0,
-                                         int lane) {
+                                         int lane, int nk) {
 #pragma unroll
   for (int j = 0; j < KH / 8; ++j)
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
-      const Pack<T, 2> x = load_pack<T, 2>(tile + Swizzled::off(m0 + lane / 4 + 8 * h2, 8 * j + 2 * (lane % 4)));
-      rs[h2] += acc[j][2 * h2] * to_float(x.v[0]) + acc[j][2 * h2 + 1] * to_float(x.v[1]);
+      const int col = 8 * j + 2 * (lane % 4);
+      const Pack<T, 2> x = load_pack<T, 2>(tile + Swizzled::off(m0 + lane / 4 + 8 * h2, col));
+      if constexpr (ODD)
+        rs[h2] += (col < nk ? acc[j][2 * h2] * to_float(x.v[0]) : 0.f) +
+                  (col + 1 < nk ? acc[j][2 * h2 + 1] * to_float(x.v[1]) : 0.f);
+      else
+        rs[h2] += acc[j][2 * h2] * to_float(x.v[0]) + acc[j][2 * h2 + 1] * to_float(x.v[1]);
     }
 }
 
@@ -307,13 +455,31 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
   return u;
 }
 
+// ODD: a warp's staged 16 x 64 block (see store_rows) to rows of out in stores of W elements (the
+// rows' alignment), rows < nr, columns < nw (a multiple of W).
+template <int W, class T>
+__device__ __forceinline__ void store_staged(T *out, int64_t ld, int nr, int nw, const T *stage, int lane) {
+  constexpr int kRow = 64 / W;  // stores a row
+#pragma unroll(W >= 4 ? 4 : 1)
+  for (int u = lane; u < 16 * kRow; u += 32) {
+    const int row = u / kRow, col = W * (u % kRow);
+    if (row < nr && col < nw)
+      store_pack<T, W>(out + row * ld + col, load_pack<T, W>(stage + row * 64 + 8 * ((col / 8) ^ (row & 7)) + col % 8));
+  }
+}
+
 // A warp's 16 x KH accumulator block (times mul) to rows m0.. of a row-major output (ld elements a
 // row; rows < nr, columns < nc, a multiple of 8), 64 columns at a time through the warp's 2 KB of
 // shared memory (stmatrix; 16-byte chunks swizzled by row), then 16-byte stores, 8 lanes a row:
 // whole 128-byte lines, where the accumulator layout alone gives 4-byte stores, 16 bytes a line.
-template <class T, int KH>
+// ODD: any nc; rows start where hq K (hv K) puts them (ld is a multiple of 8 elements: all rows alike),
+// stored in pieces of the widest width their alignment allows (store_staged), never past nc (the
+// next head's outputs).
+template <class T, int KH, int ODD>
 __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int nc, const float (&acc)[KH / 8][4],
                                            float mul, int m0, T *stage, int lane) {
+  const int al = ODD ? int(reinterpret_cast<uintptr_t>(out) % 16) : 0;  // the rows' alignment (bytes):
+  const int we = al == 0 ? 8 : al % 8 == 0 ? 4 : al % 4 == 0 ? 2 : 1;    // elements a store
 #pragma unroll
   for (int h = 0; h < KH / 64; ++h) {
 #pragma unroll
@@ -328,11 +494,25 @@ __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int nc, c
                    : "memory");
     }
     __syncwarp();
+    if constexpr (ODD) {
+      T *o = out + m0 * ld + 64 * h;
+      const int r = nr - m0, n = max(min(nc - 64 * h, 64), 0), nw = n - n % we;  // columns in whole stores
+      if (we == 8) store_staged<8>(o, ld, r, nw, stage, lane);
+      else if (we == 4) store_staged<4>(o, ld, r, nw, stage, lane);
+      else if (we == 2) store_staged<2>(o, ld, r, nw, stage, lane);
+      else store_staged<1>(o, ld, r, nw, stage, lane);
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const int row = 4 * p + lane / 8, chunk = lane % 8, col = 64 * h + 8 * chunk;
-      const uint4 x = *reinterpret_cast<const uint4 *>(stage + row * 64 + 8 * (chunk ^ (row & 7)));
-      if (m0 + row < nr && col < nc) *reinterpret_cast<uint4 *>(out + (m0 + row) * ld + col) = x;
+      for (int u = lane; u < 16 * 8; u += 32) {  // and the rest of a row (fewer than we), element by element
+        const int row = u / 8, col = nw + u % 8;
+        if (row < r && col < n) o[row * ld + col] = stage[row * 64 + 8 * ((col / 8) ^ (row & 7)) + col % 8];
+      }
+    } else {
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const int row = 4 * p + lane / 8, chunk = lane % 8, col = 64 * h + 8 * chunk;
+        const uint4 x = *reinterpret_cast<const uint4 *>(stage + row * 64 + 8 * (chunk ^ (row & 7)));
+        if (m0 + row < nr && col < nc) *reinterpret_cast<uint4 *>(out + (m0 + row) * ld + col) = x;
+      }
     }
     __syncwarp();
   }
@@ -366,7 +546,7 @@ __device__ __forceinline__ void scale_rows(float (&acc)[NB][4], const float (&f)
 
 // A consumer warpgroup. ROLE 0: ds[:, 0:32] and dq; 1: ds[:, 32:64] and dk; 2: dw and sum(h dh).
 // Per item, one pass per value head (GVA: G of them, dq and dk summed over them in acc).
-template <class T, int KH, int VF, int ROLE>
+template <class T, int KH, int VF, int ROLE, int ODD>
 __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
   using L = Layout<KH>;
   constexpr bool kDs = ROLE < 2;
@@ -388,6 +568,9 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
       for (int s = 0; s < P.VCN; ++s, ++st) {
         const uint32_t slot = st % L::kSlots;
         mbar_wait(&c.full[slot], (st / L::kSlots) & 1);
+        if constexpr (ODD) {
+          if (P.hand) fence_proxy_async();  // h, dh copied by hand (generic proxy) before the wgmma reads them
+        }
         if (g == 0 && s == 0) it = c.pos[slot];
         if (kDs && s == 0) {  // the gates landed with this stage
           row_factors<ROLE>(f, P, gam, it.n, m0, tid % 32);
@@ -457,14 +640,14 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
         named_barrier(kBarDs, 256);
         scale_rows(acc, f);
         float dglk[2] = {-rs_prev[0], -rs_prev[1]};  // WG1: sum(dk_inter * k) of this pass, part of dg's last row
-        if (ROLE == 1 && P.dg_on) row_dots<T, KH>(dglk, acc, k_s, m0, lane);
+        if (ROLE == 1 && P.dg_on) row_dots<T, KH, ODD>(dglk, acc, k_s, m0, lane, c.nk);
         if (ROLE == 0)
           warp_mma<T, false, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, k_s, m0, 0, lane);
         else
           warp_mma<T, true, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, q_s, m0, 0, lane);
         if (P.dg_on) {  // row sums of this pass's dq q (WG0) or dk k (WG1): those of acc, less the last pass's
           float rs[2] = {0.f, 0.f};
-          row_dots<T, KH>(rs, acc, ROLE == 0 ? q_s : k_s, m0, lane);
+          row_dots<T, KH, ODD>(rs, acc, ROLE == 0 ? q_s : k_s, m0, lane, c.nk);
           float d[2] = {rs[0] - rs_prev[0], rs[1] - rs_prev[1]};
           rs_prev[0] = rs[0], rs_prev[1] = rs[1];
 #pragma unroll
@@ -485,12 +668,12 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
         }
         if (g == P.G - 1) {
           T *out = static_cast<T *>(ROLE == 0 ? P.dq : P.dk) + (it.tok0 * P.H + it.hq) * P.K + c.k0;
-          store_rows<T, KH>(out, int64_t(P.H) * P.K, n, c.nk, acc, 1.f, m0, stage, lane);
+          store_rows<T, KH, ODD>(out, int64_t(P.H) * P.K, n, c.nk, acc, 1.f, m0, stage, lane);
         }
       } else {
         if (P.dw_on)
-          store_rows<T, KH>(static_cast<T *>(P.dw) + (it.tok0 * P.HV + hv) * P.K + c.k0, int64_t(P.HV) * P.K, n, c.nk,
-                            acc, -1.f, m0, stage, lane);
+          store_rows<T, KH, ODD>(static_cast<T *>(P.dw) + (it.tok0 * P.HV + hv) * P.K + c.k0, int64_t(P.HV) * P.K, n,
+                                 c.nk, acc, -1.f, m0, stage, lane);
 #pragma unroll
         for (int o = 1; o < 32; o *= 2) hdh += __shfl_xor_sync(0xffffffffu, hdh, o);
         if (lane == 0) part[warp % 4] = hdh;
@@ -504,7 +687,7 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
   }
 }
 
-template <class T, int KH, int VF, int S32>
+template <class T, int KH, int VF, int S32, int ODD>
 __global__ void __launch_bounds__(kThreads90, 1) dqkwg_sm90_kernel(const __grid_constant__ Sm90Params P) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -512,9 +695,12 @@ __global__ void __launch_bounds__(kThreads90, 1) dqkwg_sm90_kernel(const __grid_
   const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);  // provably warp-uniform roles
   if (threadIdx.x == 0) {
     // full: warp 12's lanes (lane 0's with the TMA bytes); with fp32 states, every producer thread
-    // once it has converted its part, and lane 0 of warp 12 once more with the bytes
-    for (int s = 0; s < Layout<KH>::kSlots; ++s)
-      mbar_init(&c.full[s], S32 ? 129 : 32), mbar_init(&c.empty[s], kConsumers / 32);
+    // once it has converted its part, and lane 0 of warp 12 once more with the bytes; ODD: lane 0
+    // with the bytes and each producer warp once (and with hand states each producer thread)
+    for (int s = 0; s < Layout<KH>::kSlots; ++s) {
+      mbar_init(&c.full[s], ODD ? 5 + (P.hand ? 128 : 0) : S32 ? 129 : 32), mbar_init(&c.empty[s], kConsumers / 32);
+      if (ODD) mbar_init(&c.land[s], 1);
+    }
     for (int s = 0; s < 2; ++s) {
       mbar_init(&c.qk_full[s], 1), mbar_init(&c.qk_empty[s], 1), mbar_init(&c.gam_empty[s], 1);
       mbar_init(&c.mail_full[s], 1), mbar_init(&c.mail_free[s], 1);
@@ -529,12 +715,12 @@ __global__ void __launch_bounds__(kThreads90, 1) dqkwg_sm90_kernel(const __grid_
   constexpr int kProducerRegs = S32 ? 96 : 56, kConsumerRegs = (512 - kProducerRegs) / 3 / 8 * 8;  // multiples of 8
   if (warp >= kConsumers / 32) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    if (S32 || warp == kConsumers / 32) produce<T, KH, VF, S32>(P, c, warp - kConsumers / 32);
+    if (S32 || ODD || warp == kConsumers / 32) produce<T, KH, VF, S32, ODD>(P, c, warp - kConsumers / 32);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    if (warp < 4) consume<T, KH, VF, 0>(P, c);
-    else if (warp < 8) consume<T, KH, VF, 1>(P, c);
-    else consume<T, KH, VF, 2>(P, c);
+    if (warp < 4) consume<T, KH, VF, 0, ODD>(P, c);
+    else if (warp < 8) consume<T, KH, VF, 1, ODD>(P, c);
+    else consume<T, KH, VF, 2, ODD>(P, c);
   }
   if (P.nsplit > 1) cluster_barrier();  // no CTA leaves while its peer may still signal it
 #endif
@@ -576,11 +762,6 @@ bool device_is_sm90() {
   }) != 0;
 }
 
-bool forced_portable() {  // read on every call, so that tests can switch kernels
-  const char *e = std::getenv("HEADLOSS_GDN_KERNEL");
-  return e && std::strcmp(e, "portable") == 0;
-}
-
 // A 3-D tensor (d0 contiguous; s1, s2 strides in bytes) read in b0 x b1 x b2 boxes, 128-byte swizzle.
 hl_status_t make_map(CUtensorMap *m, hl_dtype_t dt, const void *base, uint64_t d0, uint64_t d1, uint64_t d2,
                      uint64_t s1, uint64_t s2, uint32_t b0, uint32_t b1, uint32_t b2) {
@@ -595,9 +776,9 @@ hl_status_t make_map(CUtensorMap *m, hl_dtype_t dt, const void *base, uint64_t d
   return HL_STATUS_SUCCESS;
 }
 
-template <class T, int KH, int VF, int S32>
+template <class T, int KH, int VF, int S32, int ODD>
 hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
-  auto kernel = dqkwg_sm90_kernel<T, KH, VF, S32>;
+  auto kernel = dqkwg_sm90_kernel<T, KH, VF, S32, ODD>;
   constexpr size_t smem = Layout<KH>::kSmem;
   // Once per device and shape: the shared-memory limit, and how many CTAs (or clusters of two)
   // are resident; 0 if the kernel cannot run.
@@ -624,21 +805,40 @@ hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
 }
 
 template <class T, int KH>
-hl_status_t launch_sm90(const Sm90Params &p, bool vf, bool s32, hl_stream_t stream) {
-  if (s32) return vf ? launch_sm90<T, KH, 1, 1>(p, stream) : launch_sm90<T, KH, 0, 1>(p, stream);
-  return vf ? launch_sm90<T, KH, 1, 0>(p, stream) : launch_sm90<T, KH, 0, 0>(p, stream);
+hl_status_t launch_sm90(const Sm90Params &p, bool vf, bool s32, bool odd, hl_stream_t stream) {
+  if (odd) {
+    if (s32) return vf ? launch_sm90<T, KH, 1, 1, 1>(p, stream) : launch_sm90<T, KH, 0, 1, 1>(p, stream);
+    return vf ? launch_sm90<T, KH, 1, 0, 1>(p, stream) : launch_sm90<T, KH, 0, 0, 1>(p, stream);
+  }
+  if (s32) return vf ? launch_sm90<T, KH, 1, 1, 0>(p, stream) : launch_sm90<T, KH, 0, 1, 0>(p, stream);
+  return vf ? launch_sm90<T, KH, 1, 0, 0>(p, stream) : launch_sm90<T, KH, 0, 0, 0>(p, stream);
 }
 
 template <class T>
-hl_status_t launch_sm90(const Sm90Params &p, int KH, bool vf, bool s32, hl_stream_t stream) {
-  return KH == 64 ? launch_sm90<T, 64>(p, vf, s32, stream) : launch_sm90<T, 128>(p, vf, s32, stream);
+hl_status_t launch_sm90(const Sm90Params &p, int KH, bool vf, bool s32, bool odd, hl_stream_t stream) {
+  return KH == 64 ? launch_sm90<T, 64>(p, vf, s32, odd, stream) : launch_sm90<T, 128>(p, vf, s32, odd, stream);
+}
+
+// 16-bit states whose rows (of V elements; K with state_v_first) TMA can map: 16-byte multiples.
+bool states_mappable(const hl_gdn_bwd_dqkwg_args_t &a) {
+  return ((a.flags & HL_GDN_STATE_V_FIRST) ? a.K : a.V) % 8 == 0;
 }
 
 }  // namespace
 
+bool kernel_forced(const char *name) {  // read on every call, so that tests can switch kernels
+  const char *e = std::getenv("HEADLOSS_GDN_KERNEL");
+  return e && std::strcmp(e, name) == 0;
+}
+
+// K or V not a multiple of 8 (the ODD kernels) needs the folded maps' row strides, H K and HV V, to be
+// multiples of 8 elements, and fp32 states in rows of whole float4s (the fp32 loader's unit).
 bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks) {
 #if HL_GDN_SM90A
-  if (forced_portable() || a.K % 8 || a.V % 8) return false;
+  if (kernel_forced("portable")) return false;
+  if (a.K % 8 && (a.H * a.K) % 8) return false;
+  if (a.V % 8 && (a.HV * a.V) % 8) return false;
+  if (a.h_dtype == HL_DTYPE_F32 && ((a.flags & HL_GDN_STATE_V_FIRST) ? a.K : a.V) % 4) return false;
   if (a.B * a.T >= INT32_MAX || chunks * a.HV >= INT32_MAX) return false;  // TMA coordinates are int32
   for (const void *p : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.h, a.dh, a.dq, a.dk})
     if (!aligned16(p)) return false;
@@ -657,15 +857,33 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   const uint64_t tokens = uint64_t(a.B * a.T);
   const uint32_t KH = a.K <= 64 ? 64 : 128;
   const bool vf = a.flags & HL_GDN_STATE_V_FIRST;
-  HL_TRY(make_map(&p.m_do, a.dtype, a.do_, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
-  HL_TRY(make_map(&p.m_v, a.dtype, a.v, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
-  if (a.dw) HL_TRY(make_map(&p.m_dv, a.dtype, a.dv, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
-  HL_TRY(make_map(&p.m_q, a.dtype, a.q, K, H, tokens, K * 2, H * K * 2, 64, 1, 64));
-  HL_TRY(make_map(&p.m_k, a.dtype, a.k, K, H, tokens, K * 2, H * K * 2, 64, 1, 64));
+  const bool fold_k = a.K % 8, fold_v = a.V % 8, odd = fold_k || fold_v;
+  // Folded (K or V not a multiple of 8): [tokens][H K] as (H K, 1, tokens), a head's box at column hq K.
+  if (fold_v) {
+    HL_TRY(make_map(&p.m_do, a.dtype, a.do_, HV * V, 1, tokens, HV * V * 2, HV * V * 2, 64, 1, 64));
+    HL_TRY(make_map(&p.m_v, a.dtype, a.v, HV * V, 1, tokens, HV * V * 2, HV * V * 2, 64, 1, 64));
+    if (a.dw) HL_TRY(make_map(&p.m_dv, a.dtype, a.dv, HV * V, 1, tokens, HV * V * 2, HV * V * 2, 64, 1, 64));
+  } else {
+    HL_TRY(make_map(&p.m_do, a.dtype, a.do_, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
+    HL_TRY(make_map(&p.m_v, a.dtype, a.v, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
+    if (a.dw) HL_TRY(make_map(&p.m_dv, a.dtype, a.dv, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
+  }
+  if (fold_k) {
+    HL_TRY(make_map(&p.m_q, a.dtype, a.q, H * K, 1, tokens, H * K * 2, H * K * 2, 64, 1, 64));
+    HL_TRY(make_map(&p.m_k, a.dtype, a.k, H * K, 1, tokens, H * K * 2, H * K * 2, 64, 1, 64));
+  } else {
+    HL_TRY(make_map(&p.m_q, a.dtype, a.q, K, H, tokens, K * 2, H * K * 2, 64, 1, 64));
+    HL_TRY(make_map(&p.m_k, a.dtype, a.k, K, H, tokens, K * 2, H * K * 2, 64, 1, 64));
+  }
+  p.fk_x = fold_k ? int(K) : 0, p.fk_y = fold_k ? 0 : 1, p.fv_x = fold_v ? int(V) : 0, p.fv_y = fold_v ? 0 : 1;
+  p.vpad = fold_v;
   const uint64_t states = uint64_t(chunks) * HV;
   const bool s32 = a.h_dtype == HL_DTYPE_F32;
   if (s32) {  // read by the producer warpgroup, not TMA
     p.h32 = static_cast<const float *>(a.h), p.dh32 = static_cast<const float *>(a.dh);
+  } else if (!states_mappable(a)) {  // (odd) copied by the producer warpgroup, as wide as the rows allow
+    const uint64_t row = 2 * (vf ? K : V);
+    p.hand = true, p.h16 = a.h, p.dh16 = a.dh, p.hw = row % 8 == 0 ? 8 : row % 4 == 0 ? 4 : 2;
   } else if (vf) {  // [V, K] per state: 64 x 64 boxes
     HL_TRY(make_map(&p.m_h, a.dtype, a.h, K, V, states, K * 2, K * V * 2, 64, 64, 1));
     HL_TRY(make_map(&p.m_dh, a.dtype, a.dh, K, V, states, K * 2, K * V * 2, 64, 64, 1));
@@ -682,8 +900,8 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   p.scale = a.scale;
   p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
   p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;
-  if (a.dtype == HL_DTYPE_BF16) return launch_sm90<__nv_bfloat16>(p, int(KH), vf, s32, stream);
-  return launch_sm90<__half>(p, int(KH), vf, s32, stream);
+  if (a.dtype == HL_DTYPE_BF16) return launch_sm90<__nv_bfloat16>(p, int(KH), vf, s32, odd, stream);
+  return launch_sm90<__half>(p, int(KH), vf, s32, odd, stream);
 }
 
 }  // namespace hl::gdn
