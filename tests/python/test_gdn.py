@@ -260,6 +260,25 @@ def test_shape_mismatch_in_python():
 
 # ---------------------------------------------------------------- CUDA backend
 
+# K or V not a multiple of 8 where H K and HV V are: the Hopper kernel maps q, k (do, v, dv) folded,
+# [tokens][H K], a head's box at column hq K; states TMA cannot map are copied by its producer warps
+# (8-, 4- or 2-byte pieces, as the rows allow); dq, dk, dw rows start off 16 bytes.
+ODD_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
+    (1, 200, 2, 2, 100, 100, "log2", True, None),                 # both: h, dh by hand in 8-byte copies
+    (1, 150, 8, 8, 33, 40, "log", True, None),                    # odd K (rows 2-byte aligned), states by TMA
+    (1, 150, 2, 2, 128, 100, "const2", True, None),               # V alone
+    (1, 170, 2, 4, 100, 128, "log", False, None),                 # K alone, GVA, no dw
+    (1, 300, 2, 2, 200, 100, "log2", True, None),                 # K > 128: a cluster, second K half 72 wide
+    (1, 260, 4, 8, 250, 90, "log2", False, None),                 # cluster, GVA, 4-byte copies, no dw
+    (1, 140, 8, 8, 99, 99, "log", True, None),                    # odd K and V: states element by element
+    (1, 400, 2, 4, 100, 60, "log2", True, [0, 17, 17, 200, 333, 400]),  # varlen, GVA
+    (1, 150, 4, 4, 36, 20, "log", True, None),                    # one V stage (the first is the last)
+    (1, 130, 8, 8, 5, 3, "log", True, None),                      # tiny K, V
+    (1, 330, 1, 8, 128, 100, "log2", True, None),                 # GVA 8, V alone
+    (1, 200, 2, 2, 60, 36, "none", True, None),                   # no gate (no dg)
+    (1, 12783, 2, 2, 100, 100, "log", True, None),                # ~400 items: rings wrap
+]
+
 GPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (2, 200, 2, 2, 128, 128, "log", True, None),
     (1, 256, 2, 2, 64, 64, "log2", False, None),
@@ -290,6 +309,7 @@ GPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (1, 300, 2, 6, 192, 128, "const2", True, None),               # 3 at K = 192
     (1, 400, 1, 8, 256, 128, "log", True, [0, 63, 63, 200, 399, 400]),  # varlen, GVA 8, K = 256
     (1, 9000, 1, 8, 128, 128, "log2", True, None),                # 141 items of 8 passes: rings wrap
+    *ODD_CASES,
 ]
 
 # The Hopper kernel takes what it supports on a 9.0 device; "portable" forces the other kernel.
@@ -305,6 +325,25 @@ def gdn_kernel(request, monkeypatch):
     return request.param
 
 
+def hopper_takes(H, HV, K, V, vf=False, h32=False):
+    """Whether the Hopper kernel takes these shapes (fresh, 16-byte aligned tensors; dqkwg_sm90.h)."""
+    return ((K % 8 == 0 or H * K % 8 == 0) and (V % 8 == 0 or HV * V % 8 == 0)
+            and (not h32 or (K if vf else V) % 4 == 0))
+
+
+def _hopper():
+    """A compute capability 9.0 device (the library built with its sm_90a code, as CMakeLists does)."""
+    torch = pytest.importorskip("torch")
+    return headloss.cuda_available() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def expect_hopper(monkeypatch, gdn_kernel, H, HV, K, V, vf=(False,), h32=False):
+    """On a 9.0 device, an "auto" call that the Hopper kernel should take (in every state layout of
+    vf) runs with HEADLOSS_GDN_KERNEL=sm90: the library fails it instead of running the portable kernel."""
+    if gdn_kernel == "auto" and _hopper() and all(hopper_takes(H, HV, K, V, f, h32) for f in vf):
+        monkeypatch.setenv("HEADLOSS_GDN_KERNEL", "sm90")
+
+
 def _torch():
     if not headloss.cuda_available():
         pytest.skip("no CUDA device visible (or library built without CUDA)")
@@ -314,9 +353,10 @@ def _torch():
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[6]}-B{c[0]}T{c[1]}H{c[2]}HV{c[3]}K{c[4]}V{c[5]}"
                          + ("-varlen" if c[8] else ""))
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-def test_cuda_matches_reference(case, dtype, gdn_kernel):
+def test_cuda_matches_reference(case, dtype, gdn_kernel, monkeypatch):
     torch = _torch()
     B, T, H, HV, K, V, gate, dw, cu = case
+    expect_hopper(monkeypatch, gdn_kernel, H, HV, K, V)
     x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu)
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
     d = lambda a, dt=tdt: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
@@ -332,7 +372,8 @@ def test_cuda_matches_reference(case, dtype, gdn_kernel):
     check_all(got, reference(x, gate, cu, K ** -0.5), 0.003 if dtype == "bf16" else 0.001)
 
 
-VF_CASES = [c for c in GPU_CASES if c[1] < 1000 and c[4] % 8 == 0 and c[5] % 8 == 0][::2] + [GPU_CASES[6]]
+VF_CASES = [c for c in GPU_CASES if c[1] < 1000 and c[4] % 8 == 0 and c[5] % 8 == 0][::2] + [GPU_CASES[6]] + \
+    [ODD_CASES[i] for i in (0, 1, 2, 3, 5, 6)]  # [V, K] rows of K: by hand unless K % 8 == 0 (then V padded)
 
 
 def same_results(got, want, exact):
@@ -350,12 +391,13 @@ def torch_equal(a, b):
 
 @pytest.mark.parametrize("case", VF_CASES, ids=lambda c: f"{c[6]}-H{c[2]}HV{c[3]}K{c[4]}V{c[5]}" + ("-varlen" if c[8] else ""))
 @pytest.mark.parametrize("h32", [False, True], ids=["h16", "h32"])
-def test_cuda_state_v_first(case, h32, gdn_kernel):
+def test_cuda_state_v_first(case, h32, gdn_kernel, monkeypatch):
     """h, dh as [B,NT,HV,V,K] (fla's state_v_first; the Hopper kernel reads them as an N-major
     operand), 16-bit or fp32: the default layout's results (bit for bit on the portable kernel),
     outputs poisoned first."""
     torch = _torch()
     B, T, H, HV, K, V, gate, dw, cu = case
+    expect_hopper(monkeypatch, gdn_kernel, H, HV, K, V, vf=(False, True), h32=h32)
     x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu, h_f32=h32)
     d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
     args = [d(x[n]) for n in ("q", "k", "v", "do")] + [d(x[n], torch.float32 if h32 else torch.bfloat16)
@@ -377,11 +419,12 @@ def test_cuda_state_v_first(case, h32, gdn_kernel):
     same_results(got, want, exact=gdn_kernel == "portable")
 
 
-def test_cuda_gva_heads_far_apart(gdn_kernel):
+def test_cuda_gva_heads_far_apart(gdn_kernel, monkeypatch):
     """GVA where one value head's gate makes its E(g_t) underflow (the Hopper kernel's per-row factor
     is held at 2^-64 there) and another's is ~1: every value head's dg against the reference."""
     torch = _torch()
     B, T, H, HV, K, V = 1, 200, 1, 4, 128, 128
+    expect_hopper(monkeypatch, gdn_kernel, H, HV, K, V)
     x = make(np.random.default_rng(), B, T, H, HV, K, V, gate="log2", dw=True)
     x["g"][..., 1] -= 300.0  # exp2(-300) is 0 in fp32
     x["g"][..., 2] *= 0.01
@@ -399,11 +442,12 @@ def test_cuda_gva_heads_far_apart(gdn_kernel):
 
 
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c[8]], ids=lambda c: f"HV{c[3]}K{c[4]}V{c[5]}")
-def test_cuda_varlen_unchecked(case, gdn_kernel):
+def test_cuda_varlen_unchecked(case, gdn_kernel, monkeypatch):
     """check=False builds the chunk table on the device (no synchronisation): the same bits as the
     checked call, int32 and int64 cu_seqlens, outputs poisoned first."""
     torch = _torch()
     B, T, H, HV, K, V, gate, dw, cu = case
+    expect_hopper(monkeypatch, gdn_kernel, H, HV, K, V)
     x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu)
     d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
     args = [d(x[n]) for n in ("q", "k", "v", "do", "h", "dh")]
@@ -432,14 +476,20 @@ H32_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (1, 300, 3, 3, 192, 72, "const2", True, None),                # ragged second K half, V partial
     (1, 400, 1, 4, 128, 128, "log", True, [0, 17, 17, 200, 333, 400]),  # varlen, GVA
     (1, 6400, 2, 2, 128, 128, "log2", True, None),                # 200 items: rings wrap
+    # K or V not a multiple of 8 (folded maps; the fp32 loader as it is, rows of whole float4s)
+    (2, 640, 2, 2, 100, 100, "log2", True, None),
+    (1, 400, 2, 4, 200, 60, "log", True, [0, 17, 17, 200, 333, 400]),  # varlen, GVA, a cluster
+    (2, 640, 8, 8, 33, 40, "log", True, None),
+    (2, 1280, 1, 1, 33, 47, "log", True, None),                   # V % 4: the portable kernel's
 ]
 
 
 @pytest.mark.parametrize("case", H32_CASES, ids=lambda c: f"{c[6]}-B{c[0]}T{c[1]}H{c[2]}HV{c[3]}K{c[4]}V{c[5]}" + ("-varlen" if c[8] else ""))
-def test_cuda_fp32_states(case, gdn_kernel):
+def test_cuda_fp32_states(case, gdn_kernel, monkeypatch):
     """fp32 h, dh (the Hopper kernel's producer warps round them into its tiles), outputs poisoned."""
     torch = _torch()
     B, T, H, HV, K, V, gate, dw, cu = case
+    expect_hopper(monkeypatch, gdn_kernel, H, HV, K, V, h32=True)
     x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu, h_f32=True)
     d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
     q = d(x["q"])
@@ -469,10 +519,11 @@ def test_cuda_fp32_state_and_fused_cumsum():
     check_all(got, reference(x, "log", None, 0.1, cumsum=True), 0.003)
 
 
-@pytest.mark.parametrize("K", [128, 256])
-def test_cuda_fused_cumsum_and_deterministic(K, gdn_kernel):
+@pytest.mark.parametrize("K", [128, 256, 100])
+def test_cuda_fused_cumsum_and_deterministic(K, gdn_kernel, monkeypatch):
     """16-bit states, the reverse cumsum fused in; two runs give the same bits."""
     torch = _torch()
+    expect_hopper(monkeypatch, gdn_kernel, 2, 2, K, 128)
     x = make(np.random.default_rng(), 2, 300, 2, 2, K, 128, gate="log2", dw=True)
     d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
     args = [d(x[n]) for n in ("q", "k", "v", "do", "h", "dh")]
@@ -486,10 +537,11 @@ def test_cuda_fused_cumsum_and_deterministic(K, gdn_kernel):
 
 
 @pytest.mark.parametrize("check", [True, False])
-def test_cuda_many_chunks_varlen(gdn_kernel, check):
+def test_cuda_many_chunks_varlen(gdn_kernel, check, monkeypatch):
     """More than 65535 chunks in all (grid limits), short sequences, no gate: spot-checked; unchecked,
     the device builds the chunk table over 137 tiles of its scan."""
     torch = _torch()
+    expect_hopper(monkeypatch, gdn_kernel, 1, 1, 64, 64)
     S = 70000
     seed = int(np.random.SeedSequence().entropy % 2**32)  # fresh inputs, printed so a failure reproduces
     print("seed", seed)
@@ -515,3 +567,14 @@ def test_cuda_many_chunks_varlen(gdn_kernel, check):
         # measured on the H100 (12 seeds x 303 sequences): median 0.0023, largest 0.0038
         assert rel(t(got.dq)[0, a:b, 0], w[0]) < 0.005
         assert rel(t(got.dk)[0, a:b, 0], w[1]) < 0.005
+
+
+def test_cuda_forced_sm90_refuses(monkeypatch):
+    """HEADLOSS_GDN_KERNEL=sm90 (the tests' check that the Hopper kernel ran) fails a call that the
+    Hopper kernel does not take (H K not a multiple of 8) instead of running the portable kernel."""
+    torch = _torch()
+    x = make(np.random.default_rng(), 1, 100, 1, 1, 33, 40, gate="log")
+    d = lambda a, dt=torch.bfloat16: torch.from_numpy(a).to("cuda", dt).contiguous()
+    monkeypatch.setenv("HEADLOSS_GDN_KERNEL", "sm90")
+    with pytest.raises(headloss.HeadlossError, match="HEADLOSS_GDN_KERNEL=sm90"):
+        hg.gdn_bwd_dqkwg(*(d(x[n]) for n in ("q", "k", "v", "do", "h", "dh")), scale=0.2, g=d(x["g"], torch.float32))
