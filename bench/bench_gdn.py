@@ -2,8 +2,9 @@
 
 bf16 inputs, h/dh in bf16 (fla's default) unless a row says fp32 states, log2-unit gate (fla 0.6),
 w/dv on (dw produced). Shapes: SPEC section 2, a varlen batch, GVA (value heads 2x the q/k heads as
-Qwen3-Next, 8x at K = 128, 4x at K = 256), fp32 states, fla's state_v_first layout, and K = V = 100
-(not a multiple of 8: our portable kernel).
+Qwen3-Next, 8x at K = 128, 4x at K = 256), fp32 states, fla's state_v_first layout, K = V = 100 and
+K = 100 with V = 128 (not multiples of 8: the Hopper kernel maps q, k, do, v, dv folded, [tokens][H K],
+and copies the states TMA cannot map by hand).
 fla refuses to run on Hopper with Triton 3.4-3.7.0 (a miscompile); for timing only, this script
 bypasses that guard by patching the module flag, and reports how far fla's output is from ours (fla's
 dg is off at the last token of a partial chunk, hence on varlen: bench/NOTES.md, "GDN v6").
@@ -31,16 +32,17 @@ GVA = [  # B, T, q/k heads, value heads, K = V
     ("GVA 8x", (4, 8192, 4, 32, 128)),
     ("GVA 4x", (4, 4096, 4, 16, 256)),
 ]
-STATES = [  # B, T, H, K = V with fp32 states / fla's state_v_first layout / K, V not multiples of 8
+STATES = [  # B, T, H, K (= V unless given) with fp32 states / fla's state_v_first layout / K, V not multiples of 8
     ("fp32 states", (8, 4096, 16, 128), dict(h_dtype=torch.float32)),
     ("state_v_first", (8, 4096, 16, 128), dict(vf=True)),
     ("Qwen3-Next GVA 2x, state_v_first", (4, 8192, 16, 128), dict(vf=True, HV=32)),
-    ("odd K = V (portable kernel: TMA needs 16-byte strides)", (8, 4096, 16, 100), {}),
+    ("odd K = V (Hopper kernel: folded maps, states by hand)", (8, 4096, 16, 100), {}),
+    ("odd K, V = 128 (Hopper kernel: folded q, k)", (8, 4096, 16, 100), dict(V=128)),
 ]
 
 
-def inputs(B, T, H, K, cu=None, HV=None, h_dtype=torch.bfloat16, vf=False, dev="cuda"):
-    HV, V, bf = HV or H, K, torch.bfloat16
+def inputs(B, T, H, K, cu=None, HV=None, V=None, h_dtype=torch.bfloat16, vf=False, dev="cuda"):
+    HV, V, bf = HV or H, V or K, torch.bfloat16
     nt = (T + 63) // 64 if cu is None else int(((cu[1:] - cu[:-1] + 63) // 64).sum())
     q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf)
