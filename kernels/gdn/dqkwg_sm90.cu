@@ -20,13 +20,17 @@
 // dg partial to rank 0 (st.async into a mailbox two passes deep), which adds it in a fixed order:
 // deterministic, no atomics, no workspace.
 // K or V not a multiple of 8 (ODD = 1): a tensor map's strides must be multiples of 16 bytes, so q, k
-// are mapped "folded" as [tokens][H * K] (row stride H K, a multiple of 8 elements) and a head's box
-// starts at column hq K + k0 (likewise do, v, dv as [tokens][HV * V]); the box's columns past K or V
-// hold the next head's (past the last head: zeros). For q, k they only reach output columns past K,
-// which are not stored, and the dg row sums, which are masked; do, v, dv's are zeroed in the slot by
-// the producer warpgroup (the sums over V). 16-bit states whose rows TMA cannot take are copied by
-// the producer warpgroup (hand_states), and dq, dk, dw rows that start off 16 bytes are stored in
-// narrower pieces.
+// are mapped "folded" as [tokens][H * K] (row stride H K, a multiple of 8 elements), likewise do, v,
+// dv as [tokens][HV * V]. A TMA tile load faults (illegal instruction) when its box starts off 16 bytes
+// in the innermost dimension (H100: every block with hq K % 8 != 0 did), so a head's boxes start at the
+// 16-byte boundary below it: column hq K + k0 - d_k, d_k = (hq K) % 8 (the same in every row), and tile
+// column j holds K index kb + j, kb = k0 - d_k (V: hv V + 64 s - d_v, V index 64 s - d_v + j). The
+// CTAs of a cluster cover K + max d_k (at most K + 7), the stages V + max d_v; tile columns outside
+// [0, K) hold the neighbouring heads' data: for q, k they reach only output columns that are not stored
+// and the dg row sums (masked); do, v, dv's are zeroed in the slot by the producer warpgroup (the sums
+// over V). States follow the same origins (TMA rows below 0 or past the end zero-filled; those TMA
+// cannot map copied by the producer warpgroup, hand_states, zeros outside the state). dq, dk rows then
+// start 16-byte aligned, dw rows (hv K - d_k) in general not: stored in pieces as wide as they allow.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -139,10 +143,12 @@ struct Cta {
 // at a time (coalesced) by the producer warpgroup's 128 threads, rounded and stored where TMA's
 // 128-byte swizzle would put them, 16 loads in flight a thread (96 registers; the loads are
 // latency-bound: 8 in flight ran at 54% of the floor, 16 at 64%). Rows of the tile are K rows
-// (V rows with VF); rows past K or V and columns past V or K are zeros.
-template <class T, int VF, int KH>
+// (V rows with VF); rows past K or V and columns past V or K are zeros. Tile row (VF: column) r is
+// K index k0 + r, tile column (VF: row) c V index 64 s + c; ODD: V index vb + c (k0 and vb shifted to
+// the boxes' 16-byte boundaries, kb and 64 s - d_v in produce), indices below 0 zeros too.
+template <class T, int VF, int KH, int ODD = 0>
 __device__ __forceinline__ void convert_states(const Sm90Params &P, unsigned char *h_tile, int64_t state, int s,
-                                               int k0, int t) {
+                                               int k0, int t, int vb = 0) {
   constexpr int kUnits = 2 * KH * 16, kBatch = 16;  // 16 bytes of fp32 a unit, 16 a tile row
   static_assert(kUnits % (128 * kBatch) == 0, "whole batches");
   const int64_t base = state * P.K * P.V;
@@ -153,9 +159,9 @@ __device__ __forceinline__ void convert_states(const Sm90Params &P, unsigned cha
     for (int b = 0; b < kBatch; ++b) {
       const int u = u0 + b * 128 + t, r = (u / 16) % KH, p = u % 16;
       const float *src = u < KH * 16 ? P.h32 : P.dh32;
-      // this unit's row and first column in the [K, V] (VF: [V, K]) state
-      const int row = VF ? 64 * s + r % 64 : k0 + r, col = VF ? k0 + 64 * (r / 64) + 4 * p : 64 * s + 4 * p;
-      const bool ok = VF ? row < P.V && col < P.K : row < P.K && col < P.V;
+      // the unit's row and first column in the [K, V] (VF: [V, K]) state
+      const int row = VF ? (ODD ? vb : 64 * s) + r % 64 : k0 + r, col = VF ? k0 + 64 * (r / 64) + 4 * p : (ODD ? vb : 64 * s) + 4 * p;
+      const bool ok = (VF ? row < P.V && col < P.K : row < P.K && col < P.V) && (!ODD || (row >= 0 && col >= 0));
       x[b] = ok ? __ldg(reinterpret_cast<const float4 *>(src + base + int64_t(row) * (VF ? P.K : P.V) + col))
                 : make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -174,32 +180,19 @@ __device__ __forceinline__ void convert_states(const Sm90Params &P, unsigned cha
 }
 
 // ODD: unit u (W elements) of a stage's h then dh, KH x 64 (VF: 64 x KH, rows of V) as
-// convert_states lays them out: its offset in the state (src) and in the slot's tiles (dst); 2 if it
-// lies inside the state, 1 past V (zeros copied in), 0 past K (never copied: prime_states zeroed it).
+// convert_states lays them out, tile row (VF: column) r at K index kb + r, tile column (VF: row) c at
+// V index vb + c: its offset in the state (src) and in the slot's tiles (dst); whether it lies inside
+// the state (else zeros are copied in: kb < 0, past K, vb < 0, past V). A unit lies wholly in or out:
+// W divides the row length and the origins (d_k, d_v are multiples of gcd(K or V, 8)).
 template <int W, int KH, int VF>
-__device__ __forceinline__ int state_unit(const Sm90Params &P, int u, int s, int k0, int64_t &src, int &dst) {
+__device__ __forceinline__ bool state_unit(const Sm90Params &P, int u, int vb, int kb, int64_t &src, int &dst) {
   constexpr int kRow = 64 / W;  // units a 128-byte tile row
   const int r = u / kRow % KH, p = u % kRow;
   // the unit's row and first column in the [K, V] (VF: [V, K]) state
-  const int row = VF ? 64 * s + r % 64 : k0 + r, col = (VF ? k0 + 64 * (r / 64) : 64 * s) + W * p;
+  const int row = VF ? vb + r % 64 : kb + r, col = (VF ? kb + 64 * (r / 64) : vb) + W * p;
   src = int64_t(row) * (VF ? P.K : P.V) + col;
   dst = (u < KH * kRow ? 0 : KH * 128) + r * 128 + (((W * p / 8) ^ (r & 7)) << 4) + W * p % 8 * 2;
-  return (VF ? col < P.K : row < P.K) ? 1 + (VF ? row < P.V : col < P.V) : 0;
-}
-
-// ODD, hand states copied by cp.async: the elements of every slot's h, dh tiles past K (rows, or
-// columns with VF; the same for every stage of the CTA), which no copy writes, zeroed once (t: the
-// producer thread).
-template <int KH, int VF>
-__device__ __forceinline__ void prime_states(const Sm90Params &P, const Cta<KH> &c, int t) {
-  using L = Layout<KH>;
-#pragma unroll 1
-  for (int u = t; u < L::kSlots * 2 * KH * 64; u += 128) {
-    int64_t off;
-    int dst;
-    if (!state_unit<1, KH, VF>(P, u % (2 * KH * 64), 0, c.k0, off, dst))
-      *reinterpret_cast<unsigned short *>(c.sm + u / (2 * KH * 64) * L::kSlot + 3 * kRowTile + dst) = 0;
-  }
+  return row >= 0 && col >= 0 && (VF ? row < P.V && col < P.K : row < P.K && col < P.V);
 }
 
 // ODD: 16-bit states whose rows TMA cannot take (V, or K with VF, not a multiple of 8): a stage's h
@@ -212,7 +205,7 @@ __device__ __forceinline__ void prime_states(const Sm90Params &P, const Cta<KH> 
 // cp.async has no 2-byte form): through registers, 16 loads in flight a thread (every unit stored:
 // skipping those past K spilled 484 bytes).
 template <class T, int KH, int VF>
-__device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *h_tile, int64_t state, int s, int k0,
+__device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *h_tile, int64_t state, int vb, int kb,
                                             int t, uint64_t *bar) {
   using U = unsigned short;
   const U *h = static_cast<const U *>(P.h16) + state * P.K * P.V, *dh = static_cast<const U *>(P.dh16) + state * P.K * P.V;
@@ -222,8 +215,8 @@ __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *
     for (int u = t; u < kUnits; u += 128) {
       int64_t off;
       int dst;
-      const int in = state_unit<W, KH, VF>(P, u, s, k0, off, dst);
-      if (in) cp_async_bytes<2 * W>(h_tile + dst, in == 2 ? (u < kUnits / 2 ? h : dh) + off : h, in == 2);
+      const bool in = state_unit<W, KH, VF>(P, u, vb, kb, off, dst);
+      cp_async_bytes<2 * W>(h_tile + dst, in ? (u < kUnits / 2 ? h : dh) + off : h, in);
     }
     cp_async_arrive_noinc(bar);
   };
@@ -239,33 +232,36 @@ __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *
       const int u = u0 + b * 128 + t;
       int64_t off;
       int dst;
-      x[b] = state_unit<1, KH, VF>(P, u, s, k0, off, dst) == 2 ? __ldg((u < kUnits / 2 ? h : dh) + off) : U(0);
+      x[b] = state_unit<1, KH, VF>(P, u, vb, kb, off, dst) ? __ldg((u < kUnits / 2 ? h : dh) + off) : U(0);
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       int64_t off;
       int dst;
-      state_unit<1, KH, VF>(P, u0 + b * 128 + t, s, k0, off, dst);
+      state_unit<1, KH, VF>(P, u0 + b * 128 + t, vb, kb, off, dst);
       *reinterpret_cast<U *>(h_tile + dst) = x[b];
     }
   }
   mbar_arrive(bar);
 }
 
-// ODD, folded V: the last stage's columns vr.. (vr = V % 64, not a multiple of 8) of do, v (and dv:
-// `tiles` 64 x 64 tiles at b) hold the next value head's (zeros past the last head). They meet in the
+// ODD, folded V: a stage's tile columns j hold V index vb + j (vb = 64 s - d_v); those outside
+// [lo, hi) = [-vb, V - vb) of do, v (and dv: `tiles` 64 x 64 tiles at b) hold the previous value
+// head's (stage 0 when d_v > 0) or the next one's (past V; zeros past the last head). They meet in the
 // sums over V (ds = do v^T, dq, dk, dw), where even zeros on the other side would let a non-finite
 // neighbour through: zeroed here, by warps 13-15 (t: 0..95) once the tiles have landed.
-__device__ __forceinline__ void zero_pad(unsigned char *b, int tiles, int vr, int t) {
-  const int c0 = vr / 8, nch = 8 - c0, keep = vr % 8;  // 16-byte chunk c0 keeps its first `keep` elements
-  for (int u = t; u < tiles * 64 * nch; u += 96) {
-    const int r = u / nch % 64, ch = c0 + u % nch;
-    uint4 *p = reinterpret_cast<uint4 *>(b + u / (64 * nch) * kRowTile + r * 128 + ((ch ^ (r & 7)) << 4));
-    uint32_t w[4] = {0u, 0u, 0u, 0u};
-    if (ch == c0) {
-      memcpy(w, p, 16);
+__device__ __forceinline__ void zero_pad(unsigned char *b, int tiles, int lo, int hi, int t) {
+  for (int u = t; u < tiles * 64 * 8; u += 96) {
+    const int r = u / 8 % 64, ch = u % 8;
+    if (8 * ch >= lo && 8 * ch + 8 <= hi) continue;  // a chunk wholly inside
+    uint4 *p = reinterpret_cast<uint4 *>(b + u / (64 * 8) * kRowTile + r * 128 + ((ch ^ (r & 7)) << 4));
+    uint32_t w[4];
+    memcpy(w, p, 16);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) w[k] = 2 * k + 2 <= keep ? w[k] : 2 * k + 1 == keep ? w[k] & 0xffffu : 0u;
+    for (int k = 0; k < 4; ++k) {
+      const int e = 8 * ch + 2 * k;  // elements e, e + 1 of the row
+      const uint32_t m = (e >= lo && e < hi ? 0xffffu : 0u) | (e + 1 >= lo && e + 1 < hi ? 0xffff0000u : 0u);
+      w[k] &= m;
     }
     memcpy(p, w, 16);
   }
@@ -290,18 +286,16 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
   uint32_t st = 0, pass = 0;  // stages and passes issued so far
   uint32_t land_par = 0;      // ODD: bit j, the parity of slot j's land barrier's next phase
   int64_t i = 0;
-  if constexpr (ODD) {
-    if (!S32 && P.hand && P.hw >= 4) prime_states<KH, VF>(P, c, 32 * pw + lane);
-  }
   for (int64_t item = c.first; item < P.items; item += c.stride, ++i) {
     const ItemPos it(P, item);
     const int tok0 = int(it.tok0), qb = int(i & 1);
+    const int kb = c.k0 - (ODD ? it.hq * P.fk_x % 8 : 0);  // tile column (state row) 0's K index (ODD: shifted)
     if (lead) {
       if (i >= 2) mbar_wait(&c.qk_empty[qb], uint32_t((i >> 1) - 1) & 1);
       if (lane == 0) {
         mbar_expect_tx(&c.qk_full[qb], L::kQK);
         for (int b = 0; b < KH / 64; ++b) {
-          const int x = c.k0 + 64 * b + (ODD ? it.hq * P.fk_x : 0), y = ODD ? it.hq * P.fk_y : it.hq;
+          const int x = (ODD ? kb : c.k0) + 64 * b + (ODD ? it.hq * P.fk_x : 0), y = ODD ? it.hq * P.fk_y : it.hq;
           tma_load_3d(c.template q<T>(qb) + b * kRowTile / 2, &P.m_q, x, y, tok0, &c.qk_full[qb]);
           tma_load_3d(c.template k<T>(qb) + b * kRowTile / 2, &P.m_k, x, y, tok0, &c.qk_full[qb]);
         }
@@ -322,7 +316,8 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
         if (st >= L::kSlots) mbar_wait(&c.empty[slot], (st / L::kSlots - 1) & 1);
         unsigned char *b = c.sm + slot * L::kSlot, *h = b + 3 * kRowTile, *dh = h + L::kHTile;
         uint64_t *bar = &c.full[slot];
-        const bool pad = ODD && P.vpad && s == P.VCN - 1;  // (ODD) folded V, its last stage
+        const int vb = 64 * s - (ODD ? hv * P.fv_x % 8 : 0);  // tile column 0's V index (ODD: shifted)
+        const bool pad = ODD && P.vpad && (vb < 0 || vb + 64 > P.V);  // (ODD) folded V: columns outside V
         const bool tma_states = !S32 && !(ODD && P.hand);
         if (lead && lane == 0) {
           if (g == 0 && s == 0) c.pos[slot] = it;  // the consumers need not locate the item (varlen: a search)
@@ -330,29 +325,29 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
           uint64_t *vbar = pad ? &c.land[slot] : bar;
           if (pad) mbar_expect_tx(vbar, vbytes);
           mbar_expect_tx(bar, (pad ? 0 : vbytes) + (tma_states ? 2 * L::kHTile : 0));
-          const int x = 64 * s + (ODD ? hv * P.fv_x : 0), y = ODD ? hv * P.fv_y : hv;
+          const int x = (ODD ? vb : 64 * s) + (ODD ? hv * P.fv_x : 0), y = ODD ? hv * P.fv_y : hv;
           tma_load_3d(b, &P.m_do, x, y, tok0, vbar);
           tma_load_3d(b + kRowTile, &P.m_v, x, y, tok0, vbar);
           if (P.dw_on) tma_load_3d(b + 2 * kRowTile, &P.m_dv, x, y, tok0, vbar);
           if (tma_states) {
             if (VF) {  // [V, K] states: KH / 64 boxes of 64 rows of V by 64 columns of K
               for (int k = 0; k < KH / 64; ++k) {
-                tma_load_3d(h + k * kRowTile, &P.m_h, c.k0 + 64 * k, 64 * s, hrow, bar);
-                tma_load_3d(dh + k * kRowTile, &P.m_dh, c.k0 + 64 * k, 64 * s, hrow, bar);
+                tma_load_3d(h + k * kRowTile, &P.m_h, (ODD ? kb : c.k0) + 64 * k, ODD ? vb : 64 * s, hrow, bar);
+                tma_load_3d(dh + k * kRowTile, &P.m_dh, (ODD ? kb : c.k0) + 64 * k, ODD ? vb : 64 * s, hrow, bar);
               }
-            } else {
-              tma_load_3d(h, &P.m_h, 64 * s, c.k0, hrow, bar);
-              tma_load_3d(dh, &P.m_dh, 64 * s, c.k0, hrow, bar);
+            } else {  // (ODD: rows kb < 0 out of bounds, zero-filled)
+              tma_load_3d(h, &P.m_h, ODD ? vb : 64 * s, ODD ? kb : c.k0, hrow, bar);
+              tma_load_3d(dh, &P.m_dh, ODD ? vb : 64 * s, ODD ? kb : c.k0, hrow, bar);
             }
           }
         }
         if constexpr (ODD) {
-          if (S32) convert_states<T, VF, KH>(P, h, hrow, s, c.k0, 32 * pw + lane);
-          else if (P.hand) hand_states<T, KH, VF>(P, h, hrow, s, c.k0, 32 * pw + lane, bar);
+          if (S32) convert_states<T, VF, KH, 1>(P, h, hrow, s, kb, 32 * pw + lane, vb);
+          else if (P.hand) hand_states<T, KH, VF>(P, h, hrow, vb, kb, 32 * pw + lane, bar);
           if (pad) {
             if (pw > 0) {
               mbar_wait(&c.land[slot], (land_par >> slot) & 1);
-              zero_pad(b, P.dw_on ? 3 : 2, P.V - 64 * (P.VCN - 1), 32 * (pw - 1) + lane);
+              zero_pad(b, P.dw_on ? 3 : 2, -vb, P.V - vb, 32 * (pw - 1) + lane);
             }
             land_par ^= 1u << slot;
           }
@@ -427,11 +422,12 @@ __device__ __forceinline__ void finish_dg(const Sm90Params &P, const Cta<KH> &c,
 }
 
 // rs[h] += sum over this thread's columns of acc (rows m0 + lane/4 + 8h) times the same elements
-// of a swizzled 64 x KH tile, two columns at a time. ODD: columns < nk only (a folded q, k tile holds
-// the next head's past K, and acc there what ds k or ds^T q made of them: selects, not products).
+// of a swizzled 64 x KH tile, two columns at a time: columns < nk, ODD: columns in [lo, nk) (a folded
+// q, k tile holds the previous head's below lo and the next head's past K, and acc there what ds k or
+// ds^T q made of them: selects, not products).
 template <class T, int KH, int ODD>
 __device__ __forceinline__ void row_dots(float (&rs)[2], const float (&acc)[KH / 8][4], const T *tile, int m0,
-                                         int lane, int nk) {
+                                         int lane, int lo, int nk) {
 #pragma unroll
   for (int j = 0; j < KH / 8; ++j)
 #pragma unroll
@@ -439,8 +435,8 @@ __device__ __forceinline__ void row_dots(float (&rs)[2], const float (&acc)[KH /
       const int col = 8 * j + 2 * (lane % 4);
       const Pack<T, 2> x = load_pack<T, 2>(tile + Swizzled::off(m0 + lane / 4 + 8 * h2, col));
       if constexpr (ODD)
-        rs[h2] += (col < nk ? acc[j][2 * h2] * to_float(x.v[0]) : 0.f) +
-                  (col + 1 < nk ? acc[j][2 * h2 + 1] * to_float(x.v[1]) : 0.f);
+        rs[h2] += (col >= lo && col < nk ? acc[j][2 * h2] * to_float(x.v[0]) : 0.f) +
+                  (col + 1 >= lo && col + 1 < nk ? acc[j][2 * h2 + 1] * to_float(x.v[1]) : 0.f);
       else
         rs[h2] += acc[j][2 * h2] * to_float(x.v[0]) + acc[j][2 * h2 + 1] * to_float(x.v[1]);
     }
@@ -456,14 +452,14 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 }
 
 // ODD: a warp's staged 16 x 64 block (see store_rows) to rows of out in stores of W elements (the
-// rows' alignment), rows < nr, columns < nw (a multiple of W).
+// rows' alignment), rows < nr, the whole stores inside columns [lo, hi).
 template <int W, class T>
-__device__ __forceinline__ void store_staged(T *out, int64_t ld, int nr, int nw, const T *stage, int lane) {
+__device__ __forceinline__ void store_staged(T *out, int64_t ld, int nr, int lo, int hi, const T *stage, int lane) {
   constexpr int kRow = 64 / W;  // stores a row
 #pragma unroll(W >= 4 ? 4 : 1)
   for (int u = lane; u < 16 * kRow; u += 32) {
     const int row = u / kRow, col = W * (u % kRow);
-    if (row < nr && col < nw)
+    if (row < nr && col >= lo && col + W <= hi)
       store_pack<T, W>(out + row * ld + col, load_pack<T, W>(stage + row * 64 + 8 * ((col / 8) ^ (row & 7)) + col % 8));
   }
 }
@@ -472,11 +468,13 @@ __device__ __forceinline__ void store_staged(T *out, int64_t ld, int nr, int nw,
 // row; rows < nr, columns < nc, a multiple of 8), 64 columns at a time through the warp's 2 KB of
 // shared memory (stmatrix; 16-byte chunks swizzled by row), then 16-byte stores, 8 lanes a row:
 // whole 128-byte lines, where the accumulator layout alone gives 4-byte stores, 16 bytes a line.
-// ODD: any nc; rows start where hq K (hv K) puts them (ld is a multiple of 8 elements: all rows alike),
-// stored in pieces of the widest width their alignment allows (store_staged), never past nc (the
-// next head's outputs).
+// ODD: out is the output column of tile column 0 (K index kb = k0 - d_k, the shifted box's), columns
+// [lo, nc) are stored (below lo: the previous head's, from nc: the next head's). dq, dk rows then start
+// 16-byte aligned (hq K - d_k is a multiple of 8 elements, and so is ld), dw rows (hv K - d_k) in
+// general not, but alike (ld = HV K, a multiple of 8): stored in pieces of the widest width their
+// alignment allows (store_staged), the partial pieces at both ends element by element.
 template <class T, int KH, int ODD>
-__device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int nc, const float (&acc)[KH / 8][4],
+__device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int lo, int nc, const float (&acc)[KH / 8][4],
                                            float mul, int m0, T *stage, int lane) {
   const int al = ODD ? int(reinterpret_cast<uintptr_t>(out) % 16) : 0;  // the rows' alignment (bytes):
   const int we = al == 0 ? 8 : al % 8 == 0 ? 4 : al % 4 == 0 ? 2 : 1;    // elements a store
@@ -496,15 +494,18 @@ __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int nc, c
     __syncwarp();
     if constexpr (ODD) {
       T *o = out + m0 * ld + 64 * h;
-      const int r = nr - m0, n = max(min(nc - 64 * h, 64), 0), nw = n - n % we;  // columns in whole stores
-      if (we == 8) store_staged<8>(o, ld, r, nw, stage, lane);
-      else if (we == 4) store_staged<4>(o, ld, r, nw, stage, lane);
-      else if (we == 2) store_staged<2>(o, ld, r, nw, stage, lane);
-      else store_staged<1>(o, ld, r, nw, stage, lane);
+      const int r = nr - m0, a = min(max(lo - 64 * h, 0), 64), n = min(max(nc - 64 * h, 0), 64);  // columns [a, n)
+      if (we == 8) store_staged<8>(o, ld, r, a, n, stage, lane);
+      else if (we == 4) store_staged<4>(o, ld, r, a, n, stage, lane);
+      else if (we == 2) store_staged<2>(o, ld, r, a, n, stage, lane);
+      else store_staged<1>(o, ld, r, a, n, stage, lane);
+      // and the ends outside whole stores (fewer than we each), element by element: [a, a1), [n0, n)
+      const int a1 = min((a + we - 1) / we * we, n), n0 = max(n / we * we, a1);
 #pragma unroll
-      for (int u = lane; u < 16 * 8; u += 32) {  // and the rest of a row (fewer than we), element by element
-        const int row = u / 8, col = nw + u % 8;
-        if (row < r && col < n) o[row * ld + col] = stage[row * 64 + 8 * ((col / 8) ^ (row & 7)) + col % 8];
+      for (int u = lane; u < 16 * 8; u += 32) {
+        const int row = u / 8, c1 = a + u % 8, c2 = n0 + u % 8;
+        if (row < r && c1 < a1) o[row * ld + c1] = stage[row * 64 + 8 * ((c1 / 8) ^ (row & 7)) + c1 % 8];
+        if (row < r && c2 < n) o[row * ld + c2] = stage[row * 64 + 8 * ((c2 / 8) ^ (row & 7)) + c2 % 8];
       }
     } else {
 #pragma unroll
@@ -619,6 +620,10 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
       // Epilogue. The lane is re-read here so that the compiler cannot hoist the many addresses
       // derived from it out of the item loop (they would be spilled, and spills miss L1).
       const int lane = lane_id(), n = it.n, hv = it.hq * P.G + g;
+      // this CTA's tile columns [klo, khi) are K indices kb + j in [0, K) (ODD: kb = k0 - d_k, the box
+      // shifted to a 16-byte boundary; else kb = k0)
+      const int kb = c.k0 - (ODD ? it.hq * P.fk_x % 8 : 0), klo = ODD ? max(0, -kb) : 0;
+      const int khi = ODD ? min(KH, P.K - kb) : c.nk;
       T *stage = c.template at<T>(L::kStage + warp * kStageBytes);
       float *red = c.red + par * 128, *part = c.part + par * 8;
       if constexpr (kDs) {
@@ -640,14 +645,14 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
         named_barrier(kBarDs, 256);
         scale_rows(acc, f);
         float dglk[2] = {-rs_prev[0], -rs_prev[1]};  // WG1: sum(dk_inter * k) of this pass, part of dg's last row
-        if (ROLE == 1 && P.dg_on) row_dots<T, KH, ODD>(dglk, acc, k_s, m0, lane, c.nk);
+        if (ROLE == 1 && P.dg_on) row_dots<T, KH, ODD>(dglk, acc, k_s, m0, lane, klo, khi);
         if (ROLE == 0)
           warp_mma<T, false, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, k_s, m0, 0, lane);
         else
           warp_mma<T, true, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, q_s, m0, 0, lane);
         if (P.dg_on) {  // row sums of this pass's dq q (WG0) or dk k (WG1): those of acc, less the last pass's
           float rs[2] = {0.f, 0.f};
-          row_dots<T, KH, ODD>(rs, acc, ROLE == 0 ? q_s : k_s, m0, lane, c.nk);
+          row_dots<T, KH, ODD>(rs, acc, ROLE == 0 ? q_s : k_s, m0, lane, klo, khi);
           float d[2] = {rs[0] - rs_prev[0], rs[1] - rs_prev[1]};
           rs_prev[0] = rs[0], rs_prev[1] = rs[1];
 #pragma unroll
@@ -667,13 +672,13 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
           }
         }
         if (g == P.G - 1) {
-          T *out = static_cast<T *>(ROLE == 0 ? P.dq : P.dk) + (it.tok0 * P.H + it.hq) * P.K + c.k0;
-          store_rows<T, KH, ODD>(out, int64_t(P.H) * P.K, n, c.nk, acc, 1.f, m0, stage, lane);
+          T *out = static_cast<T *>(ROLE == 0 ? P.dq : P.dk) + (it.tok0 * P.H + it.hq) * P.K + kb;
+          store_rows<T, KH, ODD>(out, int64_t(P.H) * P.K, n, klo, khi, acc, 1.f, m0, stage, lane);
         }
       } else {
         if (P.dw_on)
-          store_rows<T, KH, ODD>(static_cast<T *>(P.dw) + (it.tok0 * P.HV + hv) * P.K + c.k0, int64_t(P.HV) * P.K, n,
-                                 c.nk, acc, -1.f, m0, stage, lane);
+          store_rows<T, KH, ODD>(static_cast<T *>(P.dw) + (it.tok0 * P.HV + hv) * P.K + kb, int64_t(P.HV) * P.K, n,
+                                 klo, khi, acc, -1.f, m0, stage, lane);
 #pragma unroll
         for (int o = 1; o < 32; o *= 2) hdh += __shfl_xor_sync(0xffffffffu, hdh, o);
         if (lane == 0) part[warp % 4] = hdh;
@@ -819,6 +824,14 @@ hl_status_t launch_sm90(const Sm90Params &p, int KH, bool vf, bool s32, bool odd
   return KH == 64 ? launch_sm90<T, 64>(p, vf, s32, odd, stream) : launch_sm90<T, 128>(p, vf, s32, odd, stream);
 }
 
+// Folded K (or V) not a multiple of 8: the most a head's box starts before its index 0, (h K) % 8 over
+// heads h (multiples of gcd(K, 8)).
+int64_t shift_max(int64_t K) {
+  int64_t g = 8;
+  while (K % g) g /= 2;
+  return 8 - g;
+}
+
 // 16-bit states whose rows (of V elements; K with state_v_first) TMA can map: 16-byte multiples.
 bool states_mappable(const hl_gdn_bwd_dqkwg_args_t &a) {
   return ((a.flags & HL_GDN_STATE_V_FIRST) ? a.K : a.V) % 8 == 0;
@@ -836,7 +849,7 @@ bool kernel_forced(const char *name) {  // read on every call, so that tests can
 bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks) {
 #if HL_GDN_SM90A
   if (kernel_forced("portable")) return false;
-  if (a.K % 8 && (a.H * a.K) % 8) return false;
+  if (a.K % 8 && ((a.H * a.K) % 8 || a.K + shift_max(a.K) > 256)) return false;  // at most two 128-wide CTAs
   if (a.V % 8 && (a.HV * a.V) % 8) return false;
   if (a.h_dtype == HL_DTYPE_F32 && ((a.flags & HL_GDN_STATE_V_FIRST) ? a.K : a.V) % 4) return false;
   if (a.B * a.T >= INT32_MAX || chunks * a.HV >= INT32_MAX) return false;  // TMA coordinates are int32
@@ -855,9 +868,12 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   Sm90Params p{};
   const uint64_t H = uint64_t(a.H), HV = uint64_t(a.HV), K = uint64_t(a.K), V = uint64_t(a.V);
   const uint64_t tokens = uint64_t(a.B * a.T);
-  const uint32_t KH = a.K <= 64 ? 64 : 128;
   const bool vf = a.flags & HL_GDN_STATE_V_FIRST;
   const bool fold_k = a.K % 8, fold_v = a.V % 8, odd = fold_k || fold_v;
+  // Folded, a head's boxes start d = (h K) % 8 columns before its K (V) index 0 (16-byte aligned): the
+  // CTAs (stages) cover K + d (V + d) indices, d at most shift(K).
+  const int64_t Kc = a.K + (fold_k ? shift_max(a.K) : 0), Vc = a.V + (fold_v ? shift_max(a.V) : 0);
+  const uint32_t KH = Kc <= 64 ? 64 : 128;
   // Folded (K or V not a multiple of 8): [tokens][H K] as (H K, 1, tokens), a head's box at column hq K.
   if (fold_v) {
     HL_TRY(make_map(&p.m_do, a.dtype, a.do_, HV * V, 1, tokens, HV * V * 2, HV * V * 2, 64, 1, 64));
@@ -895,8 +911,8 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   p.chunks = table;
   p.items = chunks * a.H;
   p.H = int(a.H), p.HV = int(a.HV), p.G = int(a.HV / a.H), p.K = int(a.K), p.V = int(a.V);
-  p.VCN = int((a.V + 63) / 64);
-  p.nsplit = int((a.K + KH - 1) / KH);
+  p.VCN = int((Vc + 63) / 64);
+  p.nsplit = int((Kc + KH - 1) / KH);
   p.scale = a.scale;
   p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
   p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;

@@ -261,11 +261,13 @@ def test_shape_mismatch_in_python():
 # ---------------------------------------------------------------- CUDA backend
 
 # K or V not a multiple of 8 where H K and HV V are: the Hopper kernel maps q, k (do, v, dv) folded,
-# [tokens][H K], a head's box at column hq K; states TMA cannot map are copied by its producer warps
-# (8-, 4- or 2-byte pieces, as the rows allow); dq, dk, dw rows start off 16 bytes.
+# [tokens][H K], a head's boxes starting d = (hq K) % 8 columns before its column 0 (TMA faults on a box
+# whose start is not 16-byte aligned), so its K (V) coverage is K + d: d_k > 0 and d_v > 0 heads below.
+# States TMA cannot map are copied by its producer warps (8-, 4- or 2-byte pieces, as the rows allow);
+# dw rows start off 16 bytes (hv K - d_k).
 ODD_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
-    (1, 200, 2, 2, 100, 100, "log2", True, None),                 # both: h, dh by hand in 8-byte copies
-    (1, 150, 8, 8, 33, 40, "log", True, None),                    # odd K (rows 2-byte aligned), states by TMA
+    (1, 200, 2, 2, 100, 100, "log2", True, None),                 # both, hq = 1: d_k = d_v = 4; h, dh by hand in 8-byte copies
+    (1, 150, 8, 8, 33, 40, "log", True, None),                    # odd K (d_k = 0..7), states by TMA
     (1, 150, 2, 2, 128, 100, "const2", True, None),               # V alone
     (1, 170, 2, 4, 100, 128, "log", False, None),                 # K alone, GVA, no dw
     (1, 300, 2, 2, 200, 100, "log2", True, None),                 # K > 128: a cluster, second K half 72 wide
@@ -277,6 +279,11 @@ ODD_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (1, 330, 1, 8, 128, 100, "log2", True, None),                 # GVA 8, V alone
     (1, 200, 2, 2, 60, 36, "none", True, None),                   # no gate (no dg)
     (1, 12783, 2, 2, 100, 100, "log", True, None),                # ~400 items: rings wrap
+    (1, 150, 2, 8, 64, 99, "log", True, None),                    # GVA 4: d_v = 0, 3, 6, 1, 4, 7, 2, 5 by pass; 2-byte hand states
+    (1, 140, 8, 8, 125, 64, "log2", True, None),                  # K + d_k up to 132: a cluster (rank 1 empty where d_k < 3)
+    (1, 150, 4, 4, 62, 62, "log", True, None),                    # K + d_k up to 68: KH 128; V + d_v: 2 V stages (the second all pad at d_v < 2)
+    (1, 150, 2, 2, 60, 60, "log2", True, None),                   # d = 4: K + d_k = V + d_v = 64 exactly
+    (1, 200, 8, 16, 99, 100, "log", True, [0, 70, 71, 200]),      # varlen, GVA, both odd: dw rows at every alignment
 ]
 
 GPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
@@ -373,7 +380,7 @@ def test_cuda_matches_reference(case, dtype, gdn_kernel, monkeypatch):
 
 
 VF_CASES = [c for c in GPU_CASES if c[1] < 1000 and c[4] % 8 == 0 and c[5] % 8 == 0][::2] + [GPU_CASES[6]] + \
-    [ODD_CASES[i] for i in (0, 1, 2, 3, 5, 6)]  # [V, K] rows of K: by hand unless K % 8 == 0 (then V padded)
+    [ODD_CASES[i] for i in (0, 1, 2, 3, 5, 6, 13, 14, 15, 16)]  # [V, K] rows of K: by hand unless K % 8 == 0
 
 
 def same_results(got, want, exact):
@@ -481,6 +488,8 @@ H32_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (1, 400, 2, 4, 200, 60, "log", True, [0, 17, 17, 200, 333, 400]),  # varlen, GVA, a cluster
     (2, 640, 8, 8, 33, 40, "log", True, None),
     (2, 1280, 1, 1, 33, 47, "log", True, None),                   # V % 4: the portable kernel's
+    (1, 200, 2, 4, 60, 100, "log2", True, None),                  # d_k = 4 (hq = 1), d_v = 0, 4, 0, 4
+    (1, 200, 2, 2, 252, 36, "log", True, None),                   # K + d_k = 256: a cluster; V + d_v = 40
 ]
 
 
