@@ -334,7 +334,8 @@ def gdn_kernel(request, monkeypatch):
 
 def hopper_takes(H, HV, K, V, vf=False, h32=False):
     """Whether the Hopper kernel takes these shapes (fresh, 16-byte aligned tensors; dqkwg_sm90.h)."""
-    return ((K % 8 == 0 or H * K % 8 == 0) and (V % 8 == 0 or HV * V % 8 == 0)
+    return ((K % 8 == 0 or (H * K % 8 == 0 and K + 8 - int(np.gcd(K, 8)) <= 256))  # shifted boxes: 2 CTAs
+            and (V % 8 == 0 or HV * V % 8 == 0)
             and (not h32 or (K if vf else V) % 4 == 0))
 
 
