@@ -110,6 +110,13 @@ struct Layout {
   static constexpr size_t kSmem = size_t(kBytes) + 1024;      // room to align the base
 };
 
+// The K index of tile column (state row) 0 of q/k head hq in the CTA whose columns start at k0: k0,
+// or (ODD, folded K) k0 - d_k, the box shifted back to the 16-byte boundary, d_k = (hq K) % 8.
+template <int ODD>
+__device__ __forceinline__ int k_origin(const Sm90Params &P, int k0, int hq) {
+  return k0 - (ODD ? hq * P.fk_x % 8 : 0);
+}
+
 // What every role of a CTA knows: its shared memory and its part of the work.
 template <int KH>
 struct Cta {
@@ -176,7 +183,7 @@ __device__ __forceinline__ void convert_states(const Sm90Params &P, unsigned cha
       *reinterpret_cast<uint2 *>(dst) = w;
     }
   }
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the wgmma reads them (async proxy)
+  fence_proxy_async();  // the wgmma reads them (async proxy)
 }
 
 // ODD: unit u (W elements) of a stage's h then dh, KH x 64 (VF: 64 x KH, rows of V) as
@@ -290,7 +297,7 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
   for (int64_t item = c.first; item < P.items; item += c.stride, ++i) {
     const ItemPos it(P, item);
     const int tok0 = int(it.tok0), qb = int(i & 1);
-    const int kb = c.k0 - (ODD ? it.hq * P.fk_x % 8 : 0);  // tile column (state row) 0's K index (ODD: shifted)
+    const int kb = k_origin<ODD>(P, c.k0, it.hq);
     if (lead) {
       if (i >= 2) mbar_wait(&c.qk_empty[qb], uint32_t((i >> 1) - 1) & 1);
       if (lane == 0) {
@@ -592,7 +599,7 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
 #pragma unroll
             for (int k = 0; k < 8; ++k) hdh += to_float(x.v[k]) * to_float(y.v[k]);
           }
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before TMA refills the slot
+          fence_proxy_async();  // before TMA refills the slot
         };
         if (mma) {
           const uint64_t da = wgmma_desc(ROLE == 0 ? do_t : ROLE == 1 ? v_t : dv_t);
@@ -621,9 +628,8 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
       // Epilogue. The lane is re-read here so that the compiler cannot hoist the many addresses
       // derived from it out of the item loop (they would be spilled, and spills miss L1).
       const int lane = lane_id(), n = it.n, hv = it.hq * P.G + g;
-      // this CTA's tile columns [klo, khi) are K indices kb + j in [0, K) (ODD: kb = k0 - d_k, the box
-      // shifted to a 16-byte boundary; else kb = k0)
-      const int kb = c.k0 - (ODD ? it.hq * P.fk_x % 8 : 0), klo = ODD ? max(0, -kb) : 0;
+      // this CTA's tile columns [klo, khi) are the K indices kb + j in [0, K)
+      const int kb = k_origin<ODD>(P, c.k0, it.hq), klo = ODD ? max(0, -kb) : 0;
       const int khi = ODD ? min(KH, P.K - kb) : c.nk;
       T *stage = c.template at<T>(L::kStage + warp * kStageBytes);
       float *red = c.red + par * 128, *part = c.part + par * 8;
@@ -872,26 +878,20 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   const bool vf = a.flags & HL_GDN_STATE_V_FIRST;
   const bool fold_k = a.K % 8, fold_v = a.V % 8, odd = fold_k || fold_v;
   // Folded, a head's boxes start d = (h K) % 8 columns before its K (V) index 0 (16-byte aligned): the
-  // CTAs (stages) cover K + d (V + d) indices, d at most shift(K).
+  // CTAs (stages) cover K + d (V + d) indices, d at most shift_max(K).
   const int64_t Kc = a.K + (fold_k ? shift_max(a.K) : 0), Vc = a.V + (fold_v ? shift_max(a.V) : 0);
   const uint32_t KH = Kc <= 64 ? 64 : 128;
-  // Folded (K or V not a multiple of 8): [tokens][H K] as (H K, 1, tokens), a head's box at column hq K.
-  if (fold_v) {
-    HL_TRY(make_map(&p.m_do, a.dtype, a.do_, HV * V, 1, tokens, HV * V * 2, HV * V * 2, 64, 1, 64));
-    HL_TRY(make_map(&p.m_v, a.dtype, a.v, HV * V, 1, tokens, HV * V * 2, HV * V * 2, 64, 1, 64));
-    if (a.dw) HL_TRY(make_map(&p.m_dv, a.dtype, a.dv, HV * V, 1, tokens, HV * V * 2, HV * V * 2, 64, 1, 64));
-  } else {
-    HL_TRY(make_map(&p.m_do, a.dtype, a.do_, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
-    HL_TRY(make_map(&p.m_v, a.dtype, a.v, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
-    if (a.dw) HL_TRY(make_map(&p.m_dv, a.dtype, a.dv, V, HV, tokens, V * 2, HV * V * 2, 64, 1, 64));
-  }
-  if (fold_k) {
-    HL_TRY(make_map(&p.m_q, a.dtype, a.q, H * K, 1, tokens, H * K * 2, H * K * 2, 64, 1, 64));
-    HL_TRY(make_map(&p.m_k, a.dtype, a.k, H * K, 1, tokens, H * K * 2, H * K * 2, 64, 1, 64));
-  } else {
-    HL_TRY(make_map(&p.m_q, a.dtype, a.q, K, H, tokens, K * 2, H * K * 2, 64, 1, 64));
-    HL_TRY(make_map(&p.m_k, a.dtype, a.k, K, H, tokens, K * 2, H * K * 2, 64, 1, 64));
-  }
+  // [tokens][heads][width] in 64 x 64 boxes: (width, heads, tokens), or folded (K or V not a multiple
+  // of 8) as (heads width, 1, tokens), a head's box at column h width.
+  const auto head_map = [&](CUtensorMap *m, const void *x, uint64_t width, uint64_t heads, bool fold) {
+    return fold ? make_map(m, a.dtype, x, heads * width, 1, tokens, heads * width * 2, heads * width * 2, 64, 1, 64)
+                : make_map(m, a.dtype, x, width, heads, tokens, width * 2, heads * width * 2, 64, 1, 64);
+  };
+  HL_TRY(head_map(&p.m_do, a.do_, V, HV, fold_v));
+  HL_TRY(head_map(&p.m_v, a.v, V, HV, fold_v));
+  if (a.dw) HL_TRY(head_map(&p.m_dv, a.dv, V, HV, fold_v));
+  HL_TRY(head_map(&p.m_q, a.q, K, H, fold_k));
+  HL_TRY(head_map(&p.m_k, a.k, K, H, fold_k));
   p.fk_x = fold_k ? int(K) : 0, p.fk_y = fold_k ? 0 : 1, p.fv_x = fold_v ? int(V) : 0, p.fv_y = fold_v ? 0 : 1;
   p.vpad = fold_v;
   const uint64_t states = uint64_t(chunks) * HV;
