@@ -26,11 +26,10 @@
 // 16-byte boundary below it: column hq K + k0 - d_k, d_k = (hq K) % 8 (the same in every row), and tile
 // column j holds K index kb + j, kb = k0 - d_k (V: hv V + 64 s - d_v, V index 64 s - d_v + j). The
 // CTAs of a cluster cover K + max d_k (at most K + 7), the stages V + max d_v; tile columns outside
-// [0, K) hold the neighbouring heads' data: for q, k they reach only output columns that are not stored
-// and the dg row sums (masked); do, v, dv's are zeroed in the slot by the producer warpgroup (the sums
-// over V). States follow the same origins (TMA rows below 0 or past the end zero-filled; those TMA
+// [0, K) hold the neighbouring heads' data: q, k's are zeroed in the buffer by the consumers
+// (zero_foreign), do, v, dv's in the slot by the producer warpgroup (the sums over V). States follow the same origins (TMA rows below 0 or past the end zero-filled; those TMA
 // cannot map copied by the producer warpgroup, hand_states, zeros outside the state). dq, dk rows then
-// start 16-byte aligned, dw rows (hv K - d_k) in general not: stored in pieces as wide as they allow.
+// start 16-byte aligned, dw rows (hv K - d_k) in general not: stored element by element.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -216,14 +215,22 @@ __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *
                                             int t, uint64_t *bar) {
   using U = unsigned short;
   const U *h = static_cast<const U *>(P.h16) + state * P.K * P.V, *dh = static_cast<const U *>(P.dh16) + state * P.K * P.V;
-  auto copy = [&](auto w) {  // w: elements a copy, 4 or 2
-    constexpr int W = decltype(w)::value, kUnits = 2 * KH * 64 / W;
-#pragma unroll(W == 4 ? 4 : 1)  // (W = 2 unrolled spilled 48-88 bytes in the producer's 56 registers)
-    for (int u = t; u < kUnits; u += 128) {
-      int64_t off;
-      int dst;
-      const bool in = state_unit<W, KH, VF>(P, u, vb, kb, off, dst);
-      cp_async_bytes<2 * W>(h_tile + dst, in ? (u < kUnits / 2 ? h : dh) + off : h, in);
+  auto copy = [&](auto w) {  // w: elements a copy, 4 or 2; h and dh's units alike, a pair a step
+    constexpr int W = decltype(w)::value, kRow = 64 / W, kStep = 128 / kRow;  // units a tile row; rows a step
+    const int p = t % kRow, nrows = VF ? P.V : P.K, ncols = VF ? P.K : P.V;
+#pragma unroll
+    for (int j = 0; j < KH / 64; ++j) {  // tile rows 64 j.. (VF: K columns 64 j..), as state_unit
+      const int row0 = VF ? vb : kb + 64 * j, col = (VF ? kb + 64 * j : vb) + W * p;
+      const bool col_in = col >= 0 && col < ncols;
+#pragma unroll 2
+      for (int r = t / kRow; r < 64; r += kStep) {
+        const int row = row0 + r;
+        const bool in = col_in && row >= 0 && row < nrows;
+        const int64_t off = in ? int64_t(row) * ncols + col : 0;
+        const int dst = (64 * j + r) * 128 + (((W * p / 8) ^ (r & 7)) << 4) + W * p % 8 * 2;
+        cp_async_bytes<2 * W>(h_tile + dst, h + off, in);
+        cp_async_bytes<2 * W>(h_tile + KH * 128 + dst, dh + off, in);
+      }
     }
     cp_async_arrive_noinc(bar);
   };
@@ -259,19 +266,23 @@ __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *
 // neighbour through: zeroed here, by warps 13-15 (t: 0..95) once the tiles have landed. (Unused in
 // the sm_80 pass, which compiles the kernel to nothing.)
 [[maybe_unused]] __device__ __forceinline__ void zero_pad(unsigned char *b, int tiles, int lo, int hi, int t) {
-  for (int u = t; u < tiles * 64 * 8; u += 96) {
-    const int r = u / 8 % 64, ch = u % 8;
-    if (8 * ch >= lo && 8 * ch + 8 <= hi) continue;  // a chunk wholly inside
-    uint4 *p = reinterpret_cast<uint4 *>(b + u / (64 * 8) * kRowTile + r * 128 + ((ch ^ (r & 7)) << 4));
-    uint32_t w[4];
-    memcpy(w, p, 16);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int e = 8 * ch + 2 * k;  // elements e, e + 1 of the row
-      const uint32_t m = (e >= lo && e < hi ? 0xffffu : 0u) | (e + 1 >= lo && e + 1 < hi ? 0xffff0000u : 0u);
-      w[k] &= m;
-    }
-    memcpy(p, w, 16);
+  // Per row, only the 16-byte chunks [0, c_lo) (columns below lo) and [c_hi, 8) (from hi), through
+  // typed 16-byte accesses (a memcpy here compiled to 16 byte loads and 16 byte stores a chunk).
+  const int c_lo = (max(lo, 0) + 7) / 8, c_hi = max(c_lo, min(max(hi, 0) / 8, 8));
+  for (int u = t; u < tiles * 64; u += 96) {  // (tile, row)
+    const int r = u % 64;
+    unsigned char *row = b + u / 64 * kRowTile + r * 128;
+    const auto clear = [&](int ch) {
+      uint4 *p = reinterpret_cast<uint4 *>(row + ((ch ^ (r & 7)) << 4));
+      const auto mask = [&](int e) {  // elements e, e + 1 of the row: kept inside [lo, hi)
+        return (e >= lo && e < hi ? 0xffffu : 0u) | (e + 1 >= lo && e + 1 < hi ? 0xffff0000u : 0u);
+      };
+      uint4 w = *p;
+      w.x &= mask(8 * ch), w.y &= mask(8 * ch + 2), w.z &= mask(8 * ch + 4), w.w &= mask(8 * ch + 6);
+      *p = w;
+    };
+    for (int ch = 0; ch < c_lo; ++ch) clear(ch);
+    for (int ch = c_hi; ch < 8; ++ch) clear(ch);
   }
   fence_proxy_async();  // the wgmma reads them (async proxy)
 }
@@ -430,24 +441,30 @@ __device__ __forceinline__ void finish_dg(const Sm90Params &P, const Cta<KH> &c,
 }
 
 // rs[h] += sum over this thread's columns of acc (rows m0 + lane/4 + 8h) times the same elements
-// of a swizzled 64 x KH tile, two columns at a time: columns < nk, ODD: columns in [lo, nk) (a folded
-// q, k tile holds the previous head's below lo and the next head's past K, and acc there what ds k or
-// ds^T q made of them: selects, not products).
-template <class T, int KH, int ODD>
+// of a swizzled 64 x KH tile, two columns at a time.
+template <class T, int KH>
 __device__ __forceinline__ void row_dots(float (&rs)[2], const float (&acc)[KH / 8][4], const T *tile, int m0,
-                                         int lane, int lo, int nk) {
+                                         int lane) {
 #pragma unroll
   for (int j = 0; j < KH / 8; ++j)
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
-      const int col = 8 * j + 2 * (lane % 4);
-      const Pack<T, 2> x = load_pack<T, 2>(tile + Swizzled::off(m0 + lane / 4 + 8 * h2, col));
-      if constexpr (ODD)
-        rs[h2] += (col >= lo && col < nk ? acc[j][2 * h2] * to_float(x.v[0]) : 0.f) +
-                  (col + 1 >= lo && col + 1 < nk ? acc[j][2 * h2 + 1] * to_float(x.v[1]) : 0.f);
-      else
-        rs[h2] += acc[j][2 * h2] * to_float(x.v[0]) + acc[j][2 * h2 + 1] * to_float(x.v[1]);
+      const Pack<T, 2> x = load_pack<T, 2>(tile + Swizzled::off(m0 + lane / 4 + 8 * h2, 8 * j + 2 * (lane % 4)));
+      rs[h2] += acc[j][2 * h2] * to_float(x.v[0]) + acc[j][2 * h2 + 1] * to_float(x.v[1]);
     }
+}
+
+// ODD, folded K: a q, k tile's columns outside [lo, hi) hold the neighbouring heads' elements; zeroed
+// (by the 256 threads of warpgroups 0 and 1, once an item), the products ds k and ds^T q are exact
+// zeros there (the states' rows outside [0, K) are zeros too), and row_dots needs no mask.
+template <class T, int KH>
+__device__ __forceinline__ void zero_foreign(T *q, T *k, int lo, int hi, int t) {
+  const int nf = lo + KH - hi, r = t / 4;  // foreign columns a row; 4 threads a row
+  for (int j = t % 4; j < nf; j += 4) {
+    const int off = Swizzled::off(r, j < lo ? j : hi + j - lo);
+    q[off] = k[off] = T(0.f);
+  }
+  fence_proxy_async();  // before TMA refills the buffer
 }
 
 // pack_pair as the 32-bit register stmatrix takes.
@@ -459,33 +476,18 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
   return u;
 }
 
-// ODD: a warp's staged 16 x 64 block (see store_rows) to rows of out in stores of W elements (the
-// rows' alignment), rows < nr, the whole stores inside columns [lo, hi).
-template <int W, class T>
-__device__ __forceinline__ void store_staged(T *out, int64_t ld, int nr, int lo, int hi, const T *stage, int lane) {
-  constexpr int kRow = 64 / W;  // stores a row
-#pragma unroll(W >= 4 ? 4 : 1)
-  for (int u = lane; u < 16 * kRow; u += 32) {
-    const int row = u / kRow, col = W * (u % kRow);
-    if (row < nr && col >= lo && col + W <= hi)
-      store_pack<T, W>(out + row * ld + col, load_pack<T, W>(stage + row * 64 + 8 * ((col / 8) ^ (row & 7)) + col % 8));
-  }
-}
-
 // A warp's 16 x KH accumulator block (times mul) to rows m0.. of a row-major output (ld elements a
 // row; rows < nr, columns < nc, a multiple of 8), 64 columns at a time through the warp's 2 KB of
 // shared memory (stmatrix; 16-byte chunks swizzled by row), then 16-byte stores, 8 lanes a row:
 // whole 128-byte lines, where the accumulator layout alone gives 4-byte stores, 16 bytes a line.
 // ODD: out is the output column of tile column 0 (K index kb = k0 - d_k, the shifted box's), columns
 // [lo, nc) are stored (below lo: the previous head's, from nc: the next head's). dq, dk rows then start
-// 16-byte aligned (hq K - d_k is a multiple of 8 elements, and so is ld), dw rows (hv K - d_k) in
-// general not, but alike (ld = HV K, a multiple of 8): stored in pieces of the widest width their
-// alignment allows (store_staged), the partial pieces at both ends element by element.
+// 16-byte aligned (hq K - d_k is a multiple of 8 elements, and so is ld), and dw rows with one value
+// head a q/k head; the 16-byte pieces wholly inside [lo, nc) of aligned rows are stored whole, the
+// rest element by element (one small loop: the ODD kernels' size is what costs, bench/NOTES.md).
 template <class T, int KH, int ODD>
 __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int lo, int nc, const float (&acc)[KH / 8][4],
                                            float mul, int m0, T *stage, int lane) {
-  const int al = ODD ? int(reinterpret_cast<uintptr_t>(out) % 16) : 0;  // the rows' alignment (bytes):
-  const int we = al == 0 ? 8 : al % 8 == 0 ? 4 : al % 4 == 0 ? 2 : 1;    // elements a store
 #pragma unroll
   for (int h = 0; h < KH / 64; ++h) {
 #pragma unroll
@@ -501,19 +503,20 @@ __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int lo, i
     }
     __syncwarp();
     if constexpr (ODD) {
-      T *o = out + m0 * ld + 64 * h;
-      const int r = nr - m0, a = min(max(lo - 64 * h, 0), 64), n = min(max(nc - 64 * h, 0), 64);  // columns [a, n)
-      if (we == 8) store_staged<8>(o, ld, r, a, n, stage, lane);
-      else if (we == 4) store_staged<4>(o, ld, r, a, n, stage, lane);
-      else if (we == 2) store_staged<2>(o, ld, r, a, n, stage, lane);
-      else store_staged<1>(o, ld, r, a, n, stage, lane);
-      // and the ends outside whole stores (fewer than we each), element by element: [a, a1), [n0, n)
-      const int a1 = min((a + we - 1) / we * we, n), n0 = max(n / we * we, a1);
+      const bool wide = reinterpret_cast<uintptr_t>(out) % 16 == 0;  // (ld: a multiple of 8)
+#pragma unroll 1
+      for (int p = 0; p < 4; ++p) {
+        const int row = 4 * p + lane / 8, chunk = lane % 8, col = 64 * h + 8 * chunk;
+        const Pack<T, 8> x = load_pack<T, 8>(stage + row * 64 + 8 * (chunk ^ (row & 7)));
+        T *o = out + (m0 + row) * ld + col;
+        if (m0 + row >= nr || col + 8 <= lo || col >= nc) continue;
+        if (wide && col >= lo && col + 8 <= nc) {
+          store_pack<T, 8>(o, x);
+        } else {
 #pragma unroll
-      for (int u = lane; u < 16 * 8; u += 32) {
-        const int row = u / 8, c1 = a + u % 8, c2 = n0 + u % 8;
-        if (row < r && c1 < a1) o[row * ld + c1] = stage[row * 64 + 8 * ((c1 / 8) ^ (row & 7)) + c1 % 8];
-        if (row < r && c2 < n) o[row * ld + c2] = stage[row * 64 + 8 * ((c2 / 8) ^ (row & 7)) + c2 % 8];
+          for (int e = 0; e < 8; ++e)
+            if (col + e >= lo && col + e < nc) o[e] = x.v[e];
+        }
       }
     } else {
 #pragma unroll
@@ -637,7 +640,10 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
         const int qb = int(i & 1);
         mbar_wait(&c.qk_full[qb], uint32_t(i >> 1) & 1);
         T *ds_s = c.template at<T>(L::kDs);
-        const T *q_s = c.template q<T>(qb), *k_s = c.template k<T>(qb);
+        T *q_s = c.template q<T>(qb), *k_s = c.template k<T>(qb);
+        if constexpr (ODD) {
+          if (g == 0 && P.fk_x) zero_foreign<T, KH>(q_s, k_s, klo, khi, tid);  // read after kBarDs
+        }
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -652,14 +658,14 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
         named_barrier(kBarDs, 256);
         scale_rows(acc, f);
         float dglk[2] = {-rs_prev[0], -rs_prev[1]};  // WG1: sum(dk_inter * k) of this pass, part of dg's last row
-        if (ROLE == 1 && P.dg_on) row_dots<T, KH, ODD>(dglk, acc, k_s, m0, lane, klo, khi);
+        if (ROLE == 1 && P.dg_on) row_dots<T, KH>(dglk, acc, k_s, m0, lane);
         if (ROLE == 0)
           warp_mma<T, false, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, k_s, m0, 0, lane);
         else
           warp_mma<T, true, true, KH / 8, Swizzled, Swizzled>(acc, ds_s, q_s, m0, 0, lane);
         if (P.dg_on) {  // row sums of this pass's dq q (WG0) or dk k (WG1): those of acc, less the last pass's
           float rs[2] = {0.f, 0.f};
-          row_dots<T, KH, ODD>(rs, acc, ROLE == 0 ? q_s : k_s, m0, lane, klo, khi);
+          row_dots<T, KH>(rs, acc, ROLE == 0 ? q_s : k_s, m0, lane);
           float d[2] = {rs[0] - rs_prev[0], rs[1] - rs_prev[1]};
           rs_prev[0] = rs[0], rs_prev[1] = rs[1];
 #pragma unroll
