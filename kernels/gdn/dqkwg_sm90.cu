@@ -457,8 +457,10 @@ __device__ __forceinline__ void row_dots(float (&rs)[2], const float (&acc)[KH /
 // ODD, folded K: a q, k tile's columns outside [lo, hi) hold the neighbouring heads' elements; zeroed
 // (by the 256 threads of warpgroups 0 and 1, once an item), the products ds k and ds^T q are exact
 // zeros there (the states' rows outside [0, K) are zeros too), and row_dots needs no mask.
+// hi < lo: none of the CTA's columns is the head's (rank 1 of a cluster where K + d_k <= KH), all zeroed.
 template <class T, int KH>
 __device__ __forceinline__ void zero_foreign(T *q, T *k, int lo, int hi, int t) {
+  hi = max(hi, lo);
   const int nf = lo + KH - hi, r = t / 4;  // foreign columns a row; 4 threads a row
   for (int j = t % 4; j < nf; j += 4) {
     const int off = Swizzled::off(r, j < lo ? j : hi + j - lo);
