@@ -74,6 +74,11 @@ struct Sm90Params {  // CUtensorMap members keep it 64-byte aligned
                                // folded (fx = K or V, fy = 0) or not (0, 1)
   int hw;                      // hand: bytes a copy (8, 4 or 2)
   bool hand, vpad;             // states by hand; folded V (its last stage's columns past V zeroed)
+  // q, k (H K not a multiple of 8) and do, v, dv (HV V) that not even a folded map takes, copied by the
+  // producer warpgroup: elements a copy (4 or 2), and each producer thread's arrivals on full a stage
+  const void *q16, *k16, *do16, *v16, *dv16;
+  int qw, vw, hand_arrivals;
+  bool hand_qk, hand_v;
 };
 
 // Where item (chunk, q/k head) lies; its value heads are hq G .. hq G + G - 1.
@@ -201,24 +206,47 @@ __device__ __forceinline__ bool state_unit(const Sm90Params &P, int u, int vb, i
   return row >= 0 && col >= 0 && (VF ? row < P.V && col < P.K : row < P.K && col < P.V);
 }
 
+// ODD, hand tiles: a 64 x 64 box of a row-major 16-bit [tokens][ld] tensor (src: the box's first element)
+// copied where TMA's 128-byte swizzle would put it (dst), rows < n and columns < nc, zeros elsewhere, W
+// elements a cp.async (W divides nc and the offsets), by the producer warpgroup's 128 threads (t).
+template <int W>
+__device__ __forceinline__ void hand_box(unsigned char *dst, const unsigned short *src, int64_t ld, int n, int nc,
+                                         int t) {
+  constexpr int kRow = 64 / W, kStep = 128 / kRow;  // copies a row; rows a step
+  const int p = t % kRow;
+#pragma unroll 2
+  for (int r = t / kRow; r < 64; r += kStep) {
+    const bool in = r < n && W * p < nc;
+    cp_async_bytes<2 * W>(dst + r * 128 + (((W * p / 8) ^ (r & 7)) << 4) + W * p % 8 * 2,
+                          in ? src + r * ld + W * p : src, in);
+  }
+}
+
+__device__ __forceinline__ void hand_tile(unsigned char *dst, const void *src, int64_t off, int64_t ld, int n, int nc,
+                                          int w, int t) {
+  const unsigned short *s = static_cast<const unsigned short *>(src) + off;
+  if (w == 4) hand_box<4>(dst, s, ld, n, nc, t);
+  else hand_box<2>(dst, s, ld, n, nc, t);
+}
+
 // ODD: 16-bit states whose rows TMA cannot take (V, or K with VF, not a multiple of 8): a stage's h
 // and dh copied by the producer warpgroup's 128 threads (t) where TMA would put them, P.hw bytes a
-// copy, then one arrival a thread on bar. 8 or 4 bytes: cp.async (zero-filled past V), landing
-// through cp.async.mbarrier.arrive.noinc: no registers held, so the whole stage is in flight at once
-// (up to 32 copies a thread at KH = 128) while the producer keeps its 56 registers and the consumers
+// copy (the caller arrives on the stage's full barrier). 8 or 4 bytes: cp.async (zero-filled past V),
+// landing through cp.async.mbarrier.arrive.noinc: no registers held, so the whole stage is in flight
+// at once (up to 32 copies a thread at KH = 128) while the producer keeps its 56 registers and the consumers
 // their 152 (the fp32 loader needs 96 for its 16 loads in flight, which cost the consumers 16 and
 // made them spill); the consumers fence the proxies before their wgmma. 2 bytes (odd K or V;
 // cp.async has no 2-byte form): through registers, 16 loads in flight a thread (every unit stored:
 // skipping those past K spilled 484 bytes).
 template <class T, int KH, int VF>
 __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *h_tile, int64_t state, int vb, int kb,
-                                            int t, uint64_t *bar) {
+                                            int t) {
   using U = unsigned short;
   const U *h = static_cast<const U *>(P.h16) + state * P.K * P.V, *dh = static_cast<const U *>(P.dh16) + state * P.K * P.V;
   auto copy = [&](auto w) {  // w: elements a copy, 4 or 2; h and dh's units alike, a pair a step
     constexpr int W = decltype(w)::value, kRow = 64 / W, kStep = 128 / kRow;  // units a tile row; rows a step
     const int p = t % kRow, nrows = VF ? P.V : P.K, ncols = VF ? P.K : P.V;
-#pragma unroll
+#pragma unroll 1
     for (int j = 0; j < KH / 64; ++j) {  // tile rows 64 j.. (VF: K columns 64 j..), as state_unit
       const int row0 = VF ? vb : kb + 64 * j, col = (VF ? kb + 64 * j : vb) + W * p;
       const bool col_in = col >= 0 && col < ncols;
@@ -232,7 +260,6 @@ __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *
         cp_async_bytes<2 * W>(h_tile + KH * 128 + dst, dh + off, in);
       }
     }
-    cp_async_arrive_noinc(bar);
   };
   if (P.hw == 8) return copy(std::integral_constant<int, 4>());
   if (P.hw == 4) return copy(std::integral_constant<int, 2>());
@@ -256,7 +283,6 @@ __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *
       *reinterpret_cast<U *>(h_tile + dst) = x[b];
     }
   }
-  mbar_arrive(bar);
 }
 
 // ODD, folded V: a stage's tile columns j hold V index vb + j (vb = 64 s - d_v); those outside
@@ -295,7 +321,9 @@ __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *
 // dh into the slot and arrive. (No L2 prefetch of the next pass's states: a bulk prefetch a pass
 // ahead cost 13% there, 1.104 -> 0.957 ms without it; bench/NOTES.md "GDN v10".)
 // ODD: all four warps walk the stages and arrive once a warp (5 arrivals with lane 0's expect_tx);
-// with hand states each thread also copies its part of h and dh (128 more); with folded V the last
+// with hand states or hand do, v, dv each thread also copies its part (P.hand_arrivals more: once its
+// cp.async copies land, once after 2-byte state stores); hand q, k are the warpgroup's too, each
+// thread's copies landing on qk_full (128 arrivals); with folded V the last
 // stage's do, v, dv land on the slot's land barrier instead, and warps 13-15 zero their columns past V.
 template <class T, int KH, int VF, int S32, int ODD>
 __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, int pw) {
@@ -309,7 +337,19 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
     const ItemPos it(P, item);
     const int tok0 = int(it.tok0), qb = int(i & 1);
     const int kb = k_origin<ODD>(P, c.k0, it.hq);
-    if (lead) {
+    if constexpr (ODD) {
+      if (P.hand_qk) {  // the whole warpgroup copies q, k; each thread's copies land on qk_full
+        if (i >= 2) mbar_wait(&c.qk_empty[qb], uint32_t((i >> 1) - 1) & 1);
+#pragma unroll 1
+        for (int x = 0; x < KH / 32; ++x) {  // q's boxes, then k's (64 columns of K each)
+          const int c0 = c.k0 + 64 * (x % (KH / 64));
+          hand_tile(c.template at<unsigned char>(L::kQ + qb * L::kQK) + x * kRowTile, x < KH / 64 ? P.q16 : P.k16,
+                    (it.tok0 * P.H + it.hq) * P.K + c0, int64_t(P.H) * P.K, it.n, P.K - c0, P.qw, 32 * pw + lane);
+        }
+        cp_async_arrive_noinc(&c.qk_full[qb]);
+      }
+    }
+    if (lead && !(ODD && P.hand_qk)) {
       if (i >= 2) mbar_wait(&c.qk_empty[qb], uint32_t((i >> 1) - 1) & 1);
       if (lane == 0) {
         mbar_expect_tx(&c.qk_full[qb], L::kQK);
@@ -340,14 +380,16 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
         const bool tma_states = !S32 && !(ODD && P.hand);
         if (lead && lane == 0) {
           if (g == 0 && s == 0) c.pos[slot] = it;  // the consumers need not locate the item (varlen: a search)
-          const uint32_t vbytes = (P.dw_on ? 3 : 2) * kRowTile;
+          const uint32_t vbytes = ODD && P.hand_v ? 0 : (P.dw_on ? 3 : 2) * kRowTile;
           uint64_t *vbar = pad ? &c.land[slot] : bar;
           if (pad) mbar_expect_tx(vbar, vbytes);
           mbar_expect_tx(bar, (pad ? 0 : vbytes) + (tma_states ? 2 * L::kHTile : 0));
           const int x = (ODD ? vb : 64 * s) + (ODD ? hv * P.fv_x : 0), y = ODD ? hv * P.fv_y : hv;
-          tma_load_3d(b, &P.m_do, x, y, tok0, vbar);
-          tma_load_3d(b + kRowTile, &P.m_v, x, y, tok0, vbar);
-          if (P.dw_on) tma_load_3d(b + 2 * kRowTile, &P.m_dv, x, y, tok0, vbar);
+          if (!(ODD && P.hand_v)) {
+            tma_load_3d(b, &P.m_do, x, y, tok0, vbar);
+            tma_load_3d(b + kRowTile, &P.m_v, x, y, tok0, vbar);
+            if (P.dw_on) tma_load_3d(b + 2 * kRowTile, &P.m_dv, x, y, tok0, vbar);
+          }
           if (tma_states) {
             if (VF) {  // [V, K] states: KH / 64 boxes of 64 rows of V by 64 columns of K
               for (int k = 0; k < KH / 64; ++k) {
@@ -361,8 +403,18 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
           }
         }
         if constexpr (ODD) {
+          if (P.hand_v) {  // do, v, dv of value head hv, V columns [64 s, 64 s + 64)
+#pragma unroll 1
+            for (int x = 0; x < (P.dw_on ? 3 : 2); ++x)
+              hand_tile(b + x * kRowTile, x == 0 ? P.do16 : x == 1 ? P.v16 : P.dv16, (it.tok0 * P.HV + hv) * P.V + vb,
+                        int64_t(P.HV) * P.V, it.n, P.V - vb, P.vw, 32 * pw + lane);
+          }
           if (S32) convert_states<T, VF, KH, 1>(P, h, hrow, s, kb, 32 * pw + lane, vb);
-          else if (P.hand) hand_states<T, KH, VF>(P, h, hrow, vb, kb, 32 * pw + lane, bar);
+          else if (P.hand) hand_states<T, KH, VF>(P, h, hrow, vb, kb, 32 * pw + lane);
+          // each thread's arrivals (P.hand_arrivals / 128): once its cp.async copies land, once after
+          // its 2-byte state stores
+          if (P.hand_v || (P.hand && P.hw != 2)) cp_async_arrive_noinc(bar);
+          if (P.hand && P.hw == 2) mbar_arrive(bar);
           if (pad) {
             if (pw > 0) {
               mbar_wait(&c.land[slot], (land_par >> slot) & 1);
@@ -505,7 +557,7 @@ __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int lo, i
     }
     __syncwarp();
     if constexpr (ODD) {
-      const bool wide = reinterpret_cast<uintptr_t>(out) % 16 == 0;  // (ld: a multiple of 8)
+      const bool wide = reinterpret_cast<uintptr_t>(out) % 16 == 0 && ld % 8 == 0;
 #pragma unroll 1
       for (int p = 0; p < 4; ++p) {
         const int row = 4 * p + lane / 8, chunk = lane % 8, col = 64 * h + 8 * chunk;
@@ -583,7 +635,7 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
         const uint32_t slot = st % L::kSlots;
         mbar_wait(&c.full[slot], (st / L::kSlots) & 1);
         if constexpr (ODD) {
-          if (P.hand) fence_proxy_async();  // h, dh copied by hand (generic proxy) before the wgmma reads them
+          if (P.hand || P.hand_v) fence_proxy_async();  // copied by hand (generic proxy), read by the wgmma
         }
         if (g == 0 && s == 0) it = c.pos[slot];
         if (kDs && s == 0) {  // the gates landed with this stage
@@ -716,13 +768,14 @@ __global__ void __launch_bounds__(kThreads90, 1) dqkwg_sm90_kernel(const __grid_
   if (threadIdx.x == 0) {
     // full: warp 12's lanes (lane 0's with the TMA bytes); with fp32 states, every producer thread
     // once it has converted its part, and lane 0 of warp 12 once more with the bytes; ODD: lane 0
-    // with the bytes and each producer warp once (and with hand states each producer thread)
+    // with the bytes and each producer warp once (and P.hand_arrivals for the hand copies)
     for (int s = 0; s < Layout<KH>::kSlots; ++s) {
-      mbar_init(&c.full[s], ODD ? 5 + (P.hand ? 128 : 0) : S32 ? 129 : 32), mbar_init(&c.empty[s], kConsumers / 32);
+      mbar_init(&c.full[s], ODD ? 5 + P.hand_arrivals : S32 ? 129 : 32), mbar_init(&c.empty[s], kConsumers / 32);
       if (ODD) mbar_init(&c.land[s], 1);
     }
     for (int s = 0; s < 2; ++s) {
-      mbar_init(&c.qk_full[s], 1), mbar_init(&c.qk_empty[s], 1), mbar_init(&c.gam_empty[s], 1);
+      mbar_init(&c.qk_full[s], ODD && P.hand_qk ? 128 : 1), mbar_init(&c.qk_empty[s], 1);
+      mbar_init(&c.gam_empty[s], 1);
       mbar_init(&c.mail_full[s], 1), mbar_init(&c.mail_free[s], 1);
     }
   }
@@ -859,13 +912,15 @@ bool kernel_forced(const char *name) {  // read on every call, so that tests can
   return e && std::strcmp(e, name) == 0;
 }
 
-// K or V not a multiple of 8 (the ODD kernels) needs the folded maps' row strides, H K and HV V, to be
-// multiples of 8 elements, and fp32 states in rows of whole float4s (the fp32 loader's unit).
+// K or V not a multiple of 8 (the ODD kernels): folded maps where their row strides, H K and HV V, are
+// multiples of 8 elements (K + the boxes' shift at most two 128-wide CTAs), else q, k (do, v, dv)
+// copied by hand, 4 or 2 elements a copy (K, V even); fp32 states in rows of whole float4s (the fp32
+// loader's unit).
 bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks) {
 #if HL_GDN_SM90A
   if (kernel_forced("portable")) return false;
-  if (a.K % 8 && ((a.H * a.K) % 8 || a.K + shift_max(a.K) > 256)) return false;  // at most two 128-wide CTAs
-  if (a.V % 8 && (a.HV * a.V) % 8) return false;
+  if (a.K % 8 && ((a.H * a.K) % 8 ? a.K % 2 != 0 : a.K + shift_max(a.K) > 256)) return false;
+  if (a.V % 8 && (a.HV * a.V) % 8 && a.V % 2) return false;
   if (a.h_dtype == HL_DTYPE_F32 && ((a.flags & HL_GDN_STATE_V_FIRST) ? a.K : a.V) % 4) return false;
   if (a.B * a.T >= INT32_MAX || chunks * a.HV >= INT32_MAX) return false;  // TMA coordinates are int32
   for (const void *p : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.h, a.dh, a.dq, a.dk})
@@ -884,7 +939,9 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   const uint64_t H = uint64_t(a.H), HV = uint64_t(a.HV), K = uint64_t(a.K), V = uint64_t(a.V);
   const uint64_t tokens = uint64_t(a.B * a.T);
   const bool vf = a.flags & HL_GDN_STATE_V_FIRST;
-  const bool fold_k = a.K % 8, fold_v = a.V % 8, odd = fold_k || fold_v;
+  // K (V) not a multiple of 8: folded maps where H K (HV V) is, else q, k (do, v, dv) by hand.
+  const bool hand_qk = a.K % 8 && (a.H * a.K) % 8, hand_v = a.V % 8 && (a.HV * a.V) % 8;
+  const bool fold_k = a.K % 8 && !hand_qk, fold_v = a.V % 8 && !hand_v, odd = a.K % 8 || a.V % 8;
   // Folded, a head's boxes start d = (h K) % 8 columns before its K (V) index 0 (16-byte aligned): the
   // CTAs (stages) cover K + d (V + d) indices, d at most shift_max(K).
   const int64_t Kc = a.K + (fold_k ? shift_max(a.K) : 0), Vc = a.V + (fold_v ? shift_max(a.V) : 0);
@@ -895,11 +952,19 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
     return fold ? make_map(m, a.dtype, x, heads * width, 1, tokens, heads * width * 2, heads * width * 2, 64, 1, 64)
                 : make_map(m, a.dtype, x, width, heads, tokens, width * 2, heads * width * 2, 64, 1, 64);
   };
-  HL_TRY(head_map(&p.m_do, a.do_, V, HV, fold_v));
-  HL_TRY(head_map(&p.m_v, a.v, V, HV, fold_v));
-  if (a.dw) HL_TRY(head_map(&p.m_dv, a.dv, V, HV, fold_v));
-  HL_TRY(head_map(&p.m_q, a.q, K, H, fold_k));
-  HL_TRY(head_map(&p.m_k, a.k, K, H, fold_k));
+  if (hand_v) {
+    p.hand_v = true, p.do16 = a.do_, p.v16 = a.v, p.dv16 = a.dv, p.vw = a.V % 4 ? 2 : 4;
+  } else {
+    HL_TRY(head_map(&p.m_do, a.do_, V, HV, fold_v));
+    HL_TRY(head_map(&p.m_v, a.v, V, HV, fold_v));
+    if (a.dw) HL_TRY(head_map(&p.m_dv, a.dv, V, HV, fold_v));
+  }
+  if (hand_qk) {
+    p.hand_qk = true, p.q16 = a.q, p.k16 = a.k, p.qw = a.K % 4 ? 2 : 4;
+  } else {
+    HL_TRY(head_map(&p.m_q, a.q, K, H, fold_k));
+    HL_TRY(head_map(&p.m_k, a.k, K, H, fold_k));
+  }
   p.fk_x = fold_k ? int(K) : 0, p.fk_y = fold_k ? 0 : 1, p.fv_x = fold_v ? int(V) : 0, p.fv_y = fold_v ? 0 : 1;
   p.vpad = fold_v;
   const uint64_t states = uint64_t(chunks) * HV;
@@ -916,6 +981,8 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
     HL_TRY(make_map(&p.m_h, a.dtype, a.h, V, K, states, V * 2, K * V * 2, 64, KH, 1));
     HL_TRY(make_map(&p.m_dh, a.dtype, a.dh, V, K, states, V * 2, K * V * 2, 64, KH, 1));
   }
+  // arrivals on a stage's full barrier a producer thread: after its cp.async copies, after its stores
+  p.hand_arrivals = 128 * (int(hand_v || (p.hand && p.hw != 2)) + int(p.hand && p.hw == 2));
   p.dq = a.dq, p.dk = a.dk, p.dw = a.dw, p.dg = a.dg, p.g = a.g, p.g_gamma = a.g_gamma;
   p.chunks = table;
   p.items = chunks * a.H;

@@ -1,8 +1,9 @@
 // The Hopper (sm_90a) gdn_bwd_dqkwg kernel: TMA and warpgroup MMAs. It takes 16-byte aligned tensors
 // (any GVA, 16-bit or fp32 states, either state layout) on a compute capability 9.0 device when the
-// library holds sm_90a code, with K and V multiples of 8 or else H K (for K) and HV V (for V)
-// multiples of 8 (and K + 8 - gcd(K, 8) <= 256: folded boxes start up to 8 - gcd(K, 8) columns
-// early), and fp32 states in rows (of V; K with state_v_first) of a multiple of 4 elements;
+// library holds sm_90a code, with K and V multiples of 8, or else H K (for K) and HV V (for V)
+// multiples of 8 (folded maps; K + 8 - gcd(K, 8) <= 256: folded boxes start up to 8 - gcd(K, 8)
+// columns early), or else K (V) even (q, k or do, v, dv copied by hand), and fp32 states in rows (of
+// V; K with state_v_first) of a multiple of 4 elements;
 // everything else runs the portable kernel (dqkwg.cu). HEADLOSS_GDN_KERNEL=portable forces the
 // portable kernel (tests, A/B); HEADLOSS_GDN_KERNEL=sm90 makes a call that the Hopper kernel does not
 // take fail instead (tests: which kernel ran).

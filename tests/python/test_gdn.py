@@ -284,6 +284,12 @@ ODD_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (1, 150, 4, 4, 62, 62, "log", True, None),                    # K + d_k up to 68: KH 128; V + d_v: 2 V stages (the second all pad at d_v < 2)
     (1, 150, 2, 2, 60, 60, "log2", True, None),                   # d = 4: K + d_k = V + d_v = 64 exactly
     (1, 200, 8, 16, 99, 100, "log", True, [0, 70, 71, 200]),      # varlen, GVA, both odd: dw rows at every alignment
+    # H K (HV V) not a multiple of 8 either: q, k (do, v, dv) copied by hand, 4 or 2 elements a copy
+    (1, 150, 1, 1, 100, 100, "log2", True, None),                 # both by hand, 8-byte copies; states by hand
+    (1, 170, 3, 3, 36, 60, "log", True, None),                    # both by hand, KH = 64
+    (1, 200, 1, 4, 98, 128, "log2", True, None),                  # q, k in 4-byte copies, GVA 4; do, v, dv by TMA
+    (1, 260, 1, 2, 202, 50, "log", True, [0, 100, 101, 260]),     # a cluster, varlen, GVA; do, v, dv 4-byte copies
+    (1, 150, 2, 2, 100, 38, "none", False, None),                 # folded q, k beside hand do, v (no dw, no gate)
 ]
 
 GPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
@@ -334,8 +340,9 @@ def gdn_kernel(request, monkeypatch):
 
 def hopper_takes(H, HV, K, V, vf=False, h32=False):
     """Whether the Hopper kernel takes these shapes (fresh, 16-byte aligned tensors; dqkwg_sm90.h)."""
-    return ((K % 8 == 0 or (H * K % 8 == 0 and K + 8 - int(np.gcd(K, 8)) <= 256))  # shifted boxes: 2 CTAs
-            and (V % 8 == 0 or HV * V % 8 == 0)
+    return ((K % 8 == 0 or (H * K % 8 == 0 and K + 8 - int(np.gcd(K, 8)) <= 256)  # shifted boxes: 2 CTAs
+             or (H * K % 8 != 0 and K % 2 == 0))  # q, k by hand
+            and (V % 8 == 0 or HV * V % 8 == 0 or V % 2 == 0)
             and (not h32 or (K if vf else V) % 4 == 0))
 
 
@@ -381,7 +388,7 @@ def test_cuda_matches_reference(case, dtype, gdn_kernel, monkeypatch):
 
 
 VF_CASES = [c for c in GPU_CASES if c[1] < 1000 and c[4] % 8 == 0 and c[5] % 8 == 0][::2] + [GPU_CASES[6]] + \
-    [ODD_CASES[i] for i in (0, 1, 2, 3, 5, 6, 13, 14, 15, 16)]  # [V, K] rows of K: by hand unless K % 8 == 0
+    [ODD_CASES[i] for i in (0, 1, 2, 3, 5, 6, 13, 14, 15, 16, 18, 19, 20, 21)]  # [V, K] rows of K: by hand unless K % 8 == 0
 
 
 def same_results(got, want, exact):
@@ -484,6 +491,7 @@ H32_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (1, 300, 3, 3, 192, 72, "const2", True, None),                # ragged second K half, V partial
     (1, 400, 1, 4, 128, 128, "log", True, [0, 17, 17, 200, 333, 400]),  # varlen, GVA
     (1, 6400, 2, 2, 128, 128, "log2", True, None),                # 200 items: rings wrap
+    (1, 300, 3, 3, 36, 60, "log", True, None),                    # q, k and do, v, dv by hand
     # K or V not a multiple of 8 (folded maps; the fp32 loader as it is, rows of whole float4s)
     (2, 640, 2, 2, 100, 100, "log2", True, None),
     (1, 400, 2, 4, 200, 60, "log", True, [0, 17, 17, 200, 333, 400]),  # varlen, GVA, a cluster
@@ -581,7 +589,7 @@ def test_cuda_many_chunks_varlen(gdn_kernel, check, monkeypatch):
 
 def test_cuda_forced_sm90_refuses(monkeypatch):
     """HEADLOSS_GDN_KERNEL=sm90 (the tests' check that the Hopper kernel ran) fails a call that the
-    Hopper kernel does not take (H K not a multiple of 8) instead of running the portable kernel."""
+    Hopper kernel does not take (H K not a multiple of 8 and K odd) instead of running the portable kernel."""
     torch = _torch()
     x = make(np.random.default_rng(), 1, 100, 1, 1, 33, 40, gate="log")
     d = lambda a, dt=torch.bfloat16: torch.from_numpy(a).to("cuda", dt).contiguous()
