@@ -4,7 +4,8 @@ bf16 inputs, h/dh in bf16 (fla's default) unless a row says fp32 states, log2-un
 w/dv on (dw produced). Shapes: SPEC section 2, a varlen batch, GVA (value heads 2x the q/k heads as
 Qwen3-Next, 8x at K = 128, 4x at K = 256), fp32 states, fla's state_v_first layout, K = V = 100,
 K = 100 with V = 128, V = 100 with K = 128 and K = V = 99 (not multiples of 8: the Hopper kernel maps
-q, k, do, v, dv folded, [tokens][H K], and copies the states TMA cannot map by hand).
+q, k, do, v, dv folded, [tokens][H K], and copies the states TMA cannot map by hand), and 15 heads of
+K = V = 100 (H K not a multiple of 8 either: q, k, do, v, dv copied by hand).
 fla refuses to run on Hopper with Triton 3.4-3.7.0 (a miscompile); for timing only, this script
 bypasses that guard by patching the module flag, and reports how far fla's output is from ours (fla's
 dg is off at the last token of a partial chunk, hence on varlen: bench/NOTES.md, "GDN v6").
@@ -40,6 +41,7 @@ STATES = [  # B, T, H, K (= V unless given) with fp32 states / fla's state_v_fir
     ("odd K, V = 128 (Hopper kernel: folded q, k)", (8, 4096, 16, 100), dict(V=128)),
     ("odd V, K = 128 (Hopper kernel: folded do, v, dv, states by hand)", (8, 4096, 16, 128), dict(V=100)),
     ("odd K = V = 99 (Hopper kernel: states element by element)", (8, 4096, 16, 99), {}),
+    ("odd K = V, 15 heads (Hopper kernel: q, k, do, v, dv copied by hand)", (8, 4096, 15, 100), {}),
 ]
 
 
