@@ -27,9 +27,11 @@
 // column j holds K index kb + j, kb = k0 - d_k (V: hv V + 64 s - d_v, V index 64 s - d_v + j). The
 // CTAs of a cluster cover K + max d_k (at most K + 7), the stages V + max d_v; tile columns outside
 // [0, K) hold the neighbouring heads' data: q, k's are zeroed in the buffer by the consumers
-// (zero_foreign), do, v, dv's in the slot by the producer warpgroup (the sums over V). States follow the same origins (TMA rows below 0 or past the end zero-filled; those TMA
-// cannot map copied by the producer warpgroup, hand_states, zeros outside the state). dq, dk rows then
-// start 16-byte aligned, dw rows (hv K - d_k) in general not: stored element by element.
+// (zero_foreign), do, v, dv's in the slot by the producer warpgroup (the sums over V). States follow
+// the same origins (TMA rows below 0 or past the end zero-filled; those TMA cannot map copied by the
+// producer warpgroup, hand_states, zeros outside the state). dq, dk rows then start 16-byte aligned,
+// dw rows (hv K - d_k) in general not: stored element by element. Where H K (HV V) is not a multiple
+// of 8 either, no map takes q, k (do, v, dv): the producer warpgroup copies them unshifted (hand_box).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -234,9 +236,9 @@ __device__ __forceinline__ void hand_box(unsigned char *dst, const unsigned shor
 // and dh copied by the producer warpgroup's 128 threads (t) where TMA would put them, P.hw bytes a
 // copy (the caller arrives on the stage's full barrier). 8 or 4 bytes: cp.async (zero-filled past V),
 // landing through cp.async.mbarrier.arrive.noinc: no registers held, so the whole stage is in flight
-// at once (up to 32 copies a thread at KH = 128) while the producer keeps its 56 registers and the consumers
-// their 152 (the fp32 loader needs 96 for its 16 loads in flight, which cost the consumers 16 and
-// made them spill); the consumers fence the proxies before their wgmma. 2 bytes (odd K or V;
+// at once (up to 32 copies a thread at KH = 128) while the producer keeps its 56 registers and the
+// consumers their 152 (the fp32 loader needs 96 for its 16 loads in flight, which cost the consumers
+// 16 and made them spill); the consumers fence the proxies before their wgmma. 2 bytes (odd K or V;
 // cp.async has no 2-byte form): through registers, 16 loads in flight a thread (every unit stored:
 // skipping those past K spilled 484 bytes).
 template <class T, int KH, int VF>
