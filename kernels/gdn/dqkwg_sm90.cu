@@ -538,10 +538,12 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 // shared memory (stmatrix; 16-byte chunks swizzled by row), then 16-byte stores, 8 lanes a row:
 // whole 128-byte lines, where the accumulator layout alone gives 4-byte stores, 16 bytes a line.
 // ODD: out is the output column of tile column 0 (K index kb = k0 - d_k, the shifted box's), columns
-// [lo, nc) are stored (below lo: the previous head's, from nc: the next head's). dq, dk rows then start
-// 16-byte aligned (hq K - d_k is a multiple of 8 elements, and so is ld), and dw rows with one value
-// head a q/k head; the 16-byte pieces wholly inside [lo, nc) of aligned rows are stored whole, the
-// rest element by element (one small loop: the ODD kernels' size is what costs, bench/NOTES.md).
+// [lo, nc) are stored (below lo: the previous head's, from nc: the next head's). Folded, dq, dk rows
+// start 16-byte aligned (hq K - d_k is a multiple of 8 elements, and so is ld), dw rows with one value
+// head a q/k head; otherwise (dw with GVA; q, k by hand: ld = H K not a multiple of 8) rows start 4- or
+// 8-byte aligned for even K. The 16-byte pieces wholly inside [lo, nc) are stored in the widest stores
+// their address allows, the partial ones at both ends element by element (one small loop: the ODD
+// kernels' size is what costs, bench/NOTES.md).
 template <class T, int KH, int ODD>
 __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int lo, int nc, const float (&acc)[KH / 8][4],
                                            float mul, int m0, T *stage, int lane) {
@@ -560,19 +562,31 @@ __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int lo, i
     }
     __syncwarp();
     if constexpr (ODD) {
-      const bool wide = reinterpret_cast<uintptr_t>(out) % 16 == 0 && ld % 8 == 0;
 #pragma unroll 1
       for (int p = 0; p < 4; ++p) {
         const int row = 4 * p + lane / 8, chunk = lane % 8, col = 64 * h + 8 * chunk;
-        const Pack<T, 8> x = load_pack<T, 8>(stage + row * 64 + 8 * (chunk ^ (row & 7)));
+        const uint4 x = *reinterpret_cast<const uint4 *>(stage + row * 64 + 8 * (chunk ^ (row & 7)));
         T *o = out + (m0 + row) * ld + col;
         if (m0 + row >= nr || col + 8 <= lo || col >= nc) continue;
-        if (wide && col >= lo && col + 8 <= nc) {
-          store_pack<T, 8>(o, x);
-        } else {
+        const int al = int(reinterpret_cast<uintptr_t>(o) % 16);  // the chunk's alignment (bytes)
+        if (col >= lo && col + 8 <= nc && al % 4 == 0) {  // whole: the widest stores its address allows
+          // (as asm: plain uint4 / uint2 stores here compiled to four 4-byte ones, in every ODD kernel)
+          if (al == 0) {
+            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(o), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w)
+                         : "memory");
+          } else if (al % 8 == 0) {
+            asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(o), "r"(x.x), "r"(x.y) : "memory");
+            asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(o + 4), "r"(x.z), "r"(x.w) : "memory");
+          } else {
+            uint32_t *w = reinterpret_cast<uint32_t *>(o);
+            w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+          }
+        } else {  // the partial chunks at both ends (and odd-aligned rows) element by element
+          T e[8];
+          memcpy(e, &x, 16);
 #pragma unroll
-          for (int e = 0; e < 8; ++e)
-            if (col + e >= lo && col + e < nc) o[e] = x.v[e];
+          for (int k = 0; k < 8; ++k)
+            if (col + k >= lo && col + k < nc) o[k] = e[k];
         }
       }
     } else {
