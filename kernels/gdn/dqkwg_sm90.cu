@@ -30,8 +30,11 @@
 // (zero_foreign), do, v, dv's in the slot by the producer warpgroup (the sums over V). States follow
 // the same origins (TMA rows below 0 or past the end zero-filled; those TMA cannot map copied by the
 // producer warpgroup, hand_states, zeros outside the state). dq, dk rows then start 16-byte aligned,
-// dw rows (hv K - d_k) in general not: stored element by element. Where H K (HV V) is not a multiple
-// of 8 either, no map takes q, k (do, v, dv): the producer warpgroup copies them unshifted (hand_box).
+// dw rows (hv K - d_k) in general not: stored in the widest pieces their alignment allows. Where H K
+// (HV V) is not a multiple of 8 either, no map takes q, k (do, v, dv), nor q, k where the shifted boxes
+// would pass two CTAs (K + d_k > 256): the producer warpgroup copies them unshifted (hand_box; 2-byte
+// pieces of odd K or V through registers, cp.async has no 2-byte form: the ODD = 2 kernels, with fp32
+// states in rows of other than a multiple of 4 floats).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -74,13 +77,17 @@ struct Sm90Params {  // CUtensorMap members keep it 64-byte aligned
   const void *h16, *dh16;      // 16-bit states the producer warpgroup copies (hand)
   int fk_x, fk_y, fv_x, fv_y;  // q, k (fk) and do, v, dv (fv): column c of head h at (c + h fx, h fy):
                                // folded (fx = K or V, fy = 0) or not (0, 1)
-  int hw;                      // hand: bytes a copy (8, 4 or 2)
+  int hw;                      // hand: elements a copy (4, 2 or 1)
   bool hand, vpad;             // states by hand; folded V (its last stage's columns past V zeroed)
   // q, k (H K not a multiple of 8) and do, v, dv (HV V) that not even a folded map takes, copied by the
-  // producer warpgroup: elements a copy (4 or 2), and each producer thread's arrivals on full a stage
+  // producer warpgroup: elements a copy (4, 2 or 1)
   const void *q16, *k16, *do16, *v16, *dv16;
-  int qw, vw, hand_arrivals;
+  int qw, vw;
+  int sw;  // fp32 states: floats a load (4, 2 or 1: the rows' V, VF: K)
   bool hand_qk, hand_v;
+  // each producer thread's arrivals on a stage's full barrier: once its cp.async copies land (async),
+  // once after its stores through registers (regs)
+  bool stage_async, stage_regs;
 };
 
 // Where item (chunk, q/k head) lies; its value heads are hq G .. hq G + G - 1.
@@ -152,41 +159,58 @@ struct Cta {
   template <class T> __device__ T *k(int b) const { return at<T>(L::kQ + b * L::kQK + L::kQK / 2); }
 };
 
-// fp32 states: a stage's KH x 64 (state_v_first: 64 x KH) of h and dh read 16 bytes a thread
-// at a time (coalesced) by the producer warpgroup's 128 threads, rounded and stored where TMA's
-// 128-byte swizzle would put them, 16 loads in flight a thread (96 registers; the loads are
-// latency-bound: 8 in flight ran at 54% of the floor, 16 at 64%). Rows of the tile are K rows
-// (V rows with VF); rows past K or V and columns past V or K are zeros. Tile row (VF: column) r is
-// K index k0 + r, tile column (VF: row) c V index 64 s + c; ODD: V index vb + c (k0 and vb shifted to
-// the boxes' 16-byte boundaries, kb and 64 s - d_v in produce), indices below 0 zeros too.
-template <class T, int VF, int KH, int ODD = 0>
+// The byte offset of 16-bit element c (< 64) of row r in a tile of 128-byte rows in TMA's 128-byte
+// swizzle (16-byte chunk c / 8 of row r at chunk (c / 8) ^ (r % 8)).
+__device__ __forceinline__ int swizzled_byte(int r, int c) {
+  return r * 128 + ((((c >> 3) ^ r) & 7) << 4) + (c & 7) * 2;
+}
+
+// fp32 states: a stage's KH x 64 (state_v_first: 64 x KH) of h and dh read W floats a thread at a
+// time (16 bytes where the rows allow; coalesced) by the producer warpgroup's 128 threads, rounded
+// and stored where TMA's 128-byte swizzle would put them, 16 loads in flight a thread (96 registers;
+// the loads are latency-bound: 8 in flight ran at 54% of the floor, 16 at 64%). Rows of the tile are
+// K rows (V rows with VF); rows past K or V and columns past V or K are zeros. Tile row (VF: column)
+// r is K index k0 + r, tile column (VF: row) c V index 64 s + c; ODD: V index vb + c (k0 and vb
+// shifted to the boxes' 16-byte boundaries, kb and 64 s - d_v in produce), indices below 0 zeros too.
+// W (4, 2 or 1; ODD only below 4) divides the rows (V, VF: K) and the shifts: a unit lies wholly in or out.
+template <class T, int VF, int KH, int ODD = 0, int W = 4>
 __device__ __forceinline__ void convert_states(const Sm90Params &P, unsigned char *h_tile, int64_t state, int s,
                                                int k0, int t, int vb = 0) {
-  constexpr int kUnits = 2 * KH * 16, kBatch = 16;  // 16 bytes of fp32 a unit, 16 a tile row
+  constexpr int kRow = 64 / W, kUnits = 2 * KH * kRow, kBatch = 16;  // units a tile row; h's then dh's
   static_assert(kUnits % (128 * kBatch) == 0, "whole batches");
+  using F = std::conditional_t<W == 4, float4, std::conditional_t<W == 2, float2, float>>;
   const int64_t base = state * P.K * P.V;
 #pragma unroll 1
   for (int u0 = 0; u0 < kUnits; u0 += 128 * kBatch) {
-    float4 x[kBatch];
+    F x[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int u = u0 + b * 128 + t, r = (u / 16) % KH, p = u % 16;
-      const float *src = u < KH * 16 ? P.h32 : P.dh32;
+      const int u = u0 + b * 128 + t, r = (u / kRow) % KH, p = u % kRow;
+      const float *src = u < KH * kRow ? P.h32 : P.dh32;
       // the unit's row and first column in the [K, V] (VF: [V, K]) state
-      const int row = VF ? (ODD ? vb : 64 * s) + r % 64 : k0 + r, col = VF ? k0 + 64 * (r / 64) + 4 * p : (ODD ? vb : 64 * s) + 4 * p;
+      const int row = VF ? (ODD ? vb : 64 * s) + r % 64 : k0 + r;
+      const int col = VF ? k0 + 64 * (r / 64) + W * p : (ODD ? vb : 64 * s) + W * p;
       const bool ok = (VF ? row < P.V && col < P.K : row < P.K && col < P.V) && (!ODD || (row >= 0 && col >= 0));
-      x[b] = ok ? __ldg(reinterpret_cast<const float4 *>(src + base + int64_t(row) * (VF ? P.K : P.V) + col))
-                : make_float4(0.f, 0.f, 0.f, 0.f);
+      x[b] = ok ? __ldg(reinterpret_cast<const F *>(src + base + int64_t(row) * (VF ? P.K : P.V) + col)) : F{};
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int u = u0 + b * 128 + t, r = (u / 16) % KH, p = u % 16;
-      unsigned char *dst = h_tile + (u < KH * 16 ? 0 : KH * 128) + r * 128 + (((p / 2) ^ (r & 7)) << 4) + (p & 1) * 8;
-      const Pack<T, 2> lo = pack_pair<T>(x[b].x, x[b].y), hi = pack_pair<T>(x[b].z, x[b].w);
-      uint2 w;
-      memcpy(&w.x, &lo, 4);
-      memcpy(&w.y, &hi, 4);
-      *reinterpret_cast<uint2 *>(dst) = w;
+      const int u = u0 + b * 128 + t, r = (u / kRow) % KH, p = u % kRow;
+      unsigned char *dst =
+          h_tile + (u < KH * kRow ? 0 : KH * 128) + swizzled_byte(r, W * p);
+      const float *e = reinterpret_cast<const float *>(&x[b]);
+      if constexpr (W == 1) {
+        *reinterpret_cast<T *>(dst) = from_float<T>(e[0]);
+      } else {
+        uint32_t w[W / 2];
+#pragma unroll
+        for (int k = 0; k < W / 2; ++k) {
+          const Pack<T, 2> pk = pack_pair<T>(e[2 * k], e[2 * k + 1]);
+          memcpy(&w[k], &pk, 4);
+        }
+        if constexpr (W == 4) *reinterpret_cast<uint2 *>(dst) = make_uint2(w[0], w[1]);
+        else *reinterpret_cast<uint32_t *>(dst) = w[0];
+      }
     }
   }
   fence_proxy_async();  // the wgmma reads them (async proxy)
@@ -204,32 +228,77 @@ __device__ __forceinline__ bool state_unit(const Sm90Params &P, int u, int vb, i
   // the unit's row and first column in the [K, V] (VF: [V, K]) state
   const int row = VF ? vb + r % 64 : kb + r, col = (VF ? kb + 64 * (r / 64) : vb) + W * p;
   src = int64_t(row) * (VF ? P.K : P.V) + col;
-  dst = (u < KH * kRow ? 0 : KH * 128) + r * 128 + (((W * p / 8) ^ (r & 7)) << 4) + W * p % 8 * 2;
+  dst = (u < KH * kRow ? 0 : KH * 128) + swizzled_byte(r, W * p);
   return row >= 0 && col >= 0 && (VF ? row < P.V && col < P.K : row < P.K && col < P.V);
+}
+
+// ODD: 2-byte pieces (odd rows: cp.async has no 2-byte form) copied through registers by the producer
+// warpgroup's 128 threads (t), 16 loads in flight a thread: unit u (t, t + 128, ...) of kUnits is read
+// from src (a zero where unit(u, src, off) says it lies outside the tensor) and stored at dst + off.
+// The offsets are worked out twice rather than held: 16 of them would spill the producer's 56 registers.
+template <int kUnits, class Unit>
+__device__ __forceinline__ void copy_via_registers(unsigned char *dst, int t, Unit unit) {
+  constexpr int kBatch = 16;
+  static_assert(kUnits % (128 * kBatch) == 0, "whole batches");
+#pragma unroll 1
+  for (int u0 = 0; u0 < kUnits; u0 += 128 * kBatch) {
+    unsigned short x[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const unsigned short *src;
+      int off;
+      x[b] = unit(u0 + b * 128 + t, src, off) ? __ldg(src) : 0;
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const unsigned short *src;
+      int off;
+      unit(u0 + b * 128 + t, src, off);
+      *reinterpret_cast<unsigned short *>(dst + off) = x[b];
+    }
+  }
 }
 
 // ODD, hand tiles: a 64 x 64 box of a row-major 16-bit [tokens][ld] tensor (src: the box's first element)
 // copied where TMA's 128-byte swizzle would put it (dst), rows < n and columns < nc, zeros elsewhere, W
-// elements a cp.async (W divides nc and the offsets), by the producer warpgroup's 128 threads (t).
+// elements a copy (W divides nc and the offsets; cp.async for 4 and 2, through registers for 1), by the
+// producer warpgroup's 128 threads (t).
 template <int W>
 __device__ __forceinline__ void hand_box(unsigned char *dst, const unsigned short *src, int64_t ld, int n, int nc,
                                          int t) {
   constexpr int kRow = 64 / W, kStep = 128 / kRow;  // copies a row; rows a step
-  const int p = t % kRow;
+  if constexpr (W == 1) {
+    copy_via_registers<64 * 64>(dst, t, [&](int u, const unsigned short *&s, int &o) {
+      const int r = u / 64, p = u % 64;
+      s = src + r * ld + p, o = swizzled_byte(r, p);
+      return r < n && p < nc;
+    });
+  } else {
+    const int p = t % kRow;
 #pragma unroll 2
-  for (int r = t / kRow; r < 64; r += kStep) {
-    const bool in = r < n && W * p < nc;
-    cp_async_bytes<2 * W>(dst + r * 128 + (((W * p / 8) ^ (r & 7)) << 4) + W * p % 8 * 2,
-                          in ? src + r * ld + W * p : src, in);
+    for (int r = t / kRow; r < 64; r += kStep) {
+      const bool in = r < n && W * p < nc;
+      cp_async_bytes<2 * W>(dst + swizzled_byte(r, W * p), in ? src + r * ld + W * p : src, in);
+    }
   }
 }
 
-// (Unused in the sm_80 pass, which compiles the kernel to nothing.)
+// Odd K or V: 2-byte pieces, out of line (inlined at both call sites it grows the kernel by ~900
+// instructions; the ODD kernels' size is what costs, bench/NOTES.md "GDN v14").
+[[maybe_unused]] __device__ __noinline__ void hand_box_2byte(unsigned char *dst, const unsigned short *src, int64_t ld,
+                                                             int n, int nc, int t) {
+  hand_box<1>(dst, src, ld, n, nc, t);
+}
+
+// w elements a copy; 1 only in the NARROW (ODD = 2) kernels. (Unused in the sm_80 pass, which compiles
+// the kernel to nothing.)
+template <bool NARROW>
 [[maybe_unused]] __device__ __forceinline__ void hand_tile(unsigned char *dst, const void *src, int64_t off,
                                                            int64_t ld, int n, int nc, int w, int t) {
   const unsigned short *s = static_cast<const unsigned short *>(src) + off;
   if (w == 4) hand_box<4>(dst, s, ld, n, nc, t);
-  else hand_box<2>(dst, s, ld, n, nc, t);
+  else if (!NARROW || w == 2) hand_box<2>(dst, s, ld, n, nc, t);
+  else hand_box_2byte(dst, s, ld, n, nc, t);
 }
 
 // ODD: 16-bit states whose rows TMA cannot take (V, or K with VF, not a multiple of 8): a stage's h
@@ -258,34 +327,21 @@ __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *
         const int row = row0 + r;
         const bool in = col_in && row >= 0 && row < nrows;
         const int64_t off = in ? int64_t(row) * ncols + col : 0;
-        const int dst = (64 * j + r) * 128 + (((W * p / 8) ^ (r & 7)) << 4) + W * p % 8 * 2;
+        const int dst = 64 * j * 128 + swizzled_byte(r, W * p);
         cp_async_bytes<2 * W>(h_tile + dst, h + off, in);
         cp_async_bytes<2 * W>(h_tile + KH * 128 + dst, dh + off, in);
       }
     }
   };
-  if (P.hw == 8) return copy(std::integral_constant<int, 4>());
-  if (P.hw == 4) return copy(std::integral_constant<int, 2>());
-  constexpr int kUnits = 2 * KH * 64, kBatch = 16;
-  static_assert(kUnits % (128 * kBatch) == 0, "whole batches");
-#pragma unroll 1
-  for (int u0 = 0; u0 < kUnits; u0 += 128 * kBatch) {
-    U x[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int u = u0 + b * 128 + t;
-      int64_t off;
-      int dst;
-      x[b] = state_unit<1, KH, VF>(P, u, vb, kb, off, dst) ? __ldg((u < kUnits / 2 ? h : dh) + off) : U(0);
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      int64_t off;
-      int dst;
-      state_unit<1, KH, VF>(P, u0 + b * 128 + t, vb, kb, off, dst);
-      *reinterpret_cast<U *>(h_tile + dst) = x[b];
-    }
-  }
+  if (P.hw == 4) return copy(std::integral_constant<int, 4>());
+  if (P.hw == 2) return copy(std::integral_constant<int, 2>());
+  constexpr int kUnits = 2 * KH * 64;
+  copy_via_registers<kUnits>(h_tile, t, [&](int u, const U *&src, int &dst) {
+    int64_t off;
+    const bool in = state_unit<1, KH, VF>(P, u, vb, kb, off, dst);
+    src = (u < kUnits / 2 ? h : dh) + off;
+    return in;
+  });
 }
 
 // ODD, folded V: a stage's tile columns j hold V index vb + j (vb = 64 s - d_v); those outside
@@ -324,9 +380,9 @@ __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *
 // dh into the slot and arrive. (No L2 prefetch of the next pass's states: a bulk prefetch a pass
 // ahead cost 13% there, 1.104 -> 0.957 ms without it; bench/NOTES.md "GDN v10".)
 // ODD: all four warps walk the stages and arrive once a warp (5 arrivals with lane 0's expect_tx);
-// with hand states or hand do, v, dv each thread also copies its part (P.hand_arrivals more: once its
-// cp.async copies land, once after 2-byte state stores); hand q, k are the warpgroup's too, each
-// thread's copies landing on qk_full (128 arrivals); with folded V the last
+// with hand states or hand do, v, dv each thread also copies its part (and arrives once its cp.async
+// copies land, once after its stores through registers: P.stage_async, stage_regs); hand q, k are the
+// warpgroup's too, each thread's copies landing on qk_full (128 arrivals); with folded V the last
 // stage's do, v, dv land on the slot's land barrier instead, and warps 13-15 zero their columns past V.
 template <class T, int KH, int VF, int S32, int ODD>
 __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, int pw) {
@@ -346,10 +402,11 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
 #pragma unroll 1
         for (int x = 0; x < KH / 32; ++x) {  // q's boxes, then k's (64 columns of K each)
           const int c0 = c.k0 + 64 * (x % (KH / 64));
-          hand_tile(c.template at<unsigned char>(L::kQ + qb * L::kQK) + x * kRowTile, x < KH / 64 ? P.q16 : P.k16,
+          hand_tile<ODD == 2>(c.template at<unsigned char>(L::kQ + qb * L::kQK) + x * kRowTile, x < KH / 64 ? P.q16 : P.k16,
                     (it.tok0 * P.H + it.hq) * P.K + c0, int64_t(P.H) * P.K, it.n, P.K - c0, P.qw, 32 * pw + lane);
         }
-        cp_async_arrive_noinc(&c.qk_full[qb]);
+        if (ODD == 2 && P.qw == 1) mbar_arrive(&c.qk_full[qb]);  // stored through registers
+        else cp_async_arrive_noinc(&c.qk_full[qb]);
       }
     }
     if (lead && !(ODD && P.hand_qk)) {
@@ -409,15 +466,19 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
           if (P.hand_v) {  // do, v, dv of value head hv, V columns [64 s, 64 s + 64)
 #pragma unroll 1
             for (int x = 0; x < (P.dw_on ? 3 : 2); ++x)
-              hand_tile(b + x * kRowTile, x == 0 ? P.do16 : x == 1 ? P.v16 : P.dv16, (it.tok0 * P.HV + hv) * P.V + vb,
+              hand_tile<ODD == 2>(b + x * kRowTile, x == 0 ? P.do16 : x == 1 ? P.v16 : P.dv16, (it.tok0 * P.HV + hv) * P.V + vb,
                         int64_t(P.HV) * P.V, it.n, P.V - vb, P.vw, 32 * pw + lane);
           }
-          if (S32) convert_states<T, VF, KH, 1>(P, h, hrow, s, kb, 32 * pw + lane, vb);
-          else if (P.hand) hand_states<T, KH, VF>(P, h, hrow, vb, kb, 32 * pw + lane);
-          // each thread's arrivals (P.hand_arrivals / 128): once its cp.async copies land, once after
-          // its 2-byte state stores
-          if (P.hand_v || (P.hand && P.hw != 2)) cp_async_arrive_noinc(bar);
-          if (P.hand && P.hw == 2) mbar_arrive(bar);
+          if (S32) {
+            const int t = 32 * pw + lane;
+            if (ODD == 1 || P.sw == 4) convert_states<T, VF, KH, 1, 4>(P, h, hrow, s, kb, t, vb);
+            else if (P.sw == 2) convert_states<T, VF, KH, 1, 2>(P, h, hrow, s, kb, t, vb);
+            else convert_states<T, VF, KH, 1, 1>(P, h, hrow, s, kb, t, vb);
+          } else if (P.hand) {
+            hand_states<T, KH, VF>(P, h, hrow, vb, kb, 32 * pw + lane);
+          }
+          if (P.stage_async) cp_async_arrive_noinc(bar);
+          if (P.stage_regs) mbar_arrive(bar);
           if (pad) {
             if (pw > 0) {
               mbar_wait(&c.land[slot], (land_par >> slot) & 1);
@@ -785,9 +846,11 @@ __global__ void __launch_bounds__(kThreads90, 1) dqkwg_sm90_kernel(const __grid_
   if (threadIdx.x == 0) {
     // full: warp 12's lanes (lane 0's with the TMA bytes); with fp32 states, every producer thread
     // once it has converted its part, and lane 0 of warp 12 once more with the bytes; ODD: lane 0
-    // with the bytes and each producer warp once (and P.hand_arrivals for the hand copies)
+    // with the bytes and each producer warp once (and each producer thread once or twice for the
+    // hand copies)
     for (int s = 0; s < Layout<KH>::kSlots; ++s) {
-      mbar_init(&c.full[s], ODD ? 5 + P.hand_arrivals : S32 ? 129 : 32), mbar_init(&c.empty[s], kConsumers / 32);
+      mbar_init(&c.full[s], ODD ? 5 + 128 * (int(P.stage_async) + int(P.stage_regs)) : S32 ? 129 : 32);
+      mbar_init(&c.empty[s], kConsumers / 32);
       if (ODD) mbar_init(&c.land[s], 1);
     }
     for (int s = 0; s < 2; ++s) {
@@ -895,17 +958,21 @@ hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
 }
 
 template <class T, int KH>
-hl_status_t launch_sm90(const Sm90Params &p, bool vf, bool s32, bool odd, hl_stream_t stream) {
-  if (odd) {
-    if (s32) return vf ? launch_sm90<T, KH, 1, 1, 1>(p, stream) : launch_sm90<T, KH, 0, 1, 1>(p, stream);
-    return vf ? launch_sm90<T, KH, 1, 0, 1>(p, stream) : launch_sm90<T, KH, 0, 0, 1>(p, stream);
-  }
-  if (s32) return vf ? launch_sm90<T, KH, 1, 1, 0>(p, stream) : launch_sm90<T, KH, 0, 1, 0>(p, stream);
-  return vf ? launch_sm90<T, KH, 1, 0, 0>(p, stream) : launch_sm90<T, KH, 0, 0, 0>(p, stream);
+hl_status_t launch_sm90(const Sm90Params &p, bool vf, bool s32, int odd, hl_stream_t stream) {
+  const auto by_odd = [&](auto vf_, auto s32_) {
+    constexpr int VF = decltype(vf_)::value, S32 = decltype(s32_)::value;
+    if (odd == 2) return launch_sm90<T, KH, VF, S32, 2>(p, stream);
+    if (odd == 1) return launch_sm90<T, KH, VF, S32, 1>(p, stream);
+    return launch_sm90<T, KH, VF, S32, 0>(p, stream);
+  };
+  using Zero = std::integral_constant<int, 0>;
+  using One = std::integral_constant<int, 1>;
+  if (s32) return vf ? by_odd(One(), One()) : by_odd(Zero(), One());
+  return vf ? by_odd(One(), Zero()) : by_odd(Zero(), Zero());
 }
 
 template <class T>
-hl_status_t launch_sm90(const Sm90Params &p, int KH, bool vf, bool s32, bool odd, hl_stream_t stream) {
+hl_status_t launch_sm90(const Sm90Params &p, int KH, bool vf, bool s32, int odd, hl_stream_t stream) {
   return KH == 64 ? launch_sm90<T, 64>(p, vf, s32, odd, stream) : launch_sm90<T, 128>(p, vf, s32, odd, stream);
 }
 
@@ -916,6 +983,9 @@ int64_t shift_max(int64_t K) {
   while (K % g) g /= 2;
   return 8 - g;
 }
+
+// Elements a copy (a load: fp32 states) for rows of n elements copied by hand: 4, 2 or 1, as n allows.
+int elements_a_copy(int64_t n) { return n % 4 == 0 ? 4 : n % 2 == 0 ? 2 : 1; }
 
 // 16-bit states whose rows (of V elements; K with state_v_first) TMA can map: 16-byte multiples.
 bool states_mappable(const hl_gdn_bwd_dqkwg_args_t &a) {
@@ -929,16 +999,13 @@ bool kernel_forced(const char *name) {  // read on every call, so that tests can
   return e && std::strcmp(e, name) == 0;
 }
 
-// K or V not a multiple of 8 (the ODD kernels): folded maps where their row strides, H K and HV V, are
-// multiples of 8 elements (K + the boxes' shift at most two 128-wide CTAs), else q, k (do, v, dv)
-// copied by hand, 4 or 2 elements a copy (K, V even); fp32 states in rows of whole float4s (the fp32
-// loader's unit).
+// Every K, V (up to 256), state dtype and layout: K or V not a multiple of 8 runs the ODD kernels (folded
+// maps where their row strides, H K and HV V, are multiples of 8 elements and folded K boxes fit two
+// 128-wide CTAs, else q, k or do, v, dv copied by hand). What it needs: 16-byte aligned tensors, int32
+// TMA coordinates and a 9.0 device.
 bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks) {
 #if HL_GDN_SM90A
   if (kernel_forced("portable")) return false;
-  if (a.K % 8 && ((a.H * a.K) % 8 ? a.K % 2 != 0 : a.K + shift_max(a.K) > 256)) return false;
-  if (a.V % 8 && (a.HV * a.V) % 8 && a.V % 2) return false;
-  if (a.h_dtype == HL_DTYPE_F32 && ((a.flags & HL_GDN_STATE_V_FIRST) ? a.K : a.V) % 4) return false;
   if (a.B * a.T >= INT32_MAX || chunks * a.HV >= INT32_MAX) return false;  // TMA coordinates are int32
   for (const void *p : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.h, a.dh, a.dq, a.dk})
     if (!aligned16(p)) return false;
@@ -957,8 +1024,10 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   const uint64_t tokens = uint64_t(a.B * a.T);
   const bool vf = a.flags & HL_GDN_STATE_V_FIRST;
   // K (V) not a multiple of 8: folded maps where H K (HV V) is, else q, k (do, v, dv) by hand.
-  const bool hand_qk = a.K % 8 && (a.H * a.K) % 8, hand_v = a.V % 8 && (a.HV * a.V) % 8;
-  const bool fold_k = a.K % 8 && !hand_qk, fold_v = a.V % 8 && !hand_v, odd = a.K % 8 || a.V % 8;
+  // (Folded K boxes also need K + their shift <= 256: two CTAs.)
+  const bool hand_qk = a.K % 8 && ((a.H * a.K) % 8 || a.K + shift_max(a.K) > kMaxDim);
+  const bool hand_v = a.V % 8 && (a.HV * a.V) % 8;
+  const bool fold_k = a.K % 8 && !hand_qk, fold_v = a.V % 8 && !hand_v;
   // Folded, a head's boxes start d = (h K) % 8 columns before its K (V) index 0 (16-byte aligned): the
   // CTAs (stages) cover K + d (V + d) indices, d at most shift_max(K).
   const int64_t Kc = a.K + (fold_k ? shift_max(a.K) : 0), Vc = a.V + (fold_v ? shift_max(a.V) : 0);
@@ -970,14 +1039,14 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
                 : make_map(m, a.dtype, x, width, heads, tokens, width * 2, heads * width * 2, 64, 1, 64);
   };
   if (hand_v) {
-    p.hand_v = true, p.do16 = a.do_, p.v16 = a.v, p.dv16 = a.dv, p.vw = a.V % 4 ? 2 : 4;
+    p.hand_v = true, p.do16 = a.do_, p.v16 = a.v, p.dv16 = a.dv, p.vw = elements_a_copy(a.V);
   } else {
     HL_TRY(head_map(&p.m_do, a.do_, V, HV, fold_v));
     HL_TRY(head_map(&p.m_v, a.v, V, HV, fold_v));
     if (a.dw) HL_TRY(head_map(&p.m_dv, a.dv, V, HV, fold_v));
   }
   if (hand_qk) {
-    p.hand_qk = true, p.q16 = a.q, p.k16 = a.k, p.qw = a.K % 4 ? 2 : 4;
+    p.hand_qk = true, p.q16 = a.q, p.k16 = a.k, p.qw = elements_a_copy(a.K);
   } else {
     HL_TRY(head_map(&p.m_q, a.q, K, H, fold_k));
     HL_TRY(head_map(&p.m_k, a.k, K, H, fold_k));
@@ -989,8 +1058,7 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   if (s32) {  // read by the producer warpgroup, not TMA
     p.h32 = static_cast<const float *>(a.h), p.dh32 = static_cast<const float *>(a.dh);
   } else if (!states_mappable(a)) {  // (odd) copied by the producer warpgroup, as wide as the rows allow
-    const uint64_t row = 2 * (vf ? K : V);
-    p.hand = true, p.h16 = a.h, p.dh16 = a.dh, p.hw = row % 8 == 0 ? 8 : row % 4 == 0 ? 4 : 2;
+    p.hand = true, p.h16 = a.h, p.dh16 = a.dh, p.hw = elements_a_copy(vf ? a.K : a.V);
   } else if (vf) {  // [V, K] per state: 64 x 64 boxes
     HL_TRY(make_map(&p.m_h, a.dtype, a.h, K, V, states, K * 2, K * V * 2, 64, 64, 1));
     HL_TRY(make_map(&p.m_dh, a.dtype, a.dh, K, V, states, K * 2, K * V * 2, 64, 64, 1));
@@ -999,7 +1067,9 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
     HL_TRY(make_map(&p.m_dh, a.dtype, a.dh, V, K, states, V * 2, K * V * 2, 64, KH, 1));
   }
   // arrivals on a stage's full barrier a producer thread: after its cp.async copies, after its stores
-  p.hand_arrivals = 128 * (int(hand_v || (p.hand && p.hw != 2)) + int(p.hand && p.hw == 2));
+  p.sw = elements_a_copy(vf ? a.K : a.V);
+  p.stage_async = (hand_v && p.vw > 1) || (p.hand && p.hw > 1);
+  p.stage_regs = (hand_v && p.vw == 1) || (p.hand && p.hw == 1);
   p.dq = a.dq, p.dk = a.dk, p.dw = a.dw, p.dg = a.dg, p.g = a.g, p.g_gamma = a.g_gamma;
   p.chunks = table;
   p.items = chunks * a.H;
@@ -1009,6 +1079,10 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   p.scale = a.scale;
   p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
   p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;
+  // ODD = 1 for K or V not a multiple of 8; 2 where pieces under 4 bytes are copied (kernels of their own:
+  // that code in every ODD kernel slowed those that never run it by 4-14%, bench/NOTES.md "GDN v17")
+  const bool narrow = (hand_qk && p.qw == 1) || (hand_v && p.vw == 1) || (s32 && p.sw < 4);
+  const int odd = narrow ? 2 : a.K % 8 || a.V % 8 ? 1 : 0;
   if (a.dtype == HL_DTYPE_BF16) return launch_sm90<__nv_bfloat16>(p, int(KH), vf, s32, odd, stream);
   return launch_sm90<__half>(p, int(KH), vf, s32, odd, stream);
 }

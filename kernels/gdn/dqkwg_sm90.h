@@ -1,12 +1,11 @@
-// The Hopper (sm_90a) gdn_bwd_dqkwg kernel: TMA and warpgroup MMAs. It takes 16-byte aligned tensors
-// (any GVA, 16-bit or fp32 states, either state layout) on a compute capability 9.0 device when the
-// library holds sm_90a code, with K and V multiples of 8, or else H K (for K) and HV V (for V)
-// multiples of 8 (folded maps; K + 8 - gcd(K, 8) <= 256: folded boxes start up to 8 - gcd(K, 8)
-// columns early), or else K (V) even (q, k or do, v, dv copied by hand), and fp32 states in rows (of
-// V; K with state_v_first) of a multiple of 4 elements;
-// everything else runs the portable kernel (dqkwg.cu). HEADLOSS_GDN_KERNEL=portable forces the
-// portable kernel (tests, A/B); HEADLOSS_GDN_KERNEL=sm90 makes a call that the Hopper kernel does not
-// take fail instead (tests: which kernel ran).
+// The Hopper (sm_90a) gdn_bwd_dqkwg kernel: TMA and warpgroup MMAs. It takes every shape (any GVA, K
+// and V up to 256, 16-bit or fp32 states, either state layout) of 16-byte aligned tensors on a compute
+// capability 9.0 device when the library holds sm_90a code. K or V not a multiple of 8 runs its ODD
+// variants: q, k (do, v, dv) through folded maps where H K (HV V) is a multiple of 8, else copied by
+// its producer warps (as are states whose rows TMA cannot map, and fp32 states always).
+// Everything else (unaligned tensors, other devices) runs the portable kernel (dqkwg.cu).
+// HEADLOSS_GDN_KERNEL=portable forces the portable kernel (tests, A/B); HEADLOSS_GDN_KERNEL=sm90 makes
+// a call that the Hopper kernel does not take fail instead (tests: which kernel ran).
 #pragma once
 
 #include <cstdint>

@@ -290,6 +290,14 @@ ODD_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (1, 200, 1, 4, 98, 128, "log2", True, None),                  # q, k in 4-byte copies, GVA 4; do, v, dv by TMA
     (1, 260, 1, 2, 202, 50, "log", True, [0, 100, 101, 260]),     # a cluster, varlen, GVA; do, v, dv 4-byte copies
     (1, 150, 2, 2, 100, 38, "none", False, None),                 # folded q, k beside hand do, v (no dw, no gate)
+    # odd K (V) there: 2-byte pieces through registers
+    (1, 150, 1, 1, 99, 99, "log2", True, None),                   # q, k, do, v, dv and the states
+    (1, 170, 3, 3, 33, 61, "log", True, None),                    # KH = 64
+    (1, 200, 1, 4, 99, 128, "log", True, None),                   # q, k alone, GVA 4
+    (1, 150, 3, 3, 128, 99, "log2", True, [0, 60, 61, 150]),      # do, v, dv alone, varlen
+    # K + the folded boxes' shift past 256 (two CTAs): q, k by hand though H K is a multiple of 8
+    (1, 140, 4, 4, 254, 64, "log2", True, None),                  # 4-byte copies
+    (1, 130, 8, 8, 255, 40, "log", True, None),                   # 2-byte copies
 ]
 
 GPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
@@ -338,24 +346,17 @@ def gdn_kernel(request, monkeypatch):
     return request.param
 
 
-def hopper_takes(H, HV, K, V, vf=False, h32=False):
-    """Whether the Hopper kernel takes these shapes (fresh, 16-byte aligned tensors; dqkwg_sm90.h)."""
-    return ((K % 8 == 0 or (H * K % 8 == 0 and K + 8 - int(np.gcd(K, 8)) <= 256)  # shifted boxes: 2 CTAs
-             or (H * K % 8 != 0 and K % 2 == 0))  # q, k by hand
-            and (V % 8 == 0 or HV * V % 8 == 0 or V % 2 == 0)
-            and (not h32 or (K if vf else V) % 4 == 0))
-
-
 def _hopper():
     """A compute capability 9.0 device (the library built with its sm_90a code, as CMakeLists does)."""
     torch = pytest.importorskip("torch")
     return headloss.cuda_available() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def expect_hopper(monkeypatch, gdn_kernel, H, HV, K, V, vf=(False,), h32=False):
-    """On a 9.0 device, an "auto" call that the Hopper kernel should take (in every state layout of
-    vf) runs with HEADLOSS_GDN_KERNEL=sm90: the library fails it instead of running the portable kernel."""
-    if gdn_kernel == "auto" and _hopper() and all(hopper_takes(H, HV, K, V, f, h32) for f in vf):
+def expect_hopper(monkeypatch, gdn_kernel):
+    """On a 9.0 device the Hopper kernel takes every shape (fresh, 16-byte aligned tensors;
+    dqkwg_sm90.h): an "auto" call runs with HEADLOSS_GDN_KERNEL=sm90, which fails a call instead of
+    running the portable kernel."""
+    if gdn_kernel == "auto" and _hopper():
         monkeypatch.setenv("HEADLOSS_GDN_KERNEL", "sm90")
 
 
@@ -371,7 +372,7 @@ def _torch():
 def test_cuda_matches_reference(case, dtype, gdn_kernel, monkeypatch):
     torch = _torch()
     B, T, H, HV, K, V, gate, dw, cu = case
-    expect_hopper(monkeypatch, gdn_kernel, H, HV, K, V)
+    expect_hopper(monkeypatch, gdn_kernel)
     x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu)
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
     d = lambda a, dt=tdt: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
@@ -388,7 +389,7 @@ def test_cuda_matches_reference(case, dtype, gdn_kernel, monkeypatch):
 
 
 VF_CASES = [c for c in GPU_CASES if c[1] < 1000 and c[4] % 8 == 0 and c[5] % 8 == 0][::2] + [GPU_CASES[6]] + \
-    [ODD_CASES[i] for i in (0, 1, 2, 3, 5, 6, 13, 14, 15, 16, 18, 19, 20, 21)]  # [V, K] rows of K: by hand unless K % 8 == 0
+    [ODD_CASES[i] for i in (0, 1, 2, 3, 5, 6, 13, 14, 15, 16, 18, 19, 20, 21, 23, 24, 26, 28)]  # [V, K] rows of K: by hand unless K % 8 == 0
 
 
 def same_results(got, want, exact):
@@ -412,7 +413,7 @@ def test_cuda_state_v_first(case, h32, gdn_kernel, monkeypatch):
     outputs poisoned first."""
     torch = _torch()
     B, T, H, HV, K, V, gate, dw, cu = case
-    expect_hopper(monkeypatch, gdn_kernel, H, HV, K, V, vf=(False, True), h32=h32)
+    expect_hopper(monkeypatch, gdn_kernel)
     x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu, h_f32=h32)
     d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
     args = [d(x[n]) for n in ("q", "k", "v", "do")] + [d(x[n], torch.float32 if h32 else torch.bfloat16)
@@ -439,7 +440,7 @@ def test_cuda_gva_heads_far_apart(gdn_kernel, monkeypatch):
     is held at 2^-64 there) and another's is ~1: every value head's dg against the reference."""
     torch = _torch()
     B, T, H, HV, K, V = 1, 200, 1, 4, 128, 128
-    expect_hopper(monkeypatch, gdn_kernel, H, HV, K, V)
+    expect_hopper(monkeypatch, gdn_kernel)
     x = make(np.random.default_rng(), B, T, H, HV, K, V, gate="log2", dw=True)
     x["g"][..., 1] -= 300.0  # exp2(-300) is 0 in fp32
     x["g"][..., 2] *= 0.01
@@ -462,7 +463,7 @@ def test_cuda_varlen_unchecked(case, gdn_kernel, monkeypatch):
     checked call, int32 and int64 cu_seqlens, outputs poisoned first."""
     torch = _torch()
     B, T, H, HV, K, V, gate, dw, cu = case
-    expect_hopper(monkeypatch, gdn_kernel, H, HV, K, V)
+    expect_hopper(monkeypatch, gdn_kernel)
     x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu)
     d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
     args = [d(x[n]) for n in ("q", "k", "v", "do", "h", "dh")]
@@ -496,9 +497,10 @@ H32_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     (2, 640, 2, 2, 100, 100, "log2", True, None),
     (1, 400, 2, 4, 200, 60, "log", True, [0, 17, 17, 200, 333, 400]),  # varlen, GVA, a cluster
     (2, 640, 8, 8, 33, 40, "log", True, None),
-    (2, 1280, 1, 1, 33, 47, "log", True, None),                   # V % 4: the portable kernel's
+    (2, 1280, 1, 1, 33, 47, "log", True, None),                   # V % 4 = 3: one float a load; q, k, do, v, dv by hand
+    (2, 640, 2, 2, 100, 98, "log2", True, None),                  # V % 4 = 2: two floats a load; folded V
     (1, 200, 2, 4, 60, 100, "log2", True, None),                  # d_k = 4 (hq = 1), d_v = 0, 4, 0, 4
-    (1, 200, 2, 2, 252, 36, "log", True, None),                   # K + d_k = 256: a cluster; V + d_v = 40
+    (2, 640, 2, 2, 252, 36, "log", True, None),                   # K + d_k = 256: a cluster; V + d_v = 40
 ]
 
 
@@ -507,7 +509,7 @@ def test_cuda_fp32_states(case, gdn_kernel, monkeypatch):
     """fp32 h, dh (the Hopper kernel's producer warps round them into its tiles), outputs poisoned."""
     torch = _torch()
     B, T, H, HV, K, V, gate, dw, cu = case
-    expect_hopper(monkeypatch, gdn_kernel, H, HV, K, V, h32=True)
+    expect_hopper(monkeypatch, gdn_kernel)
     x = make(np.random.default_rng(), B, T, H, HV, K, V, gate=gate, dw=dw, cu=cu, h_f32=True)
     d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
     q = d(x["q"])
@@ -541,7 +543,7 @@ def test_cuda_fp32_state_and_fused_cumsum():
 def test_cuda_fused_cumsum_and_deterministic(K, gdn_kernel, monkeypatch):
     """16-bit states, the reverse cumsum fused in; two runs give the same bits."""
     torch = _torch()
-    expect_hopper(monkeypatch, gdn_kernel, 2, 2, K, 128)
+    expect_hopper(monkeypatch, gdn_kernel)
     x = make(np.random.default_rng(), 2, 300, 2, 2, K, 128, gate="log2", dw=True)
     d = lambda a, dt=torch.bfloat16: None if a is None else torch.from_numpy(a).to("cuda", dt).contiguous()
     args = [d(x[n]) for n in ("q", "k", "v", "do", "h", "dh")]
@@ -559,7 +561,7 @@ def test_cuda_many_chunks_varlen(gdn_kernel, check, monkeypatch):
     """More than 65535 chunks in all (grid limits), short sequences, no gate: spot-checked; unchecked,
     the device builds the chunk table over 137 tiles of its scan."""
     torch = _torch()
-    expect_hopper(monkeypatch, gdn_kernel, 1, 1, 64, 64)
+    expect_hopper(monkeypatch, gdn_kernel)
     S = 70000
     seed = int(np.random.SeedSequence().entropy % 2**32)  # fresh inputs, printed so a failure reproduces
     print("seed", seed)
@@ -589,10 +591,14 @@ def test_cuda_many_chunks_varlen(gdn_kernel, check, monkeypatch):
 
 def test_cuda_forced_sm90_refuses(monkeypatch):
     """HEADLOSS_GDN_KERNEL=sm90 (the tests' check that the Hopper kernel ran) fails a call that the
-    Hopper kernel does not take (H K not a multiple of 8 and K odd) instead of running the portable kernel."""
+    Hopper kernel does not take (q not 16-byte aligned: TMA and cp.async need it) instead of running
+    the portable kernel."""
     torch = _torch()
-    x = make(np.random.default_rng(), 1, 100, 1, 1, 33, 40, gate="log")
+    x = make(np.random.default_rng(), 1, 100, 1, 1, 32, 40, gate="log")
     d = lambda a, dt=torch.bfloat16: torch.from_numpy(a).to("cuda", dt).contiguous()
+    q = torch.empty(x["q"].size + 1, dtype=torch.bfloat16, device="cuda")[1:].view(x["q"].shape)
+    q.copy_(d(x["q"]))
+    args = (q, *(d(x[n]) for n in ("k", "v", "do", "h", "dh")))
     monkeypatch.setenv("HEADLOSS_GDN_KERNEL", "sm90")
     with pytest.raises(headloss.HeadlossError, match="HEADLOSS_GDN_KERNEL=sm90"):
-        hg.gdn_bwd_dqkwg(*(d(x[n]) for n in ("q", "k", "v", "do", "h", "dh")), scale=0.2, g=d(x["g"], torch.float32))
+        hg.gdn_bwd_dqkwg(*args, scale=0.2, g=d(x["g"], torch.float32))
