@@ -5,15 +5,16 @@ w/dv on (dw produced). Shapes: SPEC section 2, a varlen batch, GVA (value heads 
 Qwen3-Next, 8x at K = 128, 4x at K = 256), fp32 states, fla's state_v_first layout, K = V = 100,
 K = 100 with V = 128, V = 100 with K = 128 and K = V = 99 (not multiples of 8: the Hopper kernel maps
 q, k, do, v, dv folded, [tokens][H K], and copies the states TMA cannot map by hand), and 15 heads of
-K = V = 100 (H K not a multiple of 8 either: q, k, do, v, dv copied by hand).
+K = V = 100 (H K not a multiple of 8 either: q, k, do, v, dv copied by hand), of 99 (2-byte copies), and
+fp32 states in rows of 98 and 99 floats (two and one a load).
 fla refuses to run on Hopper with Triton 3.4-3.7.0 (a miscompile); for timing only, this script
 bypasses that guard by patching the module flag, and reports how far fla's output is from ours (fla's
 dg is off at the last token of a partial chunk, hence on varlen: bench/NOTES.md, "GDN v6").
 HBM floor: q, k, v, do, h, dh, dv read once, dq, dk, dw, dg written once (w is not read by either
 kernel), over the device-to-device copy bandwidth measured in the same run.
 Usage: python bench/bench_gdn.py [--out table.md] [--only SUBSTRING ...]
-fla autotunes its kernel for every row's shape: all rows take 6-7 minutes on the H100, over
-tools/device.sh's 300 s a benchmark (in 240 s the first six rows ran), so run them in parts with --only.
+fla autotunes its kernel for every row's shape: all rows take ~14 minutes on the H100, over
+tools/device.sh's 300 s a benchmark (in 400 s the first ten rows ran), so run them in parts with --only.
 """
 from __future__ import annotations
 
