@@ -160,7 +160,8 @@ struct Cta {
 };
 
 // The byte offset of 16-bit element c (< 64) of row r in a tile of 128-byte rows in TMA's 128-byte
-// swizzle (16-byte chunk c / 8 of row r at chunk (c / 8) ^ (r % 8)).
+// swizzle (16-byte chunk c / 8 of row r at chunk (c / 8) ^ (r % 8)): 2 Swizzled::off(r, c) without its
+// term for boxes side by side, which the producer's copy loops paid 16-48 instructions a kernel for.
 __device__ __forceinline__ int swizzled_byte(int r, int c) {
   return r * 128 + ((((c >> 3) ^ r) & 7) << 4) + (c & 7) * 2;
 }
@@ -633,8 +634,9 @@ __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int lo, i
         if (col >= lo && col + 8 <= nc && al % 4 == 0) {  // whole: the widest stores its address allows
           // (as asm: plain uint4 / uint2 stores here compiled to four 4-byte ones, in every ODD kernel)
           if (al == 0) {
-            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(o), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w)
-                         : "memory");
+            Pack<T, 8> pk;
+            memcpy(&pk, &x, 16);
+            store_pack_global<T, 8>(o, pk);
           } else if (al % 8 == 0) {
             asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(o), "r"(x.x), "r"(x.y) : "memory");
             asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(o + 4), "r"(x.z), "r"(x.w) : "memory");
