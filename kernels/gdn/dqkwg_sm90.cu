@@ -33,8 +33,8 @@
 // dw rows (hv K - d_k) in general not: stored in the widest pieces their alignment allows. Where H K
 // (HV V) is not a multiple of 8 either, no map takes q, k (do, v, dv), nor q, k where the shifted boxes
 // would pass two CTAs (K + d_k > 256): the producer warpgroup copies them unshifted (hand_box; 2-byte
-// pieces of odd K or V through registers, cp.async has no 2-byte form: the ODD = 2 kernels, with fp32
-// states in rows of other than a multiple of 4 floats).
+// pieces of odd K or V through registers, cp.async has no 2-byte form: the ODD = 2 kernels, with 16-bit
+// states in rows of odd length and fp32 states in rows of other than a multiple of 4 floats).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -260,6 +260,31 @@ __device__ __forceinline__ void copy_via_registers(unsigned char *dst, int t, Un
   }
 }
 
+// ODD: a 64 x 64 box of a row-major 16-bit tensor (src: the box's element (0, 0), row stride ld) cp.async'd
+// where TMA's 128-byte swizzle would put it (dst), W (4 or 2) elements a copy, by the producer warpgroup's
+// 128 threads (t): box rows in [rlo, rhi) and columns in [clo, chi) copied (W divides the bounds: a copy lies
+// wholly in or out), zeros elsewhere (safe: any readable address, given for those). A thread's rows are
+// r0 + 8 o + kStep u (kStep = 8 or 4 divides 8): its swizzled offsets and source addresses step by constants,
+// set up once (per copy they took ~15 instructions, and the producer was the ODD kernels' limit).
+template <int W>
+__device__ __forceinline__ void copy_box(unsigned char *dst, const unsigned short *src, int64_t ld, int rlo, int rhi,
+                                         int clo, int chi, const unsigned short *safe, int t) {
+  constexpr int kRow = 64 / W, kStep = 128 / kRow;  // copies a row; rows a step
+  const int r0 = t / kRow, col = W * (t % kRow), sw = ((col >> 3) ^ r0) & 7;  // r0 < kStep: row r0 + 8 o's swizzle
+  const bool col_in = col >= clo && col < chi;
+  const unsigned short *s = src + r0 * ld + col;
+  unsigned char *d = dst + r0 * 128 + (col & 7) * 2;
+#pragma unroll 2
+  for (int o = 0; o < 64; o += 8, s += 8 * ld, d += 8 * 128) {
+#pragma unroll
+    for (int u = 0; u < 8; u += kStep) {  // row r0 + o + u: chunk (col / 8) ^ (r0 + u) = sw ^ u
+      const int r = r0 + o + u;
+      const bool in = col_in && r >= rlo && r < rhi;
+      cp_async_bytes<2 * W>(d + u * 128 + ((sw ^ u) << 4), in ? s + u * ld : safe, in);
+    }
+  }
+}
+
 // ODD, hand tiles: a 64 x 64 box of a row-major 16-bit [tokens][ld] tensor (src: the box's first element)
 // copied where TMA's 128-byte swizzle would put it (dst), rows < n and columns < nc, zeros elsewhere, W
 // elements a copy (W divides nc and the offsets; cp.async for 4 and 2, through registers for 1), by the
@@ -267,7 +292,6 @@ __device__ __forceinline__ void copy_via_registers(unsigned char *dst, int t, Un
 template <int W>
 __device__ __forceinline__ void hand_box(unsigned char *dst, const unsigned short *src, int64_t ld, int n, int nc,
                                          int t) {
-  constexpr int kRow = 64 / W, kStep = 128 / kRow;  // copies a row; rows a step
   if constexpr (W == 1) {
     copy_via_registers<64 * 64>(dst, t, [&](int u, const unsigned short *&s, int &o) {
       const int r = u / 64, p = u % 64;
@@ -275,12 +299,7 @@ __device__ __forceinline__ void hand_box(unsigned char *dst, const unsigned shor
       return r < n && p < nc;
     });
   } else {
-    const int p = t % kRow;
-#pragma unroll 2
-    for (int r = t / kRow; r < 64; r += kStep) {
-      const bool in = r < n && W * p < nc;
-      cp_async_bytes<2 * W>(dst + swizzled_byte(r, W * p), in ? src + r * ld + W * p : src, in);
-    }
+    copy_box<W>(dst, src, ld, 0, n, 0, nc, src, t);
   }
 }
 
@@ -310,39 +329,35 @@ template <bool NARROW>
 // consumers their 152 (the fp32 loader needs 96 for its 16 loads in flight, which cost the consumers
 // 16 and made them spill); the consumers fence the proxies before their wgmma. 2 bytes (odd K or V;
 // cp.async has no 2-byte form): through registers, 16 loads in flight a thread (every unit stored:
-// skipping those past K spilled 484 bytes).
-template <class T, int KH, int VF>
+// skipping those past K spilled 484 bytes), in the NARROW (ODD = 2) kernels only.
+template <class T, int KH, int VF, bool NARROW>
 __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *h_tile, int64_t state, int vb, int kb,
                                             int t) {
   using U = unsigned short;
   const U *h = static_cast<const U *>(P.h16) + state * P.K * P.V, *dh = static_cast<const U *>(P.dh16) + state * P.K * P.V;
-  auto copy = [&](auto w) {  // w: elements a copy, 4 or 2; h and dh's units alike, a pair a step
-    constexpr int W = decltype(w)::value, kRow = 64 / W, kStep = 128 / kRow;  // units a tile row; rows a step
-    const int p = t % kRow, nrows = VF ? P.V : P.K, ncols = VF ? P.K : P.V;
+  auto copy = [&](auto w) {  // w: elements a copy, 4 or 2
+    constexpr int W = decltype(w)::value;
+    const int nrows = VF ? P.V : P.K, ncols = VF ? P.K : P.V;
 #pragma unroll 1
     for (int j = 0; j < KH / 64; ++j) {  // tile rows 64 j.. (VF: K columns 64 j..), as state_unit
-      const int row0 = VF ? vb : kb + 64 * j, col = (VF ? kb + 64 * j : vb) + W * p;
-      const bool col_in = col >= 0 && col < ncols;
-#pragma unroll 2
-      for (int r = t / kRow; r < 64; r += kStep) {
-        const int row = row0 + r;
-        const bool in = col_in && row >= 0 && row < nrows;
-        const int64_t off = in ? int64_t(row) * ncols + col : 0;
-        const int dst = 64 * j * 128 + swizzled_byte(r, W * p);
-        cp_async_bytes<2 * W>(h_tile + dst, h + off, in);
-        cp_async_bytes<2 * W>(h_tile + KH * 128 + dst, dh + off, in);
-      }
+      const int row0 = VF ? vb : kb + 64 * j, col0 = VF ? kb + 64 * j : vb;  // the box's origin in the state
+      const int64_t o = int64_t(row0) * ncols + col0;
+      unsigned char *d = h_tile + 64 * j * 128;
+      copy_box<W>(d, h + o, ncols, -row0, nrows - row0, -col0, ncols - col0, h, t);
+      copy_box<W>(d + KH * 128, dh + o, ncols, -row0, nrows - row0, -col0, ncols - col0, dh, t);
     }
   };
   if (P.hw == 4) return copy(std::integral_constant<int, 4>());
-  if (P.hw == 2) return copy(std::integral_constant<int, 2>());
-  constexpr int kUnits = 2 * KH * 64;
-  copy_via_registers<kUnits>(h_tile, t, [&](int u, const U *&src, int &dst) {
-    int64_t off;
-    const bool in = state_unit<1, KH, VF>(P, u, vb, kb, off, dst);
-    src = (u < kUnits / 2 ? h : dh) + off;
-    return in;
-  });
+  if (!NARROW || P.hw == 2) return copy(std::integral_constant<int, 2>());
+  if constexpr (NARROW) {
+    constexpr int kUnits = 2 * KH * 64;
+    copy_via_registers<kUnits>(h_tile, t, [&](int u, const U *&src, int &dst) {
+      int64_t off;
+      const bool in = state_unit<1, KH, VF>(P, u, vb, kb, off, dst);
+      src = (u < kUnits / 2 ? h : dh) + off;
+      return in;
+    });
+  }
 }
 
 // ODD, folded V: a stage's tile columns j hold V index vb + j (vb = 64 s - d_v); those outside
@@ -476,7 +491,7 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
             else if (P.sw == 2) convert_states<T, VF, KH, 1, 2>(P, h, hrow, s, kb, t, vb);
             else convert_states<T, VF, KH, 1, 1>(P, h, hrow, s, kb, t, vb);
           } else if (P.hand) {
-            hand_states<T, KH, VF>(P, h, hrow, vb, kb, 32 * pw + lane);
+            hand_states<T, KH, VF, ODD == 2>(P, h, hrow, vb, kb, 32 * pw + lane);
           }
           if (P.stage_async) cp_async_arrive_noinc(bar);
           if (P.stage_regs) mbar_arrive(bar);
@@ -1082,8 +1097,8 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
   p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;
   // ODD = 1 for K or V not a multiple of 8; 2 where pieces under 4 bytes are copied (kernels of their own:
-  // that code in every ODD kernel slowed those that never run it by 4-14%, bench/NOTES.md "GDN v17")
-  const bool narrow = (hand_qk && p.qw == 1) || (hand_v && p.vw == 1) || (s32 && p.sw < 4);
+  // that code in every ODD kernel slowed those that never run it by 4-14%, bench/NOTES.md "GDN v17", "v18")
+  const bool narrow = (hand_qk && p.qw == 1) || (hand_v && p.vw == 1) || (s32 && p.sw < 4) || (p.hand && p.hw == 1);
   const int odd = narrow ? 2 : a.K % 8 || a.V % 8 ? 1 : 0;
   if (a.dtype == HL_DTYPE_BF16) return launch_sm90<__nv_bfloat16>(p, int(KH), vf, s32, odd, stream);
   return launch_sm90<__half>(p, int(KH), vf, s32, odd, stream);
