@@ -33,8 +33,8 @@
 // dw rows (hv K - d_k) in general not: stored in the widest pieces their alignment allows. Where H K
 // (HV V) is not a multiple of 8 either, no map takes q, k (do, v, dv), nor q, k where the shifted boxes
 // would pass two CTAs (K + d_k > 256): the producer warpgroup copies them unshifted (hand_box; 2-byte
-// pieces of odd K or V through registers, cp.async has no 2-byte form: the ODD = 2 kernels, with 16-bit
-// states in rows of odd length and fp32 states in rows of other than a multiple of 4 floats).
+// pieces of odd K or V through registers, cp.async has no 2-byte form: the ODD = 2 kernels, with fp32
+// states in rows of other than a multiple of 4 floats).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -329,8 +329,8 @@ template <bool NARROW>
 // consumers their 152 (the fp32 loader needs 96 for its 16 loads in flight, which cost the consumers
 // 16 and made them spill); the consumers fence the proxies before their wgmma. 2 bytes (odd K or V;
 // cp.async has no 2-byte form): through registers, 16 loads in flight a thread (every unit stored:
-// skipping those past K spilled 484 bytes), in the NARROW (ODD = 2) kernels only.
-template <class T, int KH, int VF, bool NARROW>
+// skipping those past K spilled 484 bytes).
+template <class T, int KH, int VF>
 __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *h_tile, int64_t state, int vb, int kb,
                                             int t) {
   using U = unsigned short;
@@ -348,16 +348,14 @@ __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *
     }
   };
   if (P.hw == 4) return copy(std::integral_constant<int, 4>());
-  if (!NARROW || P.hw == 2) return copy(std::integral_constant<int, 2>());
-  if constexpr (NARROW) {
-    constexpr int kUnits = 2 * KH * 64;
-    copy_via_registers<kUnits>(h_tile, t, [&](int u, const U *&src, int &dst) {
-      int64_t off;
-      const bool in = state_unit<1, KH, VF>(P, u, vb, kb, off, dst);
-      src = (u < kUnits / 2 ? h : dh) + off;
-      return in;
-    });
-  }
+  if (P.hw == 2) return copy(std::integral_constant<int, 2>());
+  constexpr int kUnits = 2 * KH * 64;
+  copy_via_registers<kUnits>(h_tile, t, [&](int u, const U *&src, int &dst) {
+    int64_t off;
+    const bool in = state_unit<1, KH, VF>(P, u, vb, kb, off, dst);
+    src = (u < kUnits / 2 ? h : dh) + off;
+    return in;
+  });
 }
 
 // ODD, folded V: a stage's tile columns j hold V index vb + j (vb = 64 s - d_v); those outside
@@ -491,7 +489,7 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
             else if (P.sw == 2) convert_states<T, VF, KH, 1, 2>(P, h, hrow, s, kb, t, vb);
             else convert_states<T, VF, KH, 1, 1>(P, h, hrow, s, kb, t, vb);
           } else if (P.hand) {
-            hand_states<T, KH, VF, ODD == 2>(P, h, hrow, vb, kb, 32 * pw + lane);
+            hand_states<T, KH, VF>(P, h, hrow, vb, kb, 32 * pw + lane);
           }
           if (P.stage_async) cp_async_arrive_noinc(bar);
           if (P.stage_regs) mbar_arrive(bar);
@@ -1097,8 +1095,8 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
   p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;
   // ODD = 1 for K or V not a multiple of 8; 2 where pieces under 4 bytes are copied (kernels of their own:
-  // that code in every ODD kernel slowed those that never run it by 4-14%, bench/NOTES.md "GDN v17", "v18")
-  const bool narrow = (hand_qk && p.qw == 1) || (hand_v && p.vw == 1) || (s32 && p.sw < 4) || (p.hand && p.hw == 1);
+  // that code in every ODD kernel slowed those that never run it by 4-14%, bench/NOTES.md "GDN v17")
+  const bool narrow = (hand_qk && p.qw == 1) || (hand_v && p.vw == 1) || (s32 && p.sw < 4);
   const int odd = narrow ? 2 : a.K % 8 || a.V % 8 ? 1 : 0;
   if (a.dtype == HL_DTYPE_BF16) return launch_sm90<__nv_bfloat16>(p, int(KH), vf, s32, odd, stream);
   return launch_sm90<__half>(p, int(KH), vf, s32, odd, stream);
