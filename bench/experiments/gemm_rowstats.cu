@@ -1,9 +1,10 @@
 // Experiment for #28 (written 2026-11-27, not yet run): the fused linear + loss plan's forward product as our
-// own kernel, logits = X W^T (X [M, K], W [N, K] row-major, bf16, fp32 accumulation, bf16 out), with each
-// 256-column tile's row statistics (max and sum of exp, of the rounded logits) written from the epilogue, timed
-// beside cuBLASLt's product of the same shapes. The question it answers: how close a TMA + wgmma kernel of ours
-// gets to cuBLAS, with and without the statistics (bench/NOTES.md "Fused linear + loss": the loss inside the
-// products is what reaches under 1.05x at 4096 x 2048 x 262144).
+// own kernel, logits = X W^T (X [M, K], W [N, K] row-major, bf16, fp32 accumulation, bf16 out), timed beside
+// cuBLASLt's product of the same shapes, in three forms: the logits alone; with each 256-column tile's row
+// statistics (max and sum of exp) from the epilogue; and e = exp(z - tile max) stored instead of z, the
+// operand the backward products would read (bench/NOTES.md "Fused linear + loss", "Where G can be formed":
+// the loss inside the products is what reaches under 1.05x at 4096 x 2048 x 262144). The question: how close
+// a TMA + wgmma kernel of ours gets to cuBLAS, and what the statistics cost.
 //
 // v0 design: persistent CTAs of 384 threads over 128 x 256 tiles (M fastest, so a wave shares W's tiles in
 // L2); warp 0 loads A (128 x 64) and B (256 x 64) k-blocks with TMA into a ring of 4 stages; two consumer
@@ -88,24 +89,29 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-// The epilogue of one warp's 16 rows (m0..) of tile columns n0..n0 + 255: the logits rounded to bf16, their
-// statistics per row (over columns < N: a partial last tile's other columns are TMA's zeros), then stored.
-template <bool STATS, bool EDGE>
+// The epilogue of one warp's 16 rows (m0..) of tile columns n0..n0 + 255 (EDGE: a partial last tile, whose
+// columns from N on are TMA's zeros). MODE 0: the logits rounded to bf16, stored; 1: also their max and sum of
+// exp per row (of the rounded logits); 2: the statistics of the fp32 logits, and e = exp(z - max) stored in
+// place of z (what the backward products would read: bench/NOTES.md "Where G can be formed").
+template <int MODE, bool EDGE>
 __device__ __forceinline__ void epilogue(const Params &P, float (&acc)[32][4], int m0, int n0, int tile_n,
                                          int lane) {
   const int r = m0 + lane / 4, c = n0 + 2 * (lane % 4);
+  const auto in = [&](int j, int e) { return !EDGE || c + 8 * j + e % 2 < P.N; };
+  if constexpr (MODE < 2) {
 #pragma unroll
-  for (int j = 0; j < 32; ++j)
+    for (int j = 0; j < 32; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = __bfloat162float(__float2bfloat16(acc[j][e]));
-  if constexpr (STATS) {
+      for (int e = 0; e < 4; ++e) acc[j][e] = __bfloat162float(__float2bfloat16(acc[j][e]));
+  }
+  if constexpr (MODE > 0) {
     constexpr float kLog2e = 1.4426950408889634f;
     float mx[2] = {-INFINITY, -INFINITY}, s[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (!EDGE || c + 8 * j + e % 2 < P.N) mx[e / 2] = fmaxf(mx[e / 2], acc[j][e]);
+        if (in(j, e)) mx[e / 2] = fmaxf(mx[e / 2], acc[j][e]);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -114,8 +120,11 @@ __device__ __forceinline__ void epilogue(const Params &P, float (&acc)[32][4], i
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (!EDGE || c + 8 * j + e % 2 < P.N) s[e / 2] += exp2f(fmaf(acc[j][e], kLog2e, -base[e / 2]));
+      for (int e = 0; e < 4; ++e) {
+        const float x = exp2f(fmaf(acc[j][e], kLog2e, -base[e / 2]));
+        if (in(j, e)) s[e / 2] += x;
+        if (MODE == 2) acc[j][e] = x;
+      }
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -139,7 +148,7 @@ __device__ __forceinline__ void epilogue(const Params &P, float (&acc)[32][4], i
   }
 }
 
-template <bool STATS>
+template <int MODE>
 __global__ void __launch_bounds__(kThreads, 1) gemm_rowstats(const __grid_constant__ Params P) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char *sm = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
@@ -195,8 +204,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_rowstats(const __grid_consta
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[prev]);
     const int m0 = tile_m * kBM + m_off, n0 = tile_n * kBN;
-    if (n0 + kBN <= P.N) epilogue<STATS, false>(P, acc, m0, n0, tile_n, lane);
-    else epilogue<STATS, true>(P, acc, m0, n0, tile_n, lane);
+    if (n0 + kBN <= P.N) epilogue<MODE, false>(P, acc, m0, n0, tile_n, lane);
+    else epilogue<MODE, true>(P, acc, m0, n0, tile_n, lane);
   }
 }
 
@@ -270,12 +279,12 @@ void run_shape(int M, int N, int K, cublasLtHandle_t lt, void *ws, size_t ws_byt
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int grid = std::min(sms, tiles_m * tiles_n);
-  CK(cudaFuncSetAttribute(gemm_rowstats<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
-  CK(cudaFuncSetAttribute(gemm_rowstats<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
-  auto ours = [&](bool stats_on) {
-    if (stats_on) gemm_rowstats<true><<<grid, kThreads, kSmem>>>(p);
-    else gemm_rowstats<false><<<grid, kThreads, kSmem>>>(p);
+  const auto kernel = [](int mode) {
+    return mode == 0 ? gemm_rowstats<0> : mode == 1 ? gemm_rowstats<1> : gemm_rowstats<2>;
   };
+  for (int mode = 0; mode < 3; ++mode)
+    CK(cudaFuncSetAttribute(kernel(mode), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
+  auto ours = [&](int mode) { kernel(mode)<<<grid, kThreads, kSmem>>>(p); };
 
   // cuBLASLt, column-major: ref^T [N][M] = W [N][K] . X^T, i.e. ref [M][N] row-major.
   cublasLtMatmulDesc_t desc;
@@ -299,9 +308,11 @@ void run_shape(int M, int N, int K, cublasLtHandle_t lt, void *ws, size_t ws_byt
     CKL(cublasLtMatmul(lt, desc, &one, w, la, x, lb, &zero, ref, lc, ref, lc, &heur.algo, ws, ws_bytes, 0));
   };
 
-  // Correctness: ours against cuBLAS's product (both fp32 sums rounded once to bf16), and the statistics of
-  // sampled rows against fp64 ones from our own stored logits.
-  ours(true);
+  // Correctness. Mode 1: the logits against cuBLAS's (both fp32 sums rounded once to bf16), the statistics of
+  // sampled rows against fp64 ones of our own stored logits. Mode 2: e against exp(cuBLAS's logit - our max)
+  // (absolute: e <= 1; cuBLAS's bf16 rounding alone moves it by up to |z| 2^-9), and its tile sums against the
+  // statistics (e's own rounding).
+  ours(1);
   cublas();
   CK(cudaDeviceSynchronize());
   double2 *parts;
@@ -311,26 +322,48 @@ void run_shape(int M, int N, int K, cublasLtHandle_t lt, void *ws, size_t ws_byt
   CK(cudaMemcpy(hp.data(), parts, 1024 * sizeof(double2), cudaMemcpyDeviceToHost));
   double dd = 0, rr = 0;
   for (const double2 &v : hp) dd += v.x, rr += v.y;
-  double worst = 0;
-  std::vector<__nv_bfloat16> row(N);
-  std::vector<float2> srow(tiles_n);
-  for (int m : {0, 1, M / 3, M / 2 + 7, M - 1}) {
-    CK(cudaMemcpy(row.data(), out + int64_t(m) * N, size_t(N) * 2, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(srow.data(), stats + int64_t(m) * tiles_n, tiles_n * sizeof(float2), cudaMemcpyDeviceToHost));
+  const int rows[] = {0, 1, M / 3, M / 2 + 7, M - 1};
+  std::vector<__nv_bfloat16> z(N), zr(N);
+  std::vector<float2> st(tiles_n);
+  const auto fetch = [&](std::vector<__nv_bfloat16> &v, const __nv_bfloat16 *src, int m) {
+    CK(cudaMemcpy(v.data(), src + int64_t(m) * N, size_t(N) * 2, cudaMemcpyDeviceToHost));
+  };
+  const auto fetch_stats = [&](int m) {
+    CK(cudaMemcpy(st.data(), stats + int64_t(m) * tiles_n, tiles_n * sizeof(float2), cudaMemcpyDeviceToHost));
+  };
+  const auto f = [](__nv_bfloat16 v) { return double(__bfloat162float(v)); };
+  double err_stats = 0, err_e = 0, err_esum = 0;
+  for (int m : rows) {
+    fetch(z, out, m), fetch_stats(m);
     for (int tn = 0; tn < tiles_n; ++tn) {
-      double mx = -INFINITY, s = 0;
-      for (int c = tn * kBN; c < std::min(N, tn * kBN + kBN); ++c) mx = std::max(mx, double(__bfloat162float(row[c])));
-      for (int c = tn * kBN; c < std::min(N, tn * kBN + kBN); ++c) s += std::exp(double(__bfloat162float(row[c])) - mx);
-      worst = std::max({worst, std::fabs(srow[tn].x - mx), std::fabs(srow[tn].y - s) / s});
+      const int c0 = tn * kBN, c1 = std::min(N, c0 + kBN);
+      double mx = -INFINITY, sum = 0;
+      for (int c = c0; c < c1; ++c) mx = std::max(mx, f(z[c]));
+      for (int c = c0; c < c1; ++c) sum += std::exp(f(z[c]) - mx);
+      err_stats = std::max({err_stats, std::fabs(st[tn].x - mx), std::fabs(st[tn].y - sum) / sum});
+    }
+  }
+  ours(2);
+  CK(cudaDeviceSynchronize());
+  for (int m : rows) {
+    fetch(z, out, m), fetch(zr, ref, m), fetch_stats(m);
+    for (int tn = 0; tn < tiles_n; ++tn) {
+      const int c0 = tn * kBN, c1 = std::min(N, c0 + kBN);
+      double sum = 0;
+      for (int c = c0; c < c1; ++c) {
+        err_e = std::max(err_e, std::fabs(f(z[c]) - std::exp(f(zr[c]) - st[tn].x)));
+        sum += f(z[c]);
+      }
+      err_esum = std::max(err_esum, std::fabs(sum - st[tn].y) / st[tn].y);
     }
   }
 
-  // Timing: the three in turns (the products heat the GPU), medians of 5 rounds of 10.
+  // Timing: cuBLAS and the three modes in turns (the products heat the GPU), medians of 5 rounds of 10.
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  std::vector<float> t_plain, t_stats, t_cublas;
-  auto time10 = [&](auto &&fn) {
+  std::vector<float> times[4];  // cuBLAS, modes 0, 1, 2
+  const auto time10 = [&](auto &&fn) {
     CK(cudaEventRecord(e0));
     for (int i = 0; i < 10; ++i) fn();
     CK(cudaEventRecord(e1));
@@ -340,16 +373,16 @@ void run_shape(int M, int N, int K, cublasLtHandle_t lt, void *ws, size_t ws_byt
     return ms / 10;
   };
   for (int round = 0; round < 5; ++round) {
-    t_cublas.push_back(time10(cublas));
-    t_plain.push_back(time10([&] { ours(false); }));
-    t_stats.push_back(time10([&] { ours(true); }));
+    times[0].push_back(time10(cublas));
+    for (int mode = 0; mode < 3; ++mode) times[mode + 1].push_back(time10([&] { ours(mode); }));
   }
   CK(cudaGetLastError());
   const double flop = 2.0 * M * N * K;
-  const float tc = median(t_cublas), tp = median(t_plain), ts = median(t_stats);
-  std::printf("| %d x %d x %d | %.3f (%.0f TF/s) | %.3f (%.0f) | %.3f (%.0f) | %.3fx | %.3fx | %.1e | %.1e |\n", M, N,
-              K, tc, flop / tc / 1e9, tp, flop / tp / 1e9, ts, flop / ts / 1e9, tp / tc, ts / tc, std::sqrt(dd / rr),
-              worst);
+  float t[4];
+  for (int i = 0; i < 4; ++i) t[i] = median(times[i]);
+  std::printf("| %d x %d x %d | %.3f (%.0f TF/s) |", M, N, K, t[0], flop / t[0] / 1e9);
+  for (int i = 1; i < 4; ++i) std::printf(" %.3f (%.3fx) |", t[i], t[i] / t[0]);
+  std::printf(" %.1e | %.1e | %.1e | %.1e |\n", std::sqrt(dd / rr), err_stats, err_e, err_esum);
   CK(cudaFree(x));
   CK(cudaFree(w));
   CK(cudaFree(out));
@@ -377,11 +410,12 @@ int main(int argc, char **argv) {
   const size_t ws_bytes = size_t(32) << 20;
   void *ws;
   CK(cudaMalloc(&ws, ws_bytes));
-  std::printf("# logits = X W^T, bf16 (fp32 accumulation), %s: cuBLASLt (heuristic's first), ours plain, ours + "
-              "row statistics (ms, median of 5 x 10)\n\n",
+  std::printf("# logits = X W^T, bf16 (fp32 accumulation), %s: cuBLASLt (the heuristic's first algorithm) and ours "
+              "(ms, median of 5 x 10; in brackets: to cuBLAS)\n\n",
               prop.name);
-  std::printf("| M x N x K | cuBLASLt | ours | ours + stats | ours / cuBLAS | + stats / cuBLAS | "
-              "||ours - cuBLAS|| / ||cuBLAS|| | stats error |\n|---|---|---|---|---|---|---|---|\n");
+  std::printf("| M x N x K | cuBLASLt | ours: logits | logits + row stats | e = exp(z - max) + row stats | "
+              "logits vs cuBLAS (rel. norm) | stats vs fp64 | e vs cuBLAS's (abs) | e sums vs stats |\n"
+              "|---|---|---|---|---|---|---|---|---|\n");
   for (size_t i = 0; i < shapes.size(); i += 3) run_shape(shapes[i], shapes[i + 1], shapes[i + 2], lt, ws, ws_bytes);
   CK(cudaFree(ws));
   cublasLtDestroy(lt);
