@@ -1,0 +1,587 @@
+// Experiment for #28 (written 2026-11-27, not yet run): the products of the fused linear + loss plan as our own
+// TMA + wgmma kernels, each timed beside cuBLASLt's product of the same shapes in the same run. The questions:
+// how close kernels of ours get to cuBLAS, and what the loss's pieces cost inside them (bench/NOTES.md "Fused
+// linear + loss", "Where G can be formed": the loss inside the products is what reaches under 1.05x at
+// 4096 x 2048 x 262144).
+// - forward, logits = X W^T (X [M, K], W [N, K] row-major, bf16, fp32 accumulation, bf16 out), three forms:
+//   the logits alone (MODE 0); with each 256-column tile's row statistics, max and sum of exp, from the
+//   epilogue (1); and e = exp(z - tile max) stored instead of z (2), the operand the backward would read.
+// - dX = G W with G = e F (MODE 3): e [M, V] as MODE 2 stores it, F [M, V / 256] a factor per (row, tile) (the
+//   loss's exp(m_t - lse_r) and scale), W [V, H] row-major (the wgmma's B operand N-major). The producer
+//   warpgroup's idle warps 1-3 scale each stage's e tile in place (fp32, rounded once to bf16, as G
+//   materialised would be) between its landing and the consumers' wgmma (a third barrier a stage, ready).
+//   cuBLAS runs G W on G materialised. (Tried first: A from registers, ldmatrix and scaled by the consumers.
+//   ptxas serialised every wgmma behind its predecessor, C7513: the A registers of a k-block are written while
+//   the previous group is in flight.) Shared-memory traffic a k-block an SM: the two warpgroups' B reads 64 KB,
+//   A 16 KB, the scaling 32 KB: ~110 of 128 bytes a cycle at full MMA rate, the thing to watch.
+//
+// v0 design: persistent CTAs of 384 threads over 128 x 256 output tiles (M fastest, so a wave shares the B
+// operand's tiles in L2); warp 0 loads A (128 x 64) and B (64 x 256) k-blocks with TMA into a ring of 4
+// stages; two consumer warpgroups each run m64n256k16 wgmma on their 64 rows, one commit group in flight, and
+// do the epilogue while the ring refills for the next tile. Known costs to measure before going further: the
+// epilogue idles the tensor cores (128 exp a thread a forward tile: ~6% of a K = 2048 tile's MMA time; a
+// ping-pong of the two warpgroups would hide it), and the stores are 4-byte pieces (stmatrix + TMA store
+// would make them whole lines). Compiles clean for sm_90a, no spills; never run.
+//
+// On the device (after tools/device.sh build, for the include paths only):
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels -Iinclude -o /tmp/fused_gemms bench/experiments/fused_gemms.cu -lcublasLt
+//   /tmp/fused_gemms      # forward 4096 x 262144 x 2048 and 4096 x 128256 x 4096; dX 4096 x 262144 x 2048 and 4096 x 128256 x 4096
+//   /tmp/fused_gemms [fwd M N K | dx M V H] ...     # N, H, K multiples of 8; V of 256
+#include <cublasLt.h>
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "common/bulk_copy.cuh"
+#include "gdn/wgmma.cuh"
+
+using namespace hl::cuda;
+using hl::cuda::gdn::wgmma_commit;
+using hl::cuda::gdn::wgmma_desc;
+using hl::cuda::gdn::wgmma_desc_n_major;
+using hl::cuda::gdn::wgmma_fence;
+using hl::cuda::gdn::wgmma_pin;
+
+static void fail_if(bool bad, const char *call, const char *file, int line, const char *why) {
+  if (bad) std::fprintf(stderr, "%s:%d %s: %s\n", file, line, call, why), std::exit(1);
+}
+#define CK(x)                                                                   \
+  do {                                                                          \
+    const cudaError_t e_ = (x);                                                 \
+    fail_if(e_ != cudaSuccess, #x, __FILE__, __LINE__, cudaGetErrorString(e_)); \
+  } while (0)
+#define CKL(x) fail_if((x) != CUBLAS_STATUS_SUCCESS, #x, __FILE__, __LINE__, "cuBLASLt failed")
+
+namespace {
+
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kStatTile = 256;
+constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;  // 16 + 32 KB
+constexpr int kThreads = 384;                                                                       // producer + 2 WGs
+constexpr size_t kSmem = size_t(kStages) * kStageBytes + 3 * kStages * 8 + 1024;
+
+struct Params {
+  // A [M][K] in 64 x 128 boxes; B: forward W [N][K] in 64 x 256 boxes (K-major), dX W [K = V][N = H] in
+  // 64 x 64 boxes (N-major, four a stage). 128-byte swizzle.
+  CUtensorMap a, b;
+  __nv_bfloat16 *out;  // [M][N]
+  float2 *stats;       // forward: [M][tiles_n], (max, sum exp(z - max)) of row m over tile n's columns
+  const float *factor;  // dX: [M][K / 256], G = e times the factor of its (row, 256-wide tile of K)
+  int M, N, K, tiles_m, tiles_n;
+};
+
+// D[64 x 256] (+)= A[64 x 16] B[16 x 256], operands in shared memory (descriptors: A K-major, B K-major or,
+// TB = 1, N-major); scale_d 0: D = A B.
+template <int TB>
+__device__ __forceinline__ void wgmma256(float (&d)[32][4], uint64_t a, uint64_t b, int scale_d) {
+#define HL_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
+      "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, "
+      "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, "
+      "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, "
+      "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "
+      "%124, %125, %126, %127}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+      : HL_D4(0), HL_D4(1), HL_D4(2), HL_D4(3), HL_D4(4), HL_D4(5), HL_D4(6), HL_D4(7), HL_D4(8), HL_D4(9),
+        HL_D4(10), HL_D4(11), HL_D4(12), HL_D4(13), HL_D4(14), HL_D4(15), HL_D4(16), HL_D4(17), HL_D4(18),
+        HL_D4(19), HL_D4(20), HL_D4(21), HL_D4(22), HL_D4(23), HL_D4(24), HL_D4(25), HL_D4(26), HL_D4(27),
+        HL_D4(28), HL_D4(29), HL_D4(30), HL_D4(31)
+      : "l"(a), "l"(b), "r"(scale_d), "n"(TB));
+#undef HL_D4
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// dX: the stage's e tile (128 rows x 64, TMA's swizzle only permutes 16-byte chunks inside a row) times each
+// row's factor for the k-block's 256-wide tile, in fp32, rounded once to bf16, in place; by the producer
+// warpgroup's warps 1-3 (t: 0..95), then fenced for the wgmma (async proxy).
+__device__ __forceinline__ void scale_a(unsigned char *tile, const Params &P, int m0, int kb, int t) {
+  const int nf = P.K / kStatTile, ft = kb * kBK / kStatTile;
+#pragma unroll 4
+  for (int i = t; i < kBM * 8; i += 96) {  // 16-byte chunks; 4 in flight a thread
+    const int r = m0 + i / 8;
+    const float f = r < P.M ? __ldg(P.factor + int64_t(r) * nf + ft) : 0.f;
+    uint4 v = *reinterpret_cast<uint4 *>(tile + 16 * i);
+    uint32_t *w = reinterpret_cast<uint32_t *>(&v);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      __nv_bfloat162 h;
+      std::memcpy(&h, &w[k], 4);
+      const float2 x = __bfloat1622float2(h);
+      h = __floats2bfloat162_rn(x.x * f, x.y * f);
+      std::memcpy(&w[k], &h, 4);
+    }
+    *reinterpret_cast<uint4 *>(tile + 16 * i) = v;
+  }
+  fence_proxy_async();
+}
+
+// The epilogue of one warp's 16 rows (m0..) of tile columns n0..n0 + 255 (EDGE: a partial last tile, whose
+// columns from N on are TMA's zeros). MODE 0: the logits rounded to bf16, stored; 1: also their max and sum of
+// exp per row (of the rounded logits); 2: the statistics of the fp32 logits, and e = exp(z - max) stored in
+// place of z (what the backward products would read: bench/NOTES.md "Where G can be formed"). MODE 3: dX.
+template <int MODE, bool EDGE>
+__device__ __forceinline__ void epilogue(const Params &P, float (&acc)[32][4], int m0, int n0, int tile_n,
+                                         int lane) {
+  const int r = m0 + lane / 4, c = n0 + 2 * (lane % 4);
+  const auto in = [&](int j, int e) { return !EDGE || c + 8 * j + e % 2 < P.N; };
+  if constexpr (MODE < 2) {  // (MODE 3, dX: stored as it is)
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = __bfloat162float(__float2bfloat16(acc[j][e]));
+  }
+  if constexpr (MODE == 1 || MODE == 2) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    float mx[2] = {-INFINITY, -INFINITY}, s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (in(j, e)) mx[e / 2] = fmaxf(mx[e / 2], acc[j][e]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int o = 1; o < 4; o *= 2) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], o));
+    const float base[2] = {mx[0] * kLog2e, mx[1] * kLog2e};
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = exp2f(fmaf(acc[j][e], kLog2e, -base[e / 2]));
+        if (in(j, e)) s[e / 2] += x;
+        if (MODE == 2) acc[j][e] = x;
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int o = 1; o < 4; o *= 2) s[h] += __shfl_xor_sync(0xffffffffu, s[h], o);
+    if (lane % 4 == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (r + 8 * h < P.M) P.stats[int64_t(r + 8 * h) * P.tiles_n + tile_n] = make_float2(mx[h], s[h]);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (r + 8 * h >= P.M) continue;
+    __nv_bfloat16 *row = P.out + int64_t(r + 8 * h) * P.N;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      if (EDGE && c + 8 * j >= P.N) continue;  // N even: a pair lies wholly in or out
+      *reinterpret_cast<__nv_bfloat162 *>(row + c + 8 * j) =
+          __floats2bfloat162_rn(acc[j][2 * h], acc[j][2 * h + 1]);
+    }
+  }
+}
+
+template <int MODE>
+__global__ void __launch_bounds__(kThreads, 1) fused_gemm(const __grid_constant__ Params P) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char *sm = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+  // full: the stage's TMA bytes landed; ready (dX): its A tile scaled; empty: the consumers are done with it
+  uint64_t *full = reinterpret_cast<uint64_t *>(sm + kStages * kStageBytes), *empty = full + kStages;
+  uint64_t *ready = empty + kStages;
+  const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 8), mbar_init(&ready[s], 3);
+  }
+  __syncthreads();
+  const int tiles = P.tiles_m * P.tiles_n, kblocks = (P.K + kBK - 1) / kBK;
+  if (warp < 4) {  // producer warpgroup: warp 0 lane 0 issues every load; dX: warps 1-3 scale the A tiles
+    // registers a thread: 40 + 2 x 232 (dX: 56 for the scaling warps, 224), within the 512 a sub-partition
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(MODE == 3 ? 56 : 40));
+    uint32_t it = 0;  // k-blocks issued (scaled)
+    if (warp == 0 && lane == 0) {
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const int m0 = (t % P.tiles_m) * kBM, n0 = (t / P.tiles_m) * kBN;
+        for (int kb = 0; kb < kblocks; ++kb, ++it) {
+          const uint32_t s = it % kStages;
+          if (it >= kStages) mbar_wait(&empty[s], (it / kStages - 1) & 1);
+          unsigned char *a = sm + s * kStageBytes;
+          mbar_expect_tx(&full[s], kStageBytes);
+          tma_load_3d(a, &P.a, kb * kBK, m0, 0, &full[s]);
+          if constexpr (MODE == 3) {  // W [V][H]: four 64 x 64 boxes side by side along H
+            for (int i = 0; i < kBN / 64; ++i)
+              tma_load_3d(a + kABytes + i * 8192, &P.b, n0 + 64 * i, kb * kBK, 0, &full[s]);
+          } else {
+            tma_load_3d(a + kABytes, &P.b, kb * kBK, n0, 0, &full[s]);
+          }
+        }
+      }
+    } else if (MODE == 3 && warp > 0) {
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x)
+        for (int kb = 0; kb < kblocks; ++kb, ++it) {
+          const uint32_t s = it % kStages;
+          mbar_wait(&full[s], (it / kStages) & 1);
+          scale_a(sm + s * kStageBytes, P, (t % P.tiles_m) * kBM, kb, int(threadIdx.x) - 32);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&ready[s]);
+        }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(MODE == 3 ? 224 : 232));
+  const int wg = warp / 4 - 1, m_off = 64 * wg + 16 * (warp % 4);  // this warp's rows in the tile
+  uint32_t it = 0;  // k-blocks consumed
+  float acc[32][4];
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int tile_m = t % P.tiles_m, tile_n = t / P.tiles_m;
+    uint32_t prev = 0;
+    for (int kb = 0; kb < kblocks; ++kb, ++it) {
+      const uint32_t s = it % kStages;
+      mbar_wait(MODE == 3 ? &ready[s] : &full[s], (it / kStages) & 1);
+      const unsigned char *a = sm + s * kStageBytes;
+      const uint64_t da = wgmma_desc(a + wg * 64 * 128);
+      wgmma_fence();
+      if constexpr (MODE == 3) {  // B N-major: 16 rows of k are 2048 bytes
+        const uint64_t db = wgmma_desc_n_major(a + kABytes);
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) wgmma256<1>(acc, da + 2 * kk, db + 128 * kk, kb > 0 || kk > 0);
+      } else {
+        const uint64_t db = wgmma_desc(a + kABytes);
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) wgmma256<0>(acc, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous k-block's products are done: its stage goes back to the producer
+      if (kb > 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[prev]);
+      }
+      prev = s;
+    }
+    wgmma_wait<0>();
+    wgmma_pin(acc);  // the epilogue reads the accumulators no earlier
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[prev]);
+    const int m0 = tile_m * kBM + m_off, n0 = tile_n * kBN;
+    if (n0 + kBN <= P.N) epilogue<MODE, false>(P, acc, m0, n0, tile_n, lane);
+    else epilogue<MODE, true>(P, acc, m0, n0, tile_n, lane);
+  }
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  void *p = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+  if (q != cudaDriverEntryPointSuccess) std::exit(1);
+  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+}
+
+// A row-major [rows][inner] bf16 matrix read in inner-contiguous boxes of 64 x box_rows (3-D, the last of size 1).
+void make_map(CUtensorMap *m, const void *base, uint64_t rows, uint64_t inner, uint32_t box_rows) {
+  const cuuint64_t dims[3] = {inner, rows, 1}, strides[2] = {inner * 2, inner * rows * 2};
+  const cuuint32_t box[3] = {64, box_rows, 1}, step[3] = {1, 1, 1};
+  const CUresult r = encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void *>(base), dims, strides, box,
+                               step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) std::fprintf(stderr, "cuTensorMapEncodeTiled: %d\n", int(r)), std::exit(1);
+}
+
+// Uniform in [lo, hi), from a hash of the index (bf16, or fp32 where f is given).
+__global__ void fill(__nv_bfloat16 *x, float *f, int64_t n, uint32_t seed, float lo, float hi) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed ^ uint32_t(i >> 32) * 40503u;
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
+    const float v = lo + (hi - lo) * float(h & 0xffffff) / 16777216.f;
+    if (f) f[i] = v;
+    else x[i] = __float2bfloat16(v);
+  }
+}
+
+// G = e times the factor of its (row, 256-wide column tile), rounded once to bf16 (what MODE 3 forms).
+__global__ void materialise_g(const __nv_bfloat16 *e, const float *factor, __nv_bfloat16 *g, int M, int V) {
+  const int64_t n = int64_t(M) * V;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / V;
+    const int v = int(i % V);
+    g[i] = __float2bfloat16(__bfloat162float(e[i]) * factor[r * (V / kStatTile) + v / kStatTile]);
+  }
+}
+
+// Sums of (a - b)^2 and b^2 over n elements, one double pair a block (no atomics: summed on the host).
+__global__ void diff_norms(const __nv_bfloat16 *a, const __nv_bfloat16 *b, int64_t n, double2 *out) {
+  __shared__ double2 red[256];
+  double d = 0, r = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    d += (x - y) * (x - y), r += y * y;
+  }
+  red[threadIdx.x] = make_double2(d, r);
+  __syncthreads();
+  for (int o = 128; o > 0; o /= 2) {
+    if (threadIdx.x < o) red[threadIdx.x].x += red[threadIdx.x + o].x, red[threadIdx.x].y += red[threadIdx.x + o].y;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = red[0];
+}
+
+double rel_diff(const __nv_bfloat16 *a, const __nv_bfloat16 *b, int64_t n) {
+  double2 *parts;
+  CK(cudaMalloc(&parts, 1024 * sizeof(double2)));
+  diff_norms<<<1024, 256>>>(a, b, n, parts);
+  std::vector<double2> hp(1024);
+  CK(cudaMemcpy(hp.data(), parts, 1024 * sizeof(double2), cudaMemcpyDeviceToHost));
+  CK(cudaFree(parts));
+  double dd = 0, rr = 0;
+  for (const double2 &v : hp) dd += v.x, rr += v.y;
+  return std::sqrt(dd / rr);
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Medians of 5 rounds of 10 calls of each function, the functions in turns (the products heat the GPU).
+std::vector<float> time_in_turns(const std::vector<std::function<void()>> &fns) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<std::vector<float>> t(fns.size());
+  for (int round = 0; round < 5; ++round)
+    for (size_t i = 0; i < fns.size(); ++i) {
+      CK(cudaEventRecord(e0));
+      for (int k = 0; k < 10; ++k) fns[i]();
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      t[i].push_back(ms / 10);
+    }
+  CK(cudaGetLastError());
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  std::vector<float> med;
+  for (auto &v : t) med.push_back(median(v));
+  return med;
+}
+
+// One cuBLASLt product C = op(A) op(B) (column-major, bf16, fp32 accumulation), the heuristic's first algorithm.
+struct LtProduct {
+  cublasLtHandle_t lt;
+  void *ws;
+  size_t ws_bytes;
+  cublasLtMatmulDesc_t desc{};
+  cublasLtMatrixLayout_t la{}, lb{}, lc{};
+  cublasLtMatmulAlgo_t algo{};
+  LtProduct(cublasLtHandle_t h, void *w, size_t wb, bool ta, bool tb, int m, int n, int k, int lda, int ldb, int ldc)
+      : lt(h), ws(w), ws_bytes(wb) {
+    CKL(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+    CKL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa));
+    CKL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb));
+    CKL(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, ta ? k : m, ta ? m : k, lda));
+    CKL(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, tb ? n : k, tb ? k : n, ldb));
+    CKL(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, m, n, ldc));
+    cublasLtMatmulPreference_t pref;
+    CKL(cublasLtMatmulPreferenceCreate(&pref));
+    CKL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                             sizeof ws_bytes));
+    cublasLtMatmulHeuristicResult_t heur{};
+    int found = 0;
+    CKL(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &heur, &found));
+    fail_if(!found, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__, "no algorithm");
+    algo = heur.algo;
+    cublasLtMatmulPreferenceDestroy(pref);
+  }
+  ~LtProduct() {
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(lc);
+    cublasLtMatmulDescDestroy(desc);
+  }
+  void operator()(const void *a, const void *b, void *c) const {
+    const float one = 1.f, zero = 0.f;
+    CKL(cublasLtMatmul(lt, desc, &one, a, la, b, lb, &zero, c, lc, c, lc, &algo, ws, ws_bytes, 0));
+  }
+};
+
+struct Launcher {
+  Params p{};
+  int grid = 0;
+  explicit Launcher(int M, int N, int K) {
+    p.M = M, p.N = N, p.K = K, p.tiles_m = (M + kBM - 1) / kBM, p.tiles_n = (N + kBN - 1) / kBN;
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    grid = std::min(sms, p.tiles_m * p.tiles_n);
+    for (int mode = 0; mode < 4; ++mode)
+      CK(cudaFuncSetAttribute(kernel(mode), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
+  }
+  static void (*kernel(int mode))(Params) {
+    return mode == 0 ? fused_gemm<0> : mode == 1 ? fused_gemm<1> : mode == 2 ? fused_gemm<2> : fused_gemm<3>;
+  }
+  void operator()(int mode) const { kernel(mode)<<<grid, kThreads, kSmem>>>(p); }
+};
+
+const char *kTableHead =
+    "| product, M x N x K | cuBLASLt | ours | ours / cuBLAS | ours vs cuBLAS (rel. norm) | other checks |\n"
+    "|---|---|---|---|---|---|\n";
+
+void print_row(const char *what, int M, int N, int K, float t_cublas, float t_ours, double err, const char *more) {
+  const double tf = 2.0 * M * N * K / 1e9;
+  std::printf("| %s, %d x %d x %d | %.3f ms (%.0f TF/s) | %.3f ms (%.0f) | %.3fx | %.1e | %s |\n", what, M, N, K,
+              t_cublas, tf / t_cublas, t_ours, tf / t_ours, t_ours / t_cublas, err, more);
+}
+
+// The forward product, three forms. Checks: mode 1's logits against cuBLAS's (both fp32 sums rounded once to
+// bf16), its statistics of sampled rows against fp64 ones of its own stored logits; mode 2's e against
+// exp(cuBLAS's logit - its max) (absolute: e <= 1; cuBLAS's bf16 rounding alone moves it by up to |z| 2^-9),
+// and its tile sums against its statistics (e's own rounding).
+void run_forward(int M, int N, int K, cublasLtHandle_t lt, void *ws, size_t ws_bytes) {
+  __nv_bfloat16 *x, *w, *out, *ref;
+  Launcher run(M, N, K);
+  const int tiles_n = run.p.tiles_n;
+  CK(cudaMalloc(&x, size_t(M) * K * 2));
+  CK(cudaMalloc(&w, size_t(N) * K * 2));
+  CK(cudaMalloc(&out, size_t(M) * N * 2));
+  CK(cudaMalloc(&ref, size_t(M) * N * 2));
+  CK(cudaMalloc(&run.p.stats, size_t(M) * tiles_n * sizeof(float2)));
+  // logits of a realistic spread (sd ~3): x ~ U(-1, 1), w ~ U(-9 / sqrt(K), 9 / sqrt(K))
+  fill<<<1024, 256>>>(x, nullptr, int64_t(M) * K, 1u, -1.f, 1.f);
+  fill<<<1024, 256>>>(w, nullptr, int64_t(N) * K, 2u, -9.f / std::sqrt(float(K)), 9.f / std::sqrt(float(K)));
+  CK(cudaMemset(out, 0xff, size_t(M) * N * 2));  // poisoned (NaN): an unwritten element fails the comparison
+  CK(cudaGetLastError());
+  make_map(&run.p.a, x, M, K, kBM);
+  make_map(&run.p.b, w, N, K, kBN);
+  run.p.out = out;
+  // ref [M][N] row-major = (W [N][K] . X^T) column-major
+  const LtProduct cublas(lt, ws, ws_bytes, true, false, N, M, K, K, K, N);
+
+  run(1);
+  cublas(w, x, ref);
+  CK(cudaDeviceSynchronize());
+  const double err = rel_diff(out, ref, int64_t(M) * N);
+  const int rows[] = {0, 1, M / 3, M / 2 + 7, M - 1};
+  std::vector<__nv_bfloat16> z(N), zr(N);
+  std::vector<float2> st(tiles_n);
+  const auto fetch = [&](std::vector<__nv_bfloat16> &v, const __nv_bfloat16 *src, int m) {
+    CK(cudaMemcpy(v.data(), src + int64_t(m) * N, size_t(N) * 2, cudaMemcpyDeviceToHost));
+  };
+  const auto fetch_stats = [&](int m) {
+    CK(cudaMemcpy(st.data(), run.p.stats + int64_t(m) * tiles_n, tiles_n * sizeof(float2), cudaMemcpyDeviceToHost));
+  };
+  const auto f = [](__nv_bfloat16 v) { return double(__bfloat162float(v)); };
+  double err_stats = 0, err_e = 0, err_esum = 0;
+  for (int m : rows) {
+    fetch(z, out, m), fetch_stats(m);
+    for (int tn = 0; tn < tiles_n; ++tn) {
+      const int c0 = tn * kBN, c1 = std::min(N, c0 + kBN);
+      double mx = -INFINITY, sum = 0;
+      for (int c = c0; c < c1; ++c) mx = std::max(mx, f(z[c]));
+      for (int c = c0; c < c1; ++c) sum += std::exp(f(z[c]) - mx);
+      err_stats = std::max({err_stats, std::fabs(st[tn].x - mx), std::fabs(st[tn].y - sum) / sum});
+    }
+  }
+  run(2);
+  CK(cudaDeviceSynchronize());
+  for (int m : rows) {
+    fetch(z, out, m), fetch(zr, ref, m), fetch_stats(m);
+    for (int tn = 0; tn < tiles_n; ++tn) {
+      const int c0 = tn * kBN, c1 = std::min(N, c0 + kBN);
+      double sum = 0;
+      for (int c = c0; c < c1; ++c) {
+        err_e = std::max(err_e, std::fabs(f(z[c]) - std::exp(f(zr[c]) - st[tn].x)));
+        sum += f(z[c]);
+      }
+      err_esum = std::max(err_esum, std::fabs(sum - st[tn].y) / st[tn].y);
+    }
+  }
+  const std::vector<float> t = time_in_turns({[&] { cublas(w, x, ref); }, [&] { run(0); }, [&] { run(1); },
+                                              [&] { run(2); }});
+  char more[160];
+  print_row("logits = X W^T", M, N, K, t[0], t[1], err, "");
+  std::snprintf(more, sizeof more, "stats vs fp64 of its logits %.1e", err_stats);
+  print_row("logits + row stats", M, N, K, t[0], t[2], err, more);
+  std::snprintf(more, sizeof more, "e vs exp(cuBLAS's - max) %.1e (abs), tile sums vs stats %.1e", err_e, err_esum);
+  print_row("e = exp(z - tile max) + row stats", M, N, K, t[0], t[3], err, more);
+  CK(cudaFree(x));
+  CK(cudaFree(w));
+  CK(cudaFree(out));
+  CK(cudaFree(ref));
+  CK(cudaFree(run.p.stats));
+}
+
+// dX [M][H] = G W, G = e F formed in registers (mode 3), against cuBLAS's product on G materialised.
+void run_dx(int M, int V, int H, cublasLtHandle_t lt, void *ws, size_t ws_bytes) {
+  fail_if(V % kStatTile != 0, "run_dx", __FILE__, __LINE__, "V must be a multiple of 256");
+  __nv_bfloat16 *e, *g, *w, *out, *ref;
+  float *factor;
+  Launcher run(M, H, V);
+  CK(cudaMalloc(&e, size_t(M) * V * 2));
+  CK(cudaMalloc(&g, size_t(M) * V * 2));
+  CK(cudaMalloc(&w, size_t(V) * H * 2));
+  CK(cudaMalloc(&out, size_t(M) * H * 2));
+  CK(cudaMalloc(&ref, size_t(M) * H * 2));
+  CK(cudaMalloc(&factor, size_t(M) * (V / kStatTile) * sizeof(float)));
+  fill<<<1024, 256>>>(e, nullptr, int64_t(M) * V, 3u, 0.f, 1.f);
+  fill<<<1024, 256>>>(w, nullptr, int64_t(V) * H, 4u, -0.05f, 0.05f);
+  fill<<<1024, 256>>>(nullptr, factor, int64_t(M) * (V / kStatTile), 5u, 1e-3f, 1.f);
+  materialise_g<<<1024, 256>>>(e, factor, g, M, V);
+  CK(cudaMemset(out, 0xff, size_t(M) * H * 2));
+  CK(cudaGetLastError());
+  make_map(&run.p.a, e, M, V, kBM);
+  make_map(&run.p.b, w, V, H, 64);
+  run.p.out = out, run.p.factor = factor;
+  // ref [M][H] row-major = (W^T [H][V] . G^T [V][M]) column-major: W, G as stored, no transposes
+  const LtProduct cublas(lt, ws, ws_bytes, false, false, H, M, V, H, V, H);
+  run(3);
+  cublas(w, g, ref);
+  CK(cudaDeviceSynchronize());
+  const double err = rel_diff(out, ref, int64_t(M) * H);
+  const std::vector<float> t = time_in_turns({[&] { cublas(w, g, ref); }, [&] { run(3); }});
+  print_row("dX = (e F) W, G formed in registers", M, H, V, t[0], t[1], err, "cuBLAS: G W, G materialised");
+  for (void *p : {static_cast<void *>(e), static_cast<void *>(g), static_cast<void *>(w), static_cast<void *>(out),
+                  static_cast<void *>(ref), static_cast<void *>(factor)})
+    CK(cudaFree(p));
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  struct Job {
+    bool dx;
+    int a, b, c;
+  };
+  std::vector<Job> jobs;
+  for (int i = 1; i < argc; i += 4) {
+    const bool dx = std::strcmp(argv[i], "dx") == 0;
+    if (i + 3 >= argc || !(dx || std::strcmp(argv[i], "fwd") == 0))
+      return std::fprintf(stderr, "usage: %s [fwd M N K | dx M V H] ...\n", argv[0]), 2;
+    jobs.push_back({dx, std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3])});
+  }
+  if (jobs.empty())
+    jobs = {{false, 4096, 262144, 2048}, {false, 4096, 128256, 4096}, {true, 4096, 262144, 2048}, {true, 4096, 128256, 4096}};
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  cublasLtHandle_t lt;
+  CKL(cublasLtCreate(&lt));
+  const size_t ws_bytes = size_t(32) << 20;
+  void *ws;
+  CK(cudaMalloc(&ws, ws_bytes));
+  std::printf("# the fused linear + loss plan's products, ours (bench/experiments/fused_gemms.cu) against cuBLASLt "
+              "(the heuristic's first algorithm), bf16, fp32 accumulation, %s; ms: medians of 5 x 10, in turns\n\n%s",
+              prop.name, kTableHead);
+  for (const Job &j : jobs) {
+    if (j.dx) run_dx(j.a, j.b, j.c, lt, ws, ws_bytes);
+    else run_forward(j.a, j.b, j.c, lt, ws, ws_bytes);
+  }
+  CK(cudaFree(ws));
+  cublasLtDestroy(lt);
+  return 0;
+}
