@@ -265,7 +265,8 @@ __device__ __forceinline__ void copy_via_registers(unsigned char *dst, int t, Un
 // 128 threads (t): box rows in [rlo, rhi) and columns in [clo, chi) copied (W divides the bounds: a copy lies
 // wholly in or out), zeros elsewhere (safe: any readable address, given for those). A thread's rows are
 // r0 + 8 o + kStep u (kStep = 8 or 4 divides 8): its swizzled offsets and source addresses step by constants,
-// set up once (per copy they took ~15 instructions, and the producer was the ODD kernels' limit).
+// set up once, ~8 instructions a copy (recomputed per row they took ~15-20, and the producer warpgroup was the
+// limit where everything is copied by hand: bench/NOTES.md "GDN v18").
 template <int W>
 __device__ __forceinline__ void copy_box(unsigned char *dst, const unsigned short *src, int64_t ld, int rlo, int rhi,
                                          int clo, int chi, const unsigned short *safe, int t) {
