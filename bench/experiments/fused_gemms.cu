@@ -10,23 +10,27 @@
 //   loss's exp(m_t - lse_r) and scale), W [V, H] row-major (the wgmma's B operand N-major). The producer
 //   warpgroup's idle warps 1-3 scale each stage's e tile in place (fp32, rounded once to bf16, as G
 //   materialised would be) between its landing and the consumers' wgmma (a third barrier a stage, ready).
-//   cuBLAS runs G W on G materialised. (Tried first: A from registers, ldmatrix and scaled by the consumers.
+//   cuBLAS runs G W on G materialised.
+// - dW = G^T X (MODE 4): e [c, V] again, now the M-major A operand (vocabulary rows, token columns), F [c, V /
+//   256], X [c, H]; scaled the same way (a factor per token and tile of V); cuBLAS runs G^T X.
+//   (Tried first for dX: A from registers, ldmatrix and scaled by the consumers.
 //   ptxas serialised every wgmma behind its predecessor, C7513: the A registers of a k-block are written while
 //   the previous group is in flight.) Shared-memory traffic a k-block an SM: the two warpgroups' B reads 64 KB,
 //   A 16 KB, the scaling 32 KB: ~110 of 128 bytes a cycle at full MMA rate, the thing to watch.
 //
-// v0 design: persistent CTAs of 384 threads over 128 x 256 output tiles (M fastest, so a wave shares the B
-// operand's tiles in L2); warp 0 loads A (128 x 64) and B (64 x 256) k-blocks with TMA into a ring of 4
+// v0 design: persistent CTAs of 384 threads over 128 x 256 output tiles (forward M fastest, so a wave shares the B
+// operand's tiles in L2; dX and dW N fastest, so an A block's N tiles run together and A comes from memory
+// once); warp 0 loads A (128 x 64) and B (64 x 256) k-blocks with TMA into a ring of 4
 // stages; two consumer warpgroups each run m64n256k16 wgmma on their 64 rows, one commit group in flight, and
 // do the epilogue while the ring refills for the next tile. Known costs to measure before going further: the
 // epilogue idles the tensor cores (128 exp a thread a forward tile: ~6% of a K = 2048 tile's MMA time; a
 // ping-pong of the two warpgroups would hide it), and the stores are 4-byte pieces (stmatrix + TMA store
-// would make them whole lines). Compiles clean for sm_90a, no spills; never run.
+// would make them whole lines). Compiles clean for sm_90a (dX, dW: 8 bytes spilled outside the k-loop); never run.
 //
 // On the device (after tools/device.sh build, for the include paths only):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels -Iinclude -o /tmp/fused_gemms bench/experiments/fused_gemms.cu -lcublasLt
-//   /tmp/fused_gemms      # forward 4096 x 262144 x 2048 and 4096 x 128256 x 4096; dX 4096 x 262144 x 2048 and 4096 x 128256 x 4096
-//   /tmp/fused_gemms [fwd M N K | dx M V H] ...     # N, H, K multiples of 8; V of 256
+//   /tmp/fused_gemms      # each product at c x V x H = 4096 x 262144 x 2048 and 4096 x 128256 x 4096
+//   /tmp/fused_gemms [fwd M N K | dx c V H | dw c V H] ...     # N, H, K multiples of 8; V of 256
 #include <cublasLt.h>
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -69,18 +73,20 @@ constexpr int kThreads = 384;                                                   
 constexpr size_t kSmem = size_t(kStages) * kStageBytes + 3 * kStages * 8 + 1024;
 
 struct Params {
-  // A [M][K] in 64 x 128 boxes; B: forward W [N][K] in 64 x 256 boxes (K-major), dX W [K = V][N = H] in
-  // 64 x 64 boxes (N-major, four a stage). 128-byte swizzle.
+  // A: [M][K] in 64 x 128 boxes (K-major); dW: e [K = c][M = V] in 64 x 64 boxes (M-major, two a stage).
+  // B: forward W [N][K] in 64 x 256 boxes (K-major); dX W [K = V][N = H], dW X [K = c][N = H] in 64 x 64
+  // boxes (N-major, four a stage). 128-byte swizzle.
   CUtensorMap a, b;
   __nv_bfloat16 *out;  // [M][N]
   float2 *stats;       // forward: [M][tiles_n], (max, sum exp(z - max)) of row m over tile n's columns
-  const float *factor;  // dX: [M][K / 256], G = e times the factor of its (row, 256-wide tile of K)
+  const float *factor;  // G = e times a factor: dX [M][K / 256] (row, tile of K); dW [K][M / 256] (token, tile of M)
   int M, N, K, tiles_m, tiles_n;
+  bool n_fastest;  // tile order (dX, dW: the N tiles of an A block together, so A comes from memory once)
 };
 
-// D[64 x 256] (+)= A[64 x 16] B[16 x 256], operands in shared memory (descriptors: A K-major, B K-major or,
-// TB = 1, N-major); scale_d 0: D = A B.
-template <int TB>
+// D[64 x 256] (+)= A[64 x 16] B[16 x 256], operands in shared memory (descriptors: K-major, or M- / N-major
+// where TA / TB = 1); scale_d 0: D = A B.
+template <int TA, int TB>
 __device__ __forceinline__ void wgmma256(float (&d)[32][4], uint64_t a, uint64_t b, int scale_d) {
 #define HL_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
   asm volatile(
@@ -92,12 +98,12 @@ __device__ __forceinline__ void wgmma256(float (&d)[32][4], uint64_t a, uint64_t
       "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, "
       "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, "
       "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "
-      "%124, %125, %126, %127}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+      "%124, %125, %126, %127}, %128, %129, p, 1, 1, %131, %132;\n}\n"
       : HL_D4(0), HL_D4(1), HL_D4(2), HL_D4(3), HL_D4(4), HL_D4(5), HL_D4(6), HL_D4(7), HL_D4(8), HL_D4(9),
         HL_D4(10), HL_D4(11), HL_D4(12), HL_D4(13), HL_D4(14), HL_D4(15), HL_D4(16), HL_D4(17), HL_D4(18),
         HL_D4(19), HL_D4(20), HL_D4(21), HL_D4(22), HL_D4(23), HL_D4(24), HL_D4(25), HL_D4(26), HL_D4(27),
         HL_D4(28), HL_D4(29), HL_D4(30), HL_D4(31)
-      : "l"(a), "l"(b), "r"(scale_d), "n"(TB));
+      : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
 #undef HL_D4
 }
 
@@ -106,15 +112,23 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-// dX: the stage's e tile (128 rows x 64, TMA's swizzle only permutes 16-byte chunks inside a row) times each
-// row's factor for the k-block's 256-wide tile, in fp32, rounded once to bf16, in place; by the producer
-// warpgroup's warps 1-3 (t: 0..95), then fenced for the wgmma (async proxy).
+// The stage's e tile times its factors, in fp32, rounded once to bf16, in place, by the producer warpgroup's
+// warps 1-3 (t: 0..95), then fenced for the wgmma (async proxy). TMA's swizzle only permutes the 16-byte chunks
+// inside a 128-byte row, so chunk i holds 8 elements of one row: dX (MODE 3), row m0 + i / 8 of e [M][K] and
+// k-block kb's 256-wide tile of K; dW (4), two boxes of 64 tokens x 64 of V, token kb 64 + (i % 512) / 8 and
+// the tile of V that rows m0.. (128 of them) lie in.
+template <int MODE>
 __device__ __forceinline__ void scale_a(unsigned char *tile, const Params &P, int m0, int kb, int t) {
-  const int nf = P.K / kStatTile, ft = kb * kBK / kStatTile;
 #pragma unroll 4
   for (int i = t; i < kBM * 8; i += 96) {  // 16-byte chunks; 4 in flight a thread
-    const int r = m0 + i / 8;
-    const float f = r < P.M ? __ldg(P.factor + int64_t(r) * nf + ft) : 0.f;
+    float f;
+    if constexpr (MODE == 3) {
+      const int r = m0 + i / 8;
+      f = r < P.M ? __ldg(P.factor + int64_t(r) * (P.K / kStatTile) + kb * kBK / kStatTile) : 0.f;
+    } else {
+      const int k = kb * kBK + (i % 512) / 8;
+      f = k < P.K ? __ldg(P.factor + int64_t(k) * (P.M / kStatTile) + m0 / kStatTile) : 0.f;
+    }
     uint4 v = *reinterpret_cast<uint4 *>(tile + 16 * i);
     uint32_t *w = reinterpret_cast<uint32_t *>(&v);
 #pragma unroll
@@ -133,13 +147,13 @@ __device__ __forceinline__ void scale_a(unsigned char *tile, const Params &P, in
 // The epilogue of one warp's 16 rows (m0..) of tile columns n0..n0 + 255 (EDGE: a partial last tile, whose
 // columns from N on are TMA's zeros). MODE 0: the logits rounded to bf16, stored; 1: also their max and sum of
 // exp per row (of the rounded logits); 2: the statistics of the fp32 logits, and e = exp(z - max) stored in
-// place of z (what the backward products would read: bench/NOTES.md "Where G can be formed"). MODE 3: dX.
+// place of z (what the backward products would read: bench/NOTES.md "Where G can be formed"). MODE 3, 4: dX, dW.
 template <int MODE, bool EDGE>
 __device__ __forceinline__ void epilogue(const Params &P, float (&acc)[32][4], int m0, int n0, int tile_n,
                                          int lane) {
   const int r = m0 + lane / 4, c = n0 + 2 * (lane % 4);
   const auto in = [&](int j, int e) { return !EDGE || c + 8 * j + e % 2 < P.N; };
-  if constexpr (MODE < 2) {  // (MODE 3, dX: stored as it is)
+  if constexpr (MODE < 2) {  // (dX, dW: stored as they are)
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
@@ -202,20 +216,27 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm(const __grid_constant_
   }
   __syncthreads();
   const int tiles = P.tiles_m * P.tiles_n, kblocks = (P.K + kBK - 1) / kBK;
+  const auto tile_mn = [&](int t) {  // (tile of M, tile of N) of work item t
+    return P.n_fastest ? make_int2(t / P.tiles_n, t % P.tiles_n) : make_int2(t % P.tiles_m, t / P.tiles_m);
+  };
   if (warp < 4) {  // producer warpgroup: warp 0 lane 0 issues every load; dX: warps 1-3 scale the A tiles
-    // registers a thread: 40 + 2 x 232 (dX: 56 for the scaling warps, 224), within the 512 a sub-partition
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(MODE == 3 ? 56 : 40));
+    // registers a thread: 40 + 2 x 232 (dX, dW: 64 for the scaling warps, 224), within the 512 a sub-partition
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(MODE >= 3 ? 64 : 40));
     uint32_t it = 0;  // k-blocks issued (scaled)
     if (warp == 0 && lane == 0) {
       for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const int m0 = (t % P.tiles_m) * kBM, n0 = (t / P.tiles_m) * kBN;
+        const int m0 = tile_mn(t).x * kBM, n0 = tile_mn(t).y * kBN;
         for (int kb = 0; kb < kblocks; ++kb, ++it) {
           const uint32_t s = it % kStages;
           if (it >= kStages) mbar_wait(&empty[s], (it / kStages - 1) & 1);
           unsigned char *a = sm + s * kStageBytes;
           mbar_expect_tx(&full[s], kStageBytes);
-          tma_load_3d(a, &P.a, kb * kBK, m0, 0, &full[s]);
-          if constexpr (MODE == 3) {  // W [V][H]: four 64 x 64 boxes side by side along H
+          if constexpr (MODE == 4) {  // e [c][V]: two 64 x 64 boxes side by side along V
+            for (int i = 0; i < kBM / 64; ++i) tma_load_3d(a + i * 8192, &P.a, m0 + 64 * i, kb * kBK, 0, &full[s]);
+          } else {
+            tma_load_3d(a, &P.a, kb * kBK, m0, 0, &full[s]);
+          }
+          if constexpr (MODE >= 3) {  // W [V][H] or X [c][H]: four 64 x 64 boxes side by side along H
             for (int i = 0; i < kBN / 64; ++i)
               tma_load_3d(a + kABytes + i * 8192, &P.b, n0 + 64 * i, kb * kBK, 0, &full[s]);
           } else {
@@ -223,39 +244,43 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm(const __grid_constant_
           }
         }
       }
-    } else if (MODE == 3 && warp > 0) {
+    } else if (MODE >= 3 && warp > 0) {
       for (int t = blockIdx.x; t < tiles; t += gridDim.x)
         for (int kb = 0; kb < kblocks; ++kb, ++it) {
           const uint32_t s = it % kStages;
           mbar_wait(&full[s], (it / kStages) & 1);
-          scale_a(sm + s * kStageBytes, P, (t % P.tiles_m) * kBM, kb, int(threadIdx.x) - 32);
+          scale_a<MODE>(sm + s * kStageBytes, P, tile_mn(t).x * kBM, kb, int(threadIdx.x) - 32);
           __syncwarp();
           if (lane == 0) mbar_arrive(&ready[s]);
         }
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(MODE == 3 ? 224 : 232));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(MODE >= 3 ? 224 : 232));
   const int wg = warp / 4 - 1, m_off = 64 * wg + 16 * (warp % 4);  // this warp's rows in the tile
   uint32_t it = 0;  // k-blocks consumed
   float acc[32][4];
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int tile_m = t % P.tiles_m, tile_n = t / P.tiles_m;
+    const int tile_m = tile_mn(t).x, tile_n = tile_mn(t).y;
     uint32_t prev = 0;
     for (int kb = 0; kb < kblocks; ++kb, ++it) {
       const uint32_t s = it % kStages;
-      mbar_wait(MODE == 3 ? &ready[s] : &full[s], (it / kStages) & 1);
+      mbar_wait(MODE >= 3 ? &ready[s] : &full[s], (it / kStages) & 1);
       const unsigned char *a = sm + s * kStageBytes;
-      const uint64_t da = wgmma_desc(a + wg * 64 * 128);
       wgmma_fence();
-      if constexpr (MODE == 3) {  // B N-major: 16 rows of k are 2048 bytes
-        const uint64_t db = wgmma_desc_n_major(a + kABytes);
+      // K-major operands step 16 k by 32 bytes (+2), M- or N-major ones by 16 rows of 128 bytes (+128)
+      if constexpr (MODE == 4) {  // A M-major: this warpgroup's 64 rows are one box
+        const uint64_t da = wgmma_desc_n_major(a + wg * 8192), db = wgmma_desc_n_major(a + kABytes);
 #pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) wgmma256<1>(acc, da + 2 * kk, db + 128 * kk, kb > 0 || kk > 0);
+        for (int kk = 0; kk < kBK / 16; ++kk) wgmma256<1, 1>(acc, da + 128 * kk, db + 128 * kk, kb > 0 || kk > 0);
+      } else if constexpr (MODE == 3) {
+        const uint64_t da = wgmma_desc(a + wg * 64 * 128), db = wgmma_desc_n_major(a + kABytes);
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) wgmma256<0, 1>(acc, da + 2 * kk, db + 128 * kk, kb > 0 || kk > 0);
       } else {
-        const uint64_t db = wgmma_desc(a + kABytes);
+        const uint64_t da = wgmma_desc(a + wg * 64 * 128), db = wgmma_desc(a + kABytes);
 #pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) wgmma256<0>(acc, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
+        for (int kk = 0; kk < kBK / 16; ++kk) wgmma256<0, 0>(acc, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
       }
       wgmma_commit();
       wgmma_wait<1>();  // the previous k-block's products are done: its stage goes back to the producer
@@ -400,6 +425,7 @@ struct LtProduct {
     algo = heur.algo;
     cublasLtMatmulPreferenceDestroy(pref);
   }
+  LtProduct(const LtProduct &) = delete;  // owns its descriptors
   ~LtProduct() {
     cublasLtMatrixLayoutDestroy(la);
     cublasLtMatrixLayoutDestroy(lb);
@@ -420,11 +446,12 @@ struct Launcher {
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     grid = std::min(sms, p.tiles_m * p.tiles_n);
-    for (int mode = 0; mode < 4; ++mode)
+    for (int mode = 0; mode < 5; ++mode)
       CK(cudaFuncSetAttribute(kernel(mode), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
   }
   static void (*kernel(int mode))(Params) {
-    return mode == 0 ? fused_gemm<0> : mode == 1 ? fused_gemm<1> : mode == 2 ? fused_gemm<2> : fused_gemm<3>;
+    void (*const k[])(Params) = {fused_gemm<0>, fused_gemm<1>, fused_gemm<2>, fused_gemm<3>, fused_gemm<4>};
+    return k[mode];
   }
   void operator()(int mode) const { kernel(mode)<<<grid, kThreads, kSmem>>>(p); }
 };
@@ -517,36 +544,42 @@ void run_forward(int M, int N, int K, cublasLtHandle_t lt, void *ws, size_t ws_b
   CK(cudaFree(run.p.stats));
 }
 
-// dX [M][H] = G W, G = e F formed in registers (mode 3), against cuBLAS's product on G materialised.
-void run_dx(int M, int V, int H, cublasLtHandle_t lt, void *ws, size_t ws_bytes) {
-  fail_if(V % kStatTile != 0, "run_dx", __FILE__, __LINE__, "V must be a multiple of 256");
-  __nv_bfloat16 *e, *g, *w, *out, *ref;
+// A backward product with G = e F formed in shared memory, against cuBLAS's product on G materialised (e, F
+// and G of c tokens x V; b: W [V][H] for dX, X [c][H] for dW):
+//   dX [c][H] = G W (mode 3); as column-major (W^T [H][V] . G^T [V][c]): W, G as stored.
+//   dW [V][H] = G^T X (mode 4); as column-major (X^T [H][c] . G [c][V]): X as stored, G transposed.
+void run_backward(bool dw, int c, int V, int H, cublasLtHandle_t lt, void *ws, size_t ws_bytes) {
+  fail_if(V % kStatTile != 0, "run_backward", __FILE__, __LINE__, "V must be a multiple of 256");
+  const int rows_b = dw ? c : V, rows_out = dw ? V : c;
+  __nv_bfloat16 *e, *g, *b, *out, *ref;
   float *factor;
-  Launcher run(M, H, V);
-  CK(cudaMalloc(&e, size_t(M) * V * 2));
-  CK(cudaMalloc(&g, size_t(M) * V * 2));
-  CK(cudaMalloc(&w, size_t(V) * H * 2));
-  CK(cudaMalloc(&out, size_t(M) * H * 2));
-  CK(cudaMalloc(&ref, size_t(M) * H * 2));
-  CK(cudaMalloc(&factor, size_t(M) * (V / kStatTile) * sizeof(float)));
-  fill<<<1024, 256>>>(e, nullptr, int64_t(M) * V, 3u, 0.f, 1.f);
-  fill<<<1024, 256>>>(w, nullptr, int64_t(V) * H, 4u, -0.05f, 0.05f);
-  fill<<<1024, 256>>>(nullptr, factor, int64_t(M) * (V / kStatTile), 5u, 1e-3f, 1.f);
-  materialise_g<<<1024, 256>>>(e, factor, g, M, V);
-  CK(cudaMemset(out, 0xff, size_t(M) * H * 2));
+  Launcher run(rows_out, H, dw ? c : V);
+  CK(cudaMalloc(&e, size_t(c) * V * 2));
+  CK(cudaMalloc(&g, size_t(c) * V * 2));
+  CK(cudaMalloc(&b, size_t(rows_b) * H * 2));
+  CK(cudaMalloc(&out, size_t(rows_out) * H * 2));
+  CK(cudaMalloc(&ref, size_t(rows_out) * H * 2));
+  CK(cudaMalloc(&factor, size_t(c) * (V / kStatTile) * sizeof(float)));
+  fill<<<1024, 256>>>(e, nullptr, int64_t(c) * V, 3u, 0.f, 1.f);
+  fill<<<1024, 256>>>(b, nullptr, int64_t(rows_b) * H, 4u, dw ? -1.f : -0.05f, dw ? 1.f : 0.05f);
+  fill<<<1024, 256>>>(nullptr, factor, int64_t(c) * (V / kStatTile), 5u, 1e-3f, 1.f);
+  materialise_g<<<1024, 256>>>(e, factor, g, c, V);
+  CK(cudaMemset(out, 0xff, size_t(rows_out) * H * 2));
   CK(cudaGetLastError());
-  make_map(&run.p.a, e, M, V, kBM);
-  make_map(&run.p.b, w, V, H, 64);
-  run.p.out = out, run.p.factor = factor;
-  // ref [M][H] row-major = (W^T [H][V] . G^T [V][M]) column-major: W, G as stored, no transposes
-  const LtProduct cublas(lt, ws, ws_bytes, false, false, H, M, V, H, V, H);
-  run(3);
-  cublas(w, g, ref);
+  make_map(&run.p.a, e, c, V, dw ? 64 : kBM);
+  make_map(&run.p.b, b, rows_b, H, 64);
+  run.p.out = out, run.p.factor = factor, run.p.n_fastest = true;
+  const LtProduct cublas = dw ? LtProduct(lt, ws, ws_bytes, false, true, H, V, c, H, V, H)
+                              : LtProduct(lt, ws, ws_bytes, false, false, H, c, V, H, V, H);
+  const int mode = dw ? 4 : 3;
+  run(mode);
+  cublas(b, g, ref);
   CK(cudaDeviceSynchronize());
-  const double err = rel_diff(out, ref, int64_t(M) * H);
-  const std::vector<float> t = time_in_turns({[&] { cublas(w, g, ref); }, [&] { run(3); }});
-  print_row("dX = (e F) W, G formed in registers", M, H, V, t[0], t[1], err, "cuBLAS: G W, G materialised");
-  for (void *p : {static_cast<void *>(e), static_cast<void *>(g), static_cast<void *>(w), static_cast<void *>(out),
+  const double err = rel_diff(out, ref, int64_t(rows_out) * H);
+  const std::vector<float> t = time_in_turns({[&] { cublas(b, g, ref); }, [&] { run(mode); }});
+  if (dw) print_row("dW = (e F)^T X, G formed in shared memory", V, H, c, t[0], t[1], err, "cuBLAS: G^T X");
+  else print_row("dX = (e F) W, G formed in shared memory", c, H, V, t[0], t[1], err, "cuBLAS: G W");
+  for (void *p : {static_cast<void *>(e), static_cast<void *>(g), static_cast<void *>(b), static_cast<void *>(out),
                   static_cast<void *>(ref), static_cast<void *>(factor)})
     CK(cudaFree(p));
 }
@@ -555,18 +588,21 @@ void run_dx(int M, int V, int H, cublasLtHandle_t lt, void *ws, size_t ws_bytes)
 
 int main(int argc, char **argv) {
   struct Job {
-    bool dx;
+    int kind;  // 0 forward, 1 dX, 2 dW
     int a, b, c;
   };
   std::vector<Job> jobs;
+  const char *kinds[] = {"fwd", "dx", "dw"};
   for (int i = 1; i < argc; i += 4) {
-    const bool dx = std::strcmp(argv[i], "dx") == 0;
-    if (i + 3 >= argc || !(dx || std::strcmp(argv[i], "fwd") == 0))
-      return std::fprintf(stderr, "usage: %s [fwd M N K | dx M V H] ...\n", argv[0]), 2;
-    jobs.push_back({dx, std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3])});
+    int kind = -1;
+    for (int k = 0; k < 3; ++k)
+      if (std::strcmp(argv[i], kinds[k]) == 0) kind = k;
+    if (i + 3 >= argc || kind < 0)
+      return std::fprintf(stderr, "usage: %s [fwd M N K | dx M V H | dw M V H] ...\n", argv[0]), 2;
+    jobs.push_back({kind, std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3])});
   }
   if (jobs.empty())
-    jobs = {{false, 4096, 262144, 2048}, {false, 4096, 128256, 4096}, {true, 4096, 262144, 2048}, {true, 4096, 128256, 4096}};
+    for (int kind = 0; kind < 3; ++kind) jobs.push_back({kind, 4096, 262144, 2048}), jobs.push_back({kind, 4096, 128256, 4096});
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   cublasLtHandle_t lt;
@@ -578,8 +614,8 @@ int main(int argc, char **argv) {
               "(the heuristic's first algorithm), bf16, fp32 accumulation, %s; ms: medians of 5 x 10, in turns\n\n%s",
               prop.name, kTableHead);
   for (const Job &j : jobs) {
-    if (j.dx) run_dx(j.a, j.b, j.c, lt, ws, ws_bytes);
-    else run_forward(j.a, j.b, j.c, lt, ws, ws_bytes);
+    if (j.kind == 0) run_forward(j.a, j.b, j.c, lt, ws, ws_bytes);
+    else run_backward(j.kind == 2, j.a, j.b, j.c, lt, ws, ws_bytes);
   }
   CK(cudaFree(ws));
   cublasLtDestroy(lt);
