@@ -29,7 +29,8 @@
 //
 // On the device (after tools/device.sh build, for the include paths only):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels -Iinclude -o /tmp/fused_gemms bench/experiments/fused_gemms.cu -lcublasLt
-//   /tmp/fused_gemms      # each product at c x V x H = 4096 x 262144 x 2048 and 4096 x 128256 x 4096
+//   timeout 300 /tmp/fused_gemms      # each product at c x V x H = 4096 x 262144 x 2048 and 4096 x 128256 x 4096
+//   (never run yet: a wrong barrier count would hang it, hence the timeout)
 //   /tmp/fused_gemms [fwd M N K | dx c V H | dw c V H] ...     # N, H, K multiples of 8; V of 256
 #include <cublasLt.h>
 #include <cuda.h>
