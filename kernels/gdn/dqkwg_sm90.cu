@@ -217,19 +217,17 @@ __device__ __forceinline__ void convert_states(const Sm90Params &P, unsigned cha
   fence_proxy_async();  // the wgmma reads them (async proxy)
 }
 
-// ODD: unit u (W elements) of a stage's h then dh, KH x 64 (VF: 64 x KH, rows of V) as
+// ODD, 2-byte pieces: element u of a stage's h then dh, KH x 64 (VF: 64 x KH, rows of V) as
 // convert_states lays them out, tile row (VF: column) r at K index kb + r, tile column (VF: row) c at
 // V index vb + c: its offset in the state (src) and in the slot's tiles (dst); whether it lies inside
-// the state (else zeros are copied in: kb < 0, past K, vb < 0, past V). A unit lies wholly in or out:
-// W divides the row length and the origins (d_k, d_v are multiples of gcd(K or V, 8)).
-template <int W, int KH, int VF>
+// the state (else a zero is copied in: kb < 0, past K, vb < 0, past V).
+template <int KH, int VF>
 __device__ __forceinline__ bool state_unit(const Sm90Params &P, int u, int vb, int kb, int64_t &src, int &dst) {
-  constexpr int kRow = 64 / W;  // units a 128-byte tile row
-  const int r = u / kRow % KH, p = u % kRow;
-  // the unit's row and first column in the [K, V] (VF: [V, K]) state
-  const int row = VF ? vb + r % 64 : kb + r, col = (VF ? kb + 64 * (r / 64) : vb) + W * p;
+  const int r = u / 64 % KH, p = u % 64;
+  // the element's row and column in the [K, V] (VF: [V, K]) state
+  const int row = VF ? vb + r % 64 : kb + r, col = (VF ? kb + 64 * (r / 64) : vb) + p;
   src = int64_t(row) * (VF ? P.K : P.V) + col;
-  dst = (u < KH * kRow ? 0 : KH * 128) + swizzled_byte(r, W * p);
+  dst = (u < KH * 64 ? 0 : KH * 128) + swizzled_byte(r, p);
   return row >= 0 && col >= 0 && (VF ? row < P.V && col < P.K : row < P.K && col < P.V);
 }
 
@@ -353,7 +351,7 @@ __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *
   constexpr int kUnits = 2 * KH * 64;
   copy_via_registers<kUnits>(h_tile, t, [&](int u, const U *&src, int &dst) {
     int64_t off;
-    const bool in = state_unit<1, KH, VF>(P, u, vb, kb, off, dst);
+    const bool in = state_unit<KH, VF>(P, u, vb, kb, off, dst);
     src = (u < kUnits / 2 ? h : dh) + off;
     return in;
   });
