@@ -1,37 +1,27 @@
-// Experiment for #28 (written 2026-11-27, not yet run): the products of the fused linear + loss plan as our own
-// TMA + wgmma kernels, each timed beside cuBLASLt's product of the same shapes in the same run. The questions:
-// how close kernels of ours get to cuBLAS, and what the loss's pieces cost inside them (bench/NOTES.md "Fused
-// linear + loss", "Where G can be formed": the loss inside the products is what reaches under 1.05x at
-// 4096 x 2048 x 262144).
-// - forward, logits = X W^T (X [M, K], W [N, K] row-major, bf16, fp32 accumulation, bf16 out), three forms:
-//   the logits alone (MODE 0); with each 256-column tile's row statistics, max and sum of exp, from the
-//   epilogue (1); and e = exp(z - tile max) stored instead of z (2), the operand the backward would read.
-// - dX = G W with G = e F (MODE 3): e [M, V] as MODE 2 stores it, F [M, V / 256] a factor per (row, tile) (the
-//   loss's exp(m_t - lse_r) and scale), W [V, H] row-major (the wgmma's B operand N-major). The producer
-//   warpgroup's idle warps 1-3 scale each stage's e tile in place (fp32, rounded once to bf16, as G
-//   materialised would be) between its landing and the consumers' wgmma (a third barrier a stage, ready).
-//   cuBLAS runs G W on G materialised.
-// - dW = G^T X (MODE 4): e [c, V] again, now the M-major A operand (vocabulary rows, token columns), F [c, V /
-//   256], X [c, H]; scaled the same way (a factor per token and tile of V); cuBLAS runs G^T X.
-//   (Tried first for dX: A from registers, ldmatrix and scaled by the consumers.
-//   ptxas serialised every wgmma behind its predecessor, C7513: the A registers of a k-block are written while
-//   the previous group is in flight.) Shared-memory traffic a k-block an SM: the two warpgroups' B reads 64 KB,
-//   A 16 KB, the scaling 32 KB: ~110 of 128 bytes a cycle at full MMA rate, the thing to watch.
+// Experiment for #28: the products of the fused linear + loss plan as our own TMA + wgmma kernels, each timed
+// beside cuBLASLt's product of the same shapes in the same run (bench/NOTES.md "Fused linear + loss": the loss
+// inside the products is what reaches under 1.05x at 4096 x 2048 x 262144; tables in
+// bench/results/fused_gemms_h100.md). bf16 operands, fp32 accumulation, bf16 outputs.
+// - forward, logits = X W^T (X [M, K], W [N, K] row-major), three forms: the logits alone (MODE 0); with each
+//   256-column tile's row statistics, max and sum of exp, from the epilogue (1); and e = exp(z - tile max)
+//   stored instead of z (2), the operand the backward reads. Also on clusters of two CTAs sharing B by TMA
+//   multicast, and without an epilogue (a diagnostic: the products alone).
+// - dX = G W with G = e F (MODE 3): e [M, V] as MODE 2 stores it, F a factor per (row, 256-wide tile of V) (the
+//   loss's exp(m_t - lse_r) and scale), W [V, H] (the B operand, N-major).
+// - dW = G^T X (MODE 4): e [c, V] as the M-major A operand (vocabulary rows, token columns), F per (token,
+//   tile of V), X [c, H].
+//   Both form G in registers: ldmatrix of e, times F in fp32, rounded once to bf16 as G materialised would be,
+//   and wgmma with A from registers; cuBLAS runs the same product on G materialised.
 //
-// v0 design: persistent CTAs of 384 threads over 128 x 256 output tiles (forward M fastest, so a wave shares the B
-// operand's tiles in L2; dX and dW N fastest, so an A block's N tiles run together and A comes from memory
-// once); warp 0 loads A (128 x 64) and B (64 x 256) k-blocks with TMA into a ring of 4
-// stages; two consumer warpgroups each run m64n256k16 wgmma on their 64 rows, one commit group in flight, and
-// do the epilogue while the ring refills for the next tile. Known costs to measure before going further: the
-// epilogue idles the tensor cores (128 exp a thread a forward tile: ~6% of a K = 2048 tile's MMA time; a
-// ping-pong of the two warpgroups would hide it), and the stores are 4-byte pieces (stmatrix + TMA store
-// would make them whole lines). Compiles clean for sm_90a (dX, dW: 8 bytes spilled outside the k-loop); never run.
+// Design: persistent CTAs of 384 threads over 128 x 256 output tiles (forward M fastest, so a wave shares B's
+// tiles in L2; dX, dW N fastest, so an A block's N tiles run together); warp 0 loads A (128 x 64) and B (64 x
+// 256) k-blocks by TMA into a ring of 3 stages; two consumer warpgroups run m64n256k16 wgmma on 64 rows each
+// and write the tile into a shared-memory staging tile that TMA stores while they go on.
 //
-// On the device (after tools/device.sh build, for the include paths only):
+// On the device (-DFG_DEBUG: a hung launch prints where each warp waits, then exits):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels -Iinclude -o /tmp/fused_gemms bench/experiments/fused_gemms.cu -lcublasLt
 //   timeout 300 /tmp/fused_gemms      # each product at c x V x H = 4096 x 262144 x 2048 and 4096 x 128256 x 4096
-//   (never run yet: a wrong barrier count would hang it, hence the timeout)
-//   /tmp/fused_gemms [fwd M N K | dx c V H | dw c V H] ...     # N, H, K multiples of 8; V of 256
+//   /tmp/fused_gemms [fwd M N K | dx c V H | dw c V H] ...     # N, H, K multiples of 8; V of 256; dw: c of 64
 #include <cublasLt.h>
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -46,7 +36,10 @@
 #include <functional>
 #include <vector>
 
+#include <unistd.h>
+
 #include "common/bulk_copy.cuh"
+#include "gdn/mma.cuh"
 #include "gdn/wgmma.cuh"
 
 using namespace hl::cuda;
@@ -68,44 +61,113 @@ static void fail_if(bool bad, const char *call, const char *file, int line, cons
 
 namespace {
 
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kStatTile = 256;
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3, kStatTile = 256;
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;  // 16 + 32 KB
 constexpr int kThreads = 384;                                                                       // producer + 2 WGs
-constexpr size_t kSmem = size_t(kStages) * kStageBytes + 3 * kStages * 8 + 1024;
+// The ring, then the output tile staged for TMA stores (64 KB), the barriers, and (dW) 64 factors a stage.
+constexpr int kOutOff = kStages * kStageBytes, kBarOff = kOutOff + kBM * kBN * 2, kFactorOff = kBarOff + 256;
+constexpr size_t kSmem = size_t(kFactorOff) + kStages * 256 + 1024;
 
 struct Params {
   // A: [M][K] in 64 x 128 boxes (K-major); dW: e [K = c][M = V] in 64 x 64 boxes (M-major, two a stage).
   // B: forward W [N][K] in 64 x 256 boxes (K-major); dX W [K = V][N = H], dW X [K = c][N = H] in 64 x 64
   // boxes (N-major, four a stage). 128-byte swizzle.
-  CUtensorMap a, b;
-  __nv_bfloat16 *out;  // [M][N]
-  float2 *stats;       // forward: [M][tiles_n], (max, sum exp(z - max)) of row m over tile n's columns
-  const float *factor;  // G = e times a factor: dX [M][K / 256] (row, tile of K); dW [K][M / 256] (token, tile of M)
+  CUtensorMap a, b, b_half;  // b_half (CL = 2): B in boxes of half its rows
+  CUtensorMap o;             // the output [M][N] in 64 x 64 boxes (TMA stores)
+  float2 *stats;             // forward: [M][tiles_n], (max, sum exp(z - max)) of row m over tile n's columns
+  // G = e times a factor per (token, 256-wide tile of V): dX [M][K / 256]; dW transposed, [M / 256][K] (the
+  // 64 of a k-block contiguous)
+  const float *factor;
   int M, N, K, tiles_m, tiles_n;
+  int units;       // work items: tiles, or (CL = 2) pairs of M-adjacent tiles, one a CTA of the cluster
   bool n_fastest;  // tile order (dX, dW: the N tiles of an A block together, so A comes from memory once)
 };
+
+// The 128 accumulator operands of an m64n256 wgmma: their list in the asm string, and their constraints (d).
+#define HL_ACC_LIST \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+  "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+  "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, " \
+  "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, " \
+  "%124, %125, %126, %127}"
+#define HL_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define HL_ACC_OUT \
+  HL_D4(0), HL_D4(1), HL_D4(2), HL_D4(3), HL_D4(4), HL_D4(5), HL_D4(6), HL_D4(7), HL_D4(8), HL_D4(9), HL_D4(10), \
+  HL_D4(11), HL_D4(12), HL_D4(13), HL_D4(14), HL_D4(15), HL_D4(16), HL_D4(17), HL_D4(18), HL_D4(19), HL_D4(20), \
+  HL_D4(21), HL_D4(22), HL_D4(23), HL_D4(24), HL_D4(25), HL_D4(26), HL_D4(27), HL_D4(28), HL_D4(29), HL_D4(30), \
+  HL_D4(31)
 
 // D[64 x 256] (+)= A[64 x 16] B[16 x 256], operands in shared memory (descriptors: K-major, or M- / N-major
 // where TA / TB = 1); scale_d 0: D = A B.
 template <int TA, int TB>
 __device__ __forceinline__ void wgmma256(float (&d)[32][4], uint64_t a, uint64_t b, int scale_d) {
-#define HL_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
-      "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, "
-      "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, "
-      "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, "
-      "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "
-      "%124, %125, %126, %127}, %128, %129, p, 1, 1, %131, %132;\n}\n"
-      : HL_D4(0), HL_D4(1), HL_D4(2), HL_D4(3), HL_D4(4), HL_D4(5), HL_D4(6), HL_D4(7), HL_D4(8), HL_D4(9),
-        HL_D4(10), HL_D4(11), HL_D4(12), HL_D4(13), HL_D4(14), HL_D4(15), HL_D4(16), HL_D4(17), HL_D4(18),
-        HL_D4(19), HL_D4(20), HL_D4(21), HL_D4(22), HL_D4(23), HL_D4(24), HL_D4(25), HL_D4(26), HL_D4(27),
-        HL_D4(28), HL_D4(29), HL_D4(30), HL_D4(31)
+      HL_ACC_LIST ", %128, %129, p, 1, 1, %131, %132;\n}\n"
+      : HL_ACC_OUT
       : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
-#undef HL_D4
+}
+
+// -DFG_DEBUG: every wait first records (tag, k-block count) in host-mapped memory, a word per (CTA, warp), so
+// a hung launch says where each warp waits (the host polls with a deadline: Launcher).
+#ifdef FG_DEBUG
+__device__ unsigned *g_diag;
+#endif
+__device__ __forceinline__ void wait_at(uint64_t *bar, uint32_t parity, unsigned tag, uint32_t it) {
+#ifdef FG_DEBUG
+  if (threadIdx.x % 32 == 0)
+    *(volatile unsigned *)(g_diag + blockIdx.x * 12 + threadIdx.x / 32) = tag << 28 | (it & 0xfffffff);
+#endif
+  mbar_wait(bar, parity);
+}
+
+// tma_load_3d into this CTA's and its cluster peers' shared memory at dst's offset (ranks in mask), each
+// completing its bytes on its own barrier at bar's offset.
+__device__ __forceinline__ void tma_load_3d_multicast(void *dst, const void *map, int c0, int c1, int c2, uint64_t *bar,
+                                                      uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], "
+      "[%1, {%2, %3, %4}], [%5], %6;" ::"r"(smem_addr(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar)), "h"(mask)
+      : "memory");
+}
+
+// A 64 x 64 box of shared memory (128-byte swizzled) to the tensor at map; committed as a bulk group.
+__device__ __forceinline__ void tma_store_3d(const void *map, const void *src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(map),
+               "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// READ: until the groups have read their shared memory (it may be written again); else until done.
+template <bool READ>
+__device__ __forceinline__ void bulk_wait_all() {
+  if constexpr (READ) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  else asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// wgmma256 with A from registers (a: this thread's m64k16 fragment, the mma.sync A layout of its warp's 16
+// rows); B N-major. The registers must not change until the wgmma has completed.
+__device__ __forceinline__ void wgmma256_rs(float (&d)[32][4], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      HL_ACC_LIST ", {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+      : HL_ACC_OUT
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
+// x (two bf16) times (f.x, f.y), in fp32, rounded once.
+__device__ __forceinline__ uint32_t scale_bf16x2(uint32_t x, float2 f) {
+  __nv_bfloat162 h;
+  std::memcpy(&h, &x, 4);
+  const float2 v = __bfloat1622float2(h);
+  h = __floats2bfloat162_rn(v.x * f.x, v.y * f.y);
+  std::memcpy(&x, &h, 4);
+  return x;
 }
 
 template <int N>
@@ -113,48 +175,17 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-// The stage's e tile times its factors, in fp32, rounded once to bf16, in place, by the producer warpgroup's
-// warps 1-3 (t: 0..95), then fenced for the wgmma (async proxy). TMA's swizzle only permutes the 16-byte chunks
-// inside a 128-byte row, so chunk i holds 8 elements of one row: dX (MODE 3), row m0 + i / 8 of e [M][K] and
-// k-block kb's 256-wide tile of K; dW (4), two boxes of 64 tokens x 64 of V, token kb 64 + (i % 512) / 8 and
-// the tile of V that rows m0.. (128 of them) lie in.
-template <int MODE>
-__device__ __forceinline__ void scale_a(unsigned char *tile, const Params &P, int m0, int kb, int t) {
-#pragma unroll 4
-  for (int i = t; i < kBM * 8; i += 96) {  // 16-byte chunks; 4 in flight a thread
-    float f;
-    if constexpr (MODE == 3) {
-      const int r = m0 + i / 8;
-      f = r < P.M ? __ldg(P.factor + int64_t(r) * (P.K / kStatTile) + kb * kBK / kStatTile) : 0.f;
-    } else {
-      const int k = kb * kBK + (i % 512) / 8;
-      f = k < P.K ? __ldg(P.factor + int64_t(k) * (P.M / kStatTile) + m0 / kStatTile) : 0.f;
-    }
-    uint4 v = *reinterpret_cast<uint4 *>(tile + 16 * i);
-    uint32_t *w = reinterpret_cast<uint32_t *>(&v);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      __nv_bfloat162 h;
-      std::memcpy(&h, &w[k], 4);
-      const float2 x = __bfloat1622float2(h);
-      h = __floats2bfloat162_rn(x.x * f, x.y * f);
-      std::memcpy(&w[k], &h, 4);
-    }
-    *reinterpret_cast<uint4 *>(tile + 16 * i) = v;
-  }
-  fence_proxy_async();
-}
-
 // The epilogue of one warp's 16 rows (m0..) of tile columns n0..n0 + 255 (EDGE: a partial last tile, whose
 // columns from N on are TMA's zeros). MODE 0: the logits rounded to bf16, stored; 1: also their max and sum of
 // exp per row (of the rounded logits); 2: the statistics of the fp32 logits, and e = exp(z - max) stored in
-// place of z (what the backward products would read: bench/NOTES.md "Where G can be formed"). MODE 3, 4: dX, dW.
+// place of z (what the backward products would read: bench/NOTES.md "Where G can be formed"). MODE 3, 4: dX, dW
+// stored as they are.
 template <int MODE, bool EDGE>
 __device__ __forceinline__ void epilogue(const Params &P, float (&acc)[32][4], int m0, int n0, int tile_n,
-                                         int lane) {
+                                         int lane, unsigned char *staging) {
   const int r = m0 + lane / 4, c = n0 + 2 * (lane % 4);
   const auto in = [&](int j, int e) { return !EDGE || c + 8 * j + e % 2 < P.N; };
-  if constexpr (MODE < 2) {  // (dX, dW: stored as they are)
+  if constexpr (MODE == 1) {  // the statistics of the logits as stored
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
@@ -191,48 +222,69 @@ __device__ __forceinline__ void epilogue(const Params &P, float (&acc)[32][4], i
         if (r + 8 * h < P.M) P.stats[int64_t(r + 8 * h) * P.tiles_n + tile_n] = make_float2(mx[h], s[h]);
     }
   }
+  {
+    // This warpgroup's 64 rows into its staging tile (four 64 x 64 boxes, 128-byte swizzle: row r's
+    // 16-byte chunk j at j ^ (r % 8), conflict-free), then one thread stores them by TMA, which clips the
+    // rows and columns outside the tensor. The consumers go on to the next tile while the stores drain.
+    const int wg = (int(threadIdx.x) - 128) / 128, wt = threadIdx.x % 128, row0 = 16 * (wt / 32) + lane / 4;
+    unsigned char *tile = staging + wg * (kBM / 2) * kBN * 2;
+    if (wt == 0) bulk_wait_all<true>();  // the previous tile's stores have read the staging tile
+    named_barrier(1 + wg, 128);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (r + 8 * h >= P.M) continue;
-    __nv_bfloat16 *row = P.out + int64_t(r + 8 * h) * P.N;
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      if (EDGE && c + 8 * j >= P.N) continue;  // N even: a pair lies wholly in or out
-      *reinterpret_cast<__nv_bfloat162 *>(row + c + 8 * j) =
-          __floats2bfloat162_rn(acc[j][2 * h], acc[j][2 * h + 1]);
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<__nv_bfloat162 *>(tile + (j / 8) * 8192 + (row0 + 8 * h) * 128 +
+                                            ((j % 8) ^ (lane / 4)) * 16 + (lane % 4) * 4) =
+            __floats2bfloat162_rn(acc[j][2 * h], acc[j][2 * h + 1]);
+    fence_proxy_async();
+    named_barrier(1 + wg, 128);
+    if (wt == 0) {
+      for (int b = 0; b < 4; ++b) tma_store_3d(&P.o, tile + b * 8192, n0 + 64 * b, m0, 0);  // m0: warp 0 of the WG
+      bulk_commit();
     }
   }
 }
 
-template <int MODE>
+// CL = 2 (forward only): clusters of two CTAs on M-adjacent tiles of one N tile; each loads its A and half
+// of B, the B half multicast to both, so a CTA pulls 32 of its 48 KB a k-block from L2. Each stage's
+// empty barrier then counts both CTAs' consumer warps (the peer's copies write into this CTA's stage).
+template <int MODE, int CL>
 __global__ void __launch_bounds__(kThreads, 1) fused_gemm(const __grid_constant__ Params P) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char *sm = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
-  // full: the stage's TMA bytes landed; ready (dX): its A tile scaled; empty: the consumers are done with it
-  uint64_t *full = reinterpret_cast<uint64_t *>(sm + kStages * kStageBytes), *empty = full + kStages;
-  uint64_t *ready = empty + kStages;
+  // full: the stage's TMA bytes landed; empty: the consumers are done with it
+  uint64_t *full = reinterpret_cast<uint64_t *>(sm + kBarOff), *empty = full + kStages;
   const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 8), mbar_init(&ready[s], 3);
+    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 8 * CL);
   }
-  __syncthreads();
-  const int tiles = P.tiles_m * P.tiles_n, kblocks = (P.K + kBK - 1) / kBK;
+  if constexpr (CL > 1) cluster_barrier();  // the peer's barriers are initialised before any copy signals them
+  else __syncthreads();
+  const uint32_t rank = cluster_rank();
+  const int kblocks = (P.K + kBK - 1) / kBK, first = blockIdx.x / CL, step = gridDim.x / CL;
   const auto tile_mn = [&](int t) {  // (tile of M, tile of N) of work item t
+    if constexpr (CL > 1) {
+      const int pairs_m = (P.tiles_m + 1) / 2;
+      return make_int2(t % pairs_m * 2 + int(rank), t / pairs_m);
+    }
     return P.n_fastest ? make_int2(t / P.tiles_n, t % P.tiles_n) : make_int2(t % P.tiles_m, t / P.tiles_m);
   };
-  if (warp < 4) {  // producer warpgroup: warp 0 lane 0 issues every load; dX: warps 1-3 scale the A tiles
-    // registers a thread: 40 + 2 x 232 (dX, dW: 64 for the scaling warps, 224), within the 512 a sub-partition
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(MODE >= 3 ? 64 : 40));
-    uint32_t it = 0;  // k-blocks issued (scaled)
+  if (warp < 4) {  // producer warpgroup: warp 0 lane 0 issues every load
+    // registers a thread: 40 + 2 x 232, the launch's 384 x 168 (more, and a consumer warp waits in
+    // setmaxnreg.inc forever: measured, 64 + 2 x 224 hung)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (warp == 0 && lane == 0) {
-      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      uint32_t it = 0;  // k-blocks issued
+      for (int t = first; t < P.units; t += step) {
         const int m0 = tile_mn(t).x * kBM, n0 = tile_mn(t).y * kBN;
         for (int kb = 0; kb < kblocks; ++kb, ++it) {
           const uint32_t s = it % kStages;
-          if (it >= kStages) mbar_wait(&empty[s], (it / kStages - 1) & 1);
+          if (it >= kStages) wait_at(&empty[s], (it / kStages - 1) & 1, 1, it);
           unsigned char *a = sm + s * kStageBytes;
-          mbar_expect_tx(&full[s], kStageBytes);
-          if constexpr (MODE == 4) {  // e [c][V]: two 64 x 64 boxes side by side along V
+          mbar_expect_tx(&full[s], kStageBytes + (MODE == 4 ? 256 : 0));
+          if constexpr (MODE == 4) {  // e [c][V]: two 64 x 64 boxes side by side along V; the k-block's factors
+            bulk_copy(sm + kFactorOff + s * 256, P.factor + int64_t(m0 / kStatTile) * P.K + kb * kBK, 256, &full[s]);
             for (int i = 0; i < kBM / 64; ++i) tma_load_3d(a + i * 8192, &P.a, m0 + 64 * i, kb * kBK, 0, &full[s]);
           } else {
             tma_load_3d(a, &P.a, kb * kBK, m0, 0, &full[s]);
@@ -240,65 +292,120 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm(const __grid_constant_
           if constexpr (MODE >= 3) {  // W [V][H] or X [c][H]: four 64 x 64 boxes side by side along H
             for (int i = 0; i < kBN / 64; ++i)
               tma_load_3d(a + kABytes + i * 8192, &P.b, n0 + 64 * i, kb * kBK, 0, &full[s]);
+          } else if constexpr (CL > 1) {
+            tma_load_3d_multicast(a + kABytes + rank * (kBBytes / 2), &P.b_half, kb * kBK, n0 + rank * (kBN / 2), 0,
+                                  &full[s], 0x3);
           } else {
             tma_load_3d(a + kABytes, &P.b, kb * kBK, n0, 0, &full[s]);
           }
         }
       }
-    } else if (MODE >= 3 && warp > 0) {
-      for (int t = blockIdx.x; t < tiles; t += gridDim.x)
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int wg = warp / 4 - 1, m_off = 64 * wg + 16 * (warp % 4);  // this warp's rows in the tile
+    uint32_t it = 0;  // k-blocks consumed
+    float acc[32][4];
+    uint32_t frag[2][4][4];  // dX, dW: A fragments, two sets
+    const auto release = [&](uint32_t s) {  // this warp is done with stage s (in every CTA that fills it)
+      mbar_arrive(&empty[s]);
+      if constexpr (CL > 1) mbar_arrive_peer(&empty[s], rank ^ 1);
+    };
+    for (int t = first; t < P.units; t += step) {
+      const int tile_m = tile_mn(t).x, tile_n = tile_mn(t).y;
+      if constexpr (MODE >= 3) {
+        // dX, dW: G = e F formed in registers. A k-block's e fragments (ldmatrix; dW: .trans of the M-major
+        // tile, which gives the K-major fragment) times their factors, in fp32, rounded once (as G
+        // materialised), into one register set while the previous k-block's wgmmas read the other; then
+        // wait<0> (waiting with wait<1> instead, ptxas serialises every wgmma: C7513).
+        // dX: a factor per row (two a thread) and 256-wide tile of K, loaded a tile ahead. dW: the tile's rows
+        // of V lie in one 256-wide tile, so the factor is the token's: four a fragment, from the stage.
+        const int rlo = tile_m * kBM + m_off + lane / 4, tiles_k = P.K / kStatTile;
+        const auto factor = [&](int r, int tk) {
+          return r < P.M && tk < tiles_k ? __ldg(P.factor + int64_t(r) * tiles_k + tk) : 0.f;
+        };
+        float f[2] = {0.f, 0.f}, fn[2] = {0.f, 0.f};
+        if constexpr (MODE == 3) f[0] = factor(rlo, 0), f[1] = factor(rlo + 8, 0), fn[0] = factor(rlo, 1), fn[1] = factor(rlo + 8, 1);
+        const auto load = [&](uint32_t (&fr)[4][4], int kb, uint32_t i) {  // k-block kb, the i-th consumed
+          const uint32_t s = i % kStages;
+          wait_at(&full[s], (i / kStages) & 1, 3, i);
+          const unsigned char *a = sm + s * kStageBytes;
+          if constexpr (MODE == 3) {
+            if (kb % 4 == 0 && kb > 0) {
+              f[0] = fn[0], f[1] = fn[1];
+              fn[0] = factor(rlo, kb / 4 + 1), fn[1] = factor(rlo + 8, kb / 4 + 1);
+            }
+            const int r = m_off + lane % 16;  // this lane's ldmatrix row of the tile
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+              hl::cuda::gdn::ldsm_x4(fr[kk], a + r * 128 + (((2 * kk + lane / 16) ^ (r % 8)) * 16));
+#pragma unroll
+              for (int q = 0; q < 4; ++q) fr[kk][q] = scale_bf16x2(fr[kk][q], make_float2(f[q % 2], f[q % 2]));
+            }
+          } else {
+            const float *fs = reinterpret_cast<const float *>(sm + kFactorOff + s * 256);
+            const int chunk = 2 * (warp % 4) + (lane / 8) % 2, kq = 2 * (lane % 4);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+              const int k = 16 * kk + lane % 8 + 8 * (lane / 16);  // this lane's token row of the box
+              hl::cuda::gdn::ldsm_x4_t(fr[kk], a + wg * 8192 + k * 128 + ((chunk ^ (k % 8)) * 16));
+              const float2 lo = *reinterpret_cast<const float2 *>(fs + 16 * kk + kq),
+                           hi = *reinterpret_cast<const float2 *>(fs + 16 * kk + kq + 8);
+              fr[kk][0] = scale_bf16x2(fr[kk][0], lo), fr[kk][1] = scale_bf16x2(fr[kk][1], lo);
+              fr[kk][2] = scale_bf16x2(fr[kk][2], hi), fr[kk][3] = scale_bf16x2(fr[kk][3], hi);
+            }
+          }
+        };
+        const auto kblock = [&](uint32_t (&fr)[4][4], uint32_t (&next)[4][4], int kb) {
+          const uint32_t s = it % kStages;
+          wgmma_fence();
+          const uint64_t db = wgmma_desc_n_major(sm + s * kStageBytes + kABytes);
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) wgmma256_rs(acc, fr[kk], db + 128 * kk, kb > 0 || kk > 0);
+          wgmma_commit();
+          if (kb + 1 < kblocks) load(next, kb + 1, it + 1);
+          wgmma_wait<0>();
+          __syncwarp();
+          if (lane == 0) release(s);
+          ++it;
+        };
+        load(frag[0], 0, it);
+        for (int kb = 0; kb < kblocks; kb += 2) {
+          kblock(frag[0], frag[1], kb);
+          if (kb + 1 < kblocks) kblock(frag[1], frag[0], kb + 1);
+        }
+      } else {
+        uint32_t prev = 0;
         for (int kb = 0; kb < kblocks; ++kb, ++it) {
           const uint32_t s = it % kStages;
-          mbar_wait(&full[s], (it / kStages) & 1);
-          scale_a<MODE>(sm + s * kStageBytes, P, tile_mn(t).x * kBM, kb, int(threadIdx.x) - 32);
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&ready[s]);
+          wait_at(&full[s], (it / kStages) & 1, 3, it);
+          const unsigned char *a = sm + s * kStageBytes;
+          wgmma_fence();
+          const uint64_t da = wgmma_desc(a + wg * 64 * 128), db = wgmma_desc(a + kABytes);
+#pragma unroll
+          for (int kk = 0; kk < kBK / 16; ++kk) wgmma256<0, 0>(acc, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
+          wgmma_commit();
+          wgmma_wait<1>();  // the previous k-block's products are done: its stage goes back to the producer
+          if (kb > 0) {
+            __syncwarp();
+            if (lane == 0) release(prev);
+          }
+          prev = s;
         }
-    }
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(MODE >= 3 ? 224 : 232));
-  const int wg = warp / 4 - 1, m_off = 64 * wg + 16 * (warp % 4);  // this warp's rows in the tile
-  uint32_t it = 0;  // k-blocks consumed
-  float acc[32][4];
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int tile_m = tile_mn(t).x, tile_n = tile_mn(t).y;
-    uint32_t prev = 0;
-    for (int kb = 0; kb < kblocks; ++kb, ++it) {
-      const uint32_t s = it % kStages;
-      mbar_wait(MODE >= 3 ? &ready[s] : &full[s], (it / kStages) & 1);
-      const unsigned char *a = sm + s * kStageBytes;
-      wgmma_fence();
-      // K-major operands step 16 k by 32 bytes (+2), M- or N-major ones by 16 rows of 128 bytes (+128)
-      if constexpr (MODE == 4) {  // A M-major: this warpgroup's 64 rows are one box
-        const uint64_t da = wgmma_desc_n_major(a + wg * 8192), db = wgmma_desc_n_major(a + kABytes);
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) wgmma256<1, 1>(acc, da + 128 * kk, db + 128 * kk, kb > 0 || kk > 0);
-      } else if constexpr (MODE == 3) {
-        const uint64_t da = wgmma_desc(a + wg * 64 * 128), db = wgmma_desc_n_major(a + kABytes);
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) wgmma256<0, 1>(acc, da + 2 * kk, db + 128 * kk, kb > 0 || kk > 0);
-      } else {
-        const uint64_t da = wgmma_desc(a + wg * 64 * 128), db = wgmma_desc(a + kABytes);
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) wgmma256<0, 0>(acc, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<1>();  // the previous k-block's products are done: its stage goes back to the producer
-      if (kb > 0) {
+        wgmma_wait<0>();
         __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[prev]);
+        if (lane == 0) release(prev);
       }
-      prev = s;
+      wgmma_pin(acc);  // the epilogue reads the accumulators no earlier
+      if constexpr (MODE < 0) continue;  // the products alone (a diagnostic: no epilogue, nothing stored)
+      const int m0 = tile_m * kBM + m_off, n0 = tile_n * kBN;
+      if (n0 + kBN <= P.N) epilogue<MODE, false>(P, acc, m0, n0, tile_n, lane, sm + kOutOff);
+      else epilogue<MODE, true>(P, acc, m0, n0, tile_n, lane, sm + kOutOff);
     }
-    wgmma_wait<0>();
-    wgmma_pin(acc);  // the epilogue reads the accumulators no earlier
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[prev]);
-    const int m0 = tile_m * kBM + m_off, n0 = tile_n * kBN;
-    if (n0 + kBN <= P.N) epilogue<MODE, false>(P, acc, m0, n0, tile_n, lane);
-    else epilogue<MODE, true>(P, acc, m0, n0, tile_n, lane);
+    if (threadIdx.x % 128 == 0) bulk_wait_all<false>();  // the last stores done before the CTA ends
   }
+  // No CTA leaves while its peer may still copy into it or arrive on its barriers.
+  if constexpr (CL > 1) cluster_barrier();
 }
 
 PFN_cuTensorMapEncodeTiled_v12000 encoder() {
@@ -439,22 +546,69 @@ struct LtProduct {
   }
 };
 
+// Modes 0-4 on single CTAs; 5-7: modes 0-2 on clusters of two (B multicast); 8, 9: the forward's products
+// without an epilogue, single CTAs and clusters.
 struct Launcher {
   Params p{};
-  int grid = 0;
+  int grid = 0, grid2 = 0;
   explicit Launcher(int M, int N, int K) {
     p.M = M, p.N = N, p.K = K, p.tiles_m = (M + kBM - 1) / kBM, p.tiles_n = (N + kBN - 1) / kBN;
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     grid = std::min(sms, p.tiles_m * p.tiles_n);
-    for (int mode = 0; mode < 5; ++mode)
+    for (int mode = 0; mode < 10; ++mode)
       CK(cudaFuncSetAttribute(kernel(mode), cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)));
+    cudaLaunchConfig_t cfg = config(5, 2 * sms);
+    int clusters = 0;
+    CK(cudaOccupancyMaxActiveClusters(&clusters, kernel(5), &cfg));
+    grid2 = 2 * std::min(clusters, (p.tiles_m + 1) / 2 * p.tiles_n);
   }
   static void (*kernel(int mode))(Params) {
-    void (*const k[])(Params) = {fused_gemm<0>, fused_gemm<1>, fused_gemm<2>, fused_gemm<3>, fused_gemm<4>};
+    void (*const k[])(Params) = {fused_gemm<0, 1>, fused_gemm<1, 1>, fused_gemm<2, 1>, fused_gemm<3, 1>,
+                                 fused_gemm<4, 1>, fused_gemm<0, 2>, fused_gemm<1, 2>, fused_gemm<2, 2>,
+                                 fused_gemm<-1, 1>, fused_gemm<-1, 2>};
     return k[mode];
   }
-  void operator()(int mode) const { kernel(mode)<<<grid, kThreads, kSmem>>>(p); }
+  static bool clustered(int mode) { return (mode >= 5 && mode <= 7) || mode == 9; }
+  cudaLaunchConfig_t config(int mode, int blocks) const {
+    static cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = clustered(mode) ? 2 : 1, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(blocks), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = kSmem;
+    cfg.attrs = &cluster, cfg.numAttrs = 1;
+    return cfg;
+  }
+  void operator()(int mode) {
+#ifdef FG_DEBUG
+    static unsigned *diag = nullptr;
+    if (!diag) {
+      CK(cudaHostAlloc(&diag, 132 * 12 * 4, cudaHostAllocMapped));
+      std::memset(diag, 0, 132 * 12 * 4);
+      unsigned *dev;
+      CK(cudaHostGetDevicePointer(&dev, diag, 0));
+      CK(cudaMemcpyToSymbol(g_diag, &dev, sizeof dev));
+    }
+#endif
+    p.units = clustered(mode) ? (p.tiles_m + 1) / 2 * p.tiles_n : p.tiles_m * p.tiles_n;
+    const cudaLaunchConfig_t cfg = config(mode, clustered(mode) ? grid2 : grid);
+    CK(cudaLaunchKernelEx(&cfg, kernel(mode), p));
+#ifdef FG_DEBUG
+    for (int ms = 0; cudaStreamQuery(0) == cudaErrorNotReady; ++ms) {
+      if (ms == 10000) {
+        std::printf("mode %d hung; (tag, k-block) a warp, CTAs 0-3 and the last:\n", mode);
+        for (int b : {0, 1, 2, 3, grid - 1}) {
+          std::printf("CTA %d:", b);
+          for (int w = 0; w < 12; ++w) std::printf(" %u/%u", diag[b * 12 + w] >> 28, diag[b * 12 + w] & 0xfffffff);
+          std::printf("\n");
+        }
+        std::fflush(stdout);
+        std::_Exit(3);
+      }
+      usleep(1000);
+    }
+#endif
+  }
 };
 
 const char *kTableHead =
@@ -487,7 +641,8 @@ void run_forward(int M, int N, int K, cublasLtHandle_t lt, void *ws, size_t ws_b
   CK(cudaGetLastError());
   make_map(&run.p.a, x, M, K, kBM);
   make_map(&run.p.b, w, N, K, kBN);
-  run.p.out = out;
+  make_map(&run.p.b_half, w, N, K, kBN / 2);
+  make_map(&run.p.o, out, M, N, 64);
   // ref [M][N] row-major = (W [N][K] . X^T) column-major
   const LtProduct cublas(lt, ws, ws_bytes, true, false, N, M, K, K, K, N);
 
@@ -530,14 +685,34 @@ void run_forward(int M, int N, int K, cublasLtHandle_t lt, void *ws, size_t ws_b
       err_esum = std::max(err_esum, std::fabs(sum - st[tn].y) / st[tn].y);
     }
   }
+  // the clusters' forms against the single CTAs' (the same sums in the same order: equal bits)
+  __nv_bfloat16 *out1;
+  CK(cudaMalloc(&out1, size_t(M) * N * 2));
+  CK(cudaMemcpy(out1, out, size_t(M) * N * 2, cudaMemcpyDeviceToDevice));
+  CK(cudaMemset(out, 0xff, size_t(M) * N * 2));
+  run(7);
+  CK(cudaDeviceSynchronize());
+  const double err_cl_e = rel_diff(out, out1, int64_t(M) * N);
+  CK(cudaMemset(out, 0xff, size_t(M) * N * 2));
+  run(5);
+  CK(cudaDeviceSynchronize());
+  const double err_cl = rel_diff(out, ref, int64_t(M) * N);
+  CK(cudaFree(out1));
   const std::vector<float> t = time_in_turns({[&] { cublas(w, x, ref); }, [&] { run(0); }, [&] { run(1); },
-                                              [&] { run(2); }});
+                                              [&] { run(2); }, [&] { run(5); }, [&] { run(6); }, [&] { run(7); },
+                                              [&] { run(8); }, [&] { run(9); }});
   char more[160];
   print_row("logits = X W^T", M, N, K, t[0], t[1], err, "");
   std::snprintf(more, sizeof more, "stats vs fp64 of its logits %.1e", err_stats);
   print_row("logits + row stats", M, N, K, t[0], t[2], err, more);
   std::snprintf(more, sizeof more, "e vs exp(cuBLAS's - max) %.1e (abs), tile sums vs stats %.1e", err_e, err_esum);
   print_row("e = exp(z - tile max) + row stats", M, N, K, t[0], t[3], err, more);
+  print_row("logits, clusters of 2 (B multicast)", M, N, K, t[0], t[4], err_cl, "");
+  print_row("logits + row stats, clusters of 2", M, N, K, t[0], t[5], err_cl, "");
+  std::snprintf(more, sizeof more, "e vs single CTAs' e %.1e", err_cl_e);
+  print_row("e + row stats, clusters of 2", M, N, K, t[0], t[6], err_cl, more);
+  std::printf("| (diagnostic) the products alone, no epilogue: single CTAs %.3f ms (%.3fx cuBLAS), clusters of 2 "
+              "%.3f ms (%.3fx); %d clusters of 2 resident |\n", t[7], t[7] / t[0], t[8], t[8] / t[0], run.grid2 / 2);
   CK(cudaFree(x));
   CK(cudaFree(w));
   CK(cudaFree(out));
@@ -551,25 +726,35 @@ void run_forward(int M, int N, int K, cublasLtHandle_t lt, void *ws, size_t ws_b
 //   dW [V][H] = G^T X (mode 4); as column-major (X^T [H][c] . G [c][V]): X as stored, G transposed.
 void run_backward(bool dw, int c, int V, int H, cublasLtHandle_t lt, void *ws, size_t ws_bytes) {
   fail_if(V % kStatTile != 0, "run_backward", __FILE__, __LINE__, "V must be a multiple of 256");
-  const int rows_b = dw ? c : V, rows_out = dw ? V : c;
+  fail_if(dw && c % 64 != 0, "run_backward", __FILE__, __LINE__, "dW: c must be a multiple of 64");
+  const int rows_b = dw ? c : V, rows_out = dw ? V : c, tiles_v = V / kStatTile;
   __nv_bfloat16 *e, *g, *b, *out, *ref;
-  float *factor;
+  float *factor, *factor_t;  // [c][V / 256], and transposed for dW
   Launcher run(rows_out, H, dw ? c : V);
   CK(cudaMalloc(&e, size_t(c) * V * 2));
   CK(cudaMalloc(&g, size_t(c) * V * 2));
   CK(cudaMalloc(&b, size_t(rows_b) * H * 2));
   CK(cudaMalloc(&out, size_t(rows_out) * H * 2));
   CK(cudaMalloc(&ref, size_t(rows_out) * H * 2));
-  CK(cudaMalloc(&factor, size_t(c) * (V / kStatTile) * sizeof(float)));
+  CK(cudaMalloc(&factor, size_t(c) * tiles_v * sizeof(float)));
+  CK(cudaMalloc(&factor_t, size_t(c) * tiles_v * sizeof(float)));
   fill<<<1024, 256>>>(e, nullptr, int64_t(c) * V, 3u, 0.f, 1.f);
   fill<<<1024, 256>>>(b, nullptr, int64_t(rows_b) * H, 4u, dw ? -1.f : -0.05f, dw ? 1.f : 0.05f);
-  fill<<<1024, 256>>>(nullptr, factor, int64_t(c) * (V / kStatTile), 5u, 1e-3f, 1.f);
+  fill<<<1024, 256>>>(nullptr, factor, int64_t(c) * tiles_v, 5u, 1e-3f, 1.f);
+  {
+    std::vector<float> f(size_t(c) * tiles_v), ft(f.size());
+    CK(cudaMemcpy(f.data(), factor, f.size() * 4, cudaMemcpyDeviceToHost));
+    for (int k = 0; k < c; ++k)
+      for (int tv = 0; tv < tiles_v; ++tv) ft[size_t(tv) * c + k] = f[size_t(k) * tiles_v + tv];
+    CK(cudaMemcpy(factor_t, ft.data(), ft.size() * 4, cudaMemcpyHostToDevice));
+  }
   materialise_g<<<1024, 256>>>(e, factor, g, c, V);
   CK(cudaMemset(out, 0xff, size_t(rows_out) * H * 2));
   CK(cudaGetLastError());
   make_map(&run.p.a, e, c, V, dw ? 64 : kBM);
   make_map(&run.p.b, b, rows_b, H, 64);
-  run.p.out = out, run.p.factor = factor, run.p.n_fastest = true;
+  make_map(&run.p.o, out, rows_out, H, 64);
+  run.p.factor = dw ? factor_t : factor, run.p.n_fastest = true;
   const LtProduct cublas = dw ? LtProduct(lt, ws, ws_bytes, false, true, H, V, c, H, V, H)
                               : LtProduct(lt, ws, ws_bytes, false, false, H, c, V, H, V, H);
   const int mode = dw ? 4 : 3;
@@ -578,10 +763,10 @@ void run_backward(bool dw, int c, int V, int H, cublasLtHandle_t lt, void *ws, s
   CK(cudaDeviceSynchronize());
   const double err = rel_diff(out, ref, int64_t(rows_out) * H);
   const std::vector<float> t = time_in_turns({[&] { cublas(b, g, ref); }, [&] { run(mode); }});
-  if (dw) print_row("dW = (e F)^T X, G formed in shared memory", V, H, c, t[0], t[1], err, "cuBLAS: G^T X");
-  else print_row("dX = (e F) W, G formed in shared memory", c, H, V, t[0], t[1], err, "cuBLAS: G W");
+  if (dw) print_row("dW = (e F)^T X, G formed in registers", V, H, c, t[0], t[1], err, "cuBLAS: G^T X");
+  else print_row("dX = (e F) W, G formed in registers", c, H, V, t[0], t[1], err, "cuBLAS: G W");
   for (void *p : {static_cast<void *>(e), static_cast<void *>(g), static_cast<void *>(b), static_cast<void *>(out),
-                  static_cast<void *>(ref), static_cast<void *>(factor)})
+                  static_cast<void *>(ref), static_cast<void *>(factor), static_cast<void *>(factor_t)})
     CK(cudaFree(p));
 }
 
@@ -604,6 +789,7 @@ int main(int argc, char **argv) {
   }
   if (jobs.empty())
     for (int kind = 0; kind < 3; ++kind) jobs.push_back({kind, 4096, 262144, 2048}), jobs.push_back({kind, 4096, 128256, 4096});
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each row as it is measured
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   cublasLtHandle_t lt;
