@@ -550,10 +550,10 @@ struct LtProduct {
 // without an epilogue, single CTAs and clusters.
 struct Launcher {
   Params p{};
-  int grid = 0, grid2 = 0;
+  int sms = 0, grid = 0, grid2 = 0;
+  cudaLaunchAttribute cluster{};  // what config's answer points to
   explicit Launcher(int M, int N, int K) {
     p.M = M, p.N = N, p.K = K, p.tiles_m = (M + kBM - 1) / kBM, p.tiles_n = (N + kBN - 1) / kBN;
-    int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     grid = std::min(sms, p.tiles_m * p.tiles_n);
     for (int mode = 0; mode < 10; ++mode)
@@ -570,8 +570,7 @@ struct Launcher {
     return k[mode];
   }
   static bool clustered(int mode) { return (mode >= 5 && mode <= 7) || mode == 9; }
-  cudaLaunchConfig_t config(int mode, int blocks) const {
-    static cudaLaunchAttribute cluster{};
+  cudaLaunchConfig_t config(int mode, int blocks) {
     cluster.id = cudaLaunchAttributeClusterDimension;
     cluster.val.clusterDim.x = clustered(mode) ? 2 : 1, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg{};
@@ -583,8 +582,8 @@ struct Launcher {
 #ifdef FG_DEBUG
     static unsigned *diag = nullptr;
     if (!diag) {
-      CK(cudaHostAlloc(&diag, 132 * 12 * 4, cudaHostAllocMapped));
-      std::memset(diag, 0, 132 * 12 * 4);
+      CK(cudaHostAlloc(&diag, size_t(sms) * 12 * 4, cudaHostAllocMapped));  // a word a warp; grid <= sms
+      std::memset(diag, 0, size_t(sms) * 12 * 4);
       unsigned *dev;
       CK(cudaHostGetDevicePointer(&dev, diag, 0));
       CK(cudaMemcpyToSymbol(g_diag, &dev, sizeof dev));
