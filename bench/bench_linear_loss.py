@@ -5,7 +5,8 @@ same shapes (logits = X W^T, dX = G W, dW = G^T X; torch.matmul into preallocate
 Rows: N x H x V, bf16 hidden and weight, forward + backward (the loss, grad_hidden, grad_weight).
 Columns: the floor; headloss CE (bf16 grads, the workspace at fast_bytes) and its ratio to the
 floor; headloss with every term and metric (CE + z + entropy + GRPO + KL-ref, token outputs) and
-its ratio to CE alone; headloss CE with an fp32 grad_weight; PyTorch eager (matmul + CE), Liger's
+its ratio to CE alone, and the same without the entropy bonus (the terms the shifted path takes;
+the entropy term's gradient needs the row pass); headloss CE with an fp32 grad_weight; PyTorch eager (matmul + CE), Liger's
 fused linear CE and Cut Cross-Entropy (each when importable); peak device memory above the inputs
 (gradients included, as autograd allocates them for the peers). Inputs: "random" (logits of std 1,
 a near-uniform softmax) and "peaked" (std 4: most of each row's mass on a few tokens), since
@@ -32,6 +33,9 @@ from headloss import loss as hloss  # noqa: E402
 SHAPES = "8192x4096x128256,32768x4096x128256,16384x8192x151936,4096x2048x262144"
 ALL_TERMS = ("ce", "z", "entropy", "grpo", "kl_ref")
 ALL_OPTS = dict(z_weight=1e-4, entropy_weight=-1e-2, kl_ref_beta=0.04)
+# The same without the entropy bonus: the terms whose gradient the shifted path forms (kernels/loss/shifted.h).
+RL_TERMS = ("ce", "z", "grpo", "kl_ref")
+RL_OPTS = dict(z_weight=1e-4, kl_ref_beta=0.04)
 
 
 class Direct:
@@ -154,7 +158,7 @@ def main():
     peer_fns = {} if args.no_peers else peers()
     head = (["N x H x V", "inputs", "3 products (floor)", "+ a copy of the logits", "headloss CE", "vs floor",
              "vs floor + copy", "all terms + metrics",
-             "vs CE", "CE, fp32 grad_weight"] + [f"{k}" for k in peer_fns] +
+             "vs CE", "all but entropy, + metrics", "vs CE", "CE, fp32 grad_weight"] + [f"{k}" for k in peer_fns] +
             ["memory: headloss / " + " / ".join(peer_fns) + " (GiB)", "headloss workspace (GiB)"])
     lines = [header() + f"; headloss {headloss.version()}; bf16 hidden and weight; forward + backward; "
              "median of CUDA-event timings (ms)", "", "| " + " | ".join(head) + " |",
@@ -190,20 +194,22 @@ def main():
             ref = -torch.rand(N, device="cuda") * 8 - 4
             full = Direct(x, w, y, ALL_TERMS, extra={"advantages": adv, "old_logprobs": old, "ref_logprobs": ref},
                           tokens=True, **ALL_OPTS)
+            rl = Direct(x, w, y, RL_TERMS, extra={"advantages": adv, "old_logprobs": old, "ref_logprobs": ref},
+                        tokens=True, **RL_OPTS)
             f32 = Direct(x, w, y, ("ce",), gw_dtype=torch.float32)
             # The floor and our variants in turns (the same clocks for all: see interleaved_ms).
-            fns = {"floor": products, "copy": products_copy, "ce": ce, "full": full, "f32": f32}
+            fns = {"floor": products, "copy": products_copy, "ce": ce, "full": full, "rl": rl, "f32": f32}
             if args.graphs:  # the same calls replayed from CUDA graphs: no host time in them
                 fns.update({k + " graph": graphed(fns[k]) for k in ("floor", "ce")})
             t = interleaved_ms(fns, **it)
-            t_floor, t_copy, t_ce, t_full, t_f32 = t["floor"], t["copy"], t["ce"], t["full"], t["f32"]
+            t_floor, t_copy, t_ce, t_full, t_rl, t_f32 = (t[k] for k in ("floor", "copy", "ce", "full", "rl", "f32"))
             if args.graphs:
                 graph_lines.append(f"| {N} x {H} x {V} | {kind} | {t['floor graph']:.2f} | {t['ce graph']:.2f} | "
                                    f"{t['ce graph'] / t['floor graph']:.3f}x |")
             if args.profile and not profile_lines:
                 profile_lines = profile("3 products", products) + profile("headloss CE", ce)
                 print("\n".join(profile_lines), flush=True)
-            del z, g, dx, dw, ce, full, f32
+            del z, g, dx, dw, ce, full, rl, f32
             torch.cuda.empty_cache()
             plan = hloss.LinearLossPlan(V, H, "bfloat16", terms=("ce",), device="cuda", check=False)
             ws_gib = plan.workspace_bytes(N) / 2**30
@@ -222,7 +228,9 @@ def main():
                 torch.cuda.empty_cache()
             f = lambda t: "n/a" if t is None else f"{t:.2f}"  # noqa: E731
             row = [f"{N} x {H} x {V}", kind, f"{t_floor:.2f}", f"{t_copy:.2f}", f"{t_ce:.2f}",
-                   f"{t_ce / t_floor:.3f}x", f"{t_ce / t_copy:.3f}x", f"{t_full:.2f}", f"{t_full / t_ce:.3f}x", f"{t_f32:.2f}"] + [f(t) for t in t_peers]
+                   f"{t_ce / t_floor:.3f}x", f"{t_ce / t_copy:.3f}x", f"{t_full:.2f}", f"{t_full / t_ce:.3f}x",
+                   f"{t_rl:.2f}", f"{t_rl / t_ce:.3f}x",
+                   f"{t_f32:.2f}"] + [f(t) for t in t_peers]
             row.append(" / ".join("n/a" if m is None else f"{m:.2f}" for m in mem))
             row.append(f"{ws_gib:.2f}")
             lines.append("| " + " | ".join(row) + " |")

@@ -41,6 +41,7 @@
 #include "common/bulk_copy.cuh"
 #include "gdn/mma.cuh"
 #include "gdn/wgmma.cuh"
+#include "loss/shifted_logits_sm90.cuh"
 
 using namespace hl::cuda;
 using hl::cuda::gdn::wgmma_commit;
@@ -83,21 +84,7 @@ struct Params {
   bool n_fastest;  // tile order (dX, dW: the N tiles of an A block together, so A comes from memory once)
 };
 
-// The 128 accumulator operands of an m64n256 wgmma: their list in the asm string, and their constraints (d).
-#define HL_ACC_LIST \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
-  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
-  "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
-  "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, " \
-  "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, " \
-  "%124, %125, %126, %127}"
-#define HL_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-#define HL_ACC_OUT \
-  HL_D4(0), HL_D4(1), HL_D4(2), HL_D4(3), HL_D4(4), HL_D4(5), HL_D4(6), HL_D4(7), HL_D4(8), HL_D4(9), HL_D4(10), \
-  HL_D4(11), HL_D4(12), HL_D4(13), HL_D4(14), HL_D4(15), HL_D4(16), HL_D4(17), HL_D4(18), HL_D4(19), HL_D4(20), \
-  HL_D4(21), HL_D4(22), HL_D4(23), HL_D4(24), HL_D4(25), HL_D4(26), HL_D4(27), HL_D4(28), HL_D4(29), HL_D4(30), \
-  HL_D4(31)
+// HL_ACC_LIST / HL_ACC_OUT (the accumulator operands of an m64n256 wgmma): loss/shifted_logits_sm90.cuh.
 
 // D[64 x 256] (+)= A[64 x 16] B[16 x 256], operands in shared memory (descriptors: K-major, or M- / N-major
 // where TA / TB = 1); scale_d 0: D = A B.
@@ -513,7 +500,8 @@ struct LtProduct {
   cublasLtMatmulDesc_t desc{};
   cublasLtMatrixLayout_t la{}, lb{}, lc{};
   cublasLtMatmulAlgo_t algo{};
-  LtProduct(cublasLtHandle_t h, void *w, size_t wb, bool ta, bool tb, int m, int n, int k, int lda, int ldb, int ldc)
+  LtProduct(cublasLtHandle_t h, void *w, size_t wb, bool ta, bool tb, int m, int n, int k, int lda, int ldb, int ldc,
+            bool f32_out = false)
       : lt(h), ws(w), ws_bytes(wb) {
     CKL(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -521,7 +509,7 @@ struct LtProduct {
     CKL(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb));
     CKL(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, ta ? k : m, ta ? m : k, lda));
     CKL(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, tb ? n : k, tb ? k : n, ldb));
-    CKL(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, m, n, ldc));
+    CKL(cublasLtMatrixLayoutCreate(&lc, f32_out ? CUDA_R_32F : CUDA_R_16BF, m, n, ldc));
     cublasLtMatmulPreference_t pref;
     CKL(cublasLtMatmulPreferenceCreate(&pref));
     CKL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
@@ -769,6 +757,113 @@ void run_backward(bool dw, int c, int V, int H, cublasLtHandle_t lt, void *ws, s
     CK(cudaFree(p));
 }
 
+
+// z = X W^T in fp32 for the rows listed (a reference for the shifted epilogue's checks), [rows.size()][N].
+__global__ void ref_logits(const __nv_bfloat16 *x, const __nv_bfloat16 *w, const int *rows, int nrows, int N, int K,
+                           float *z) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < int64_t(nrows) * N;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int r = rows[i / N], v = int(i % N);
+    float a = 0.f;
+    for (int k = 0; k < K; ++k) a += __bfloat162float(x[int64_t(r) * K + k]) * __bfloat162float(w[int64_t(v) * K + k]);
+    z[i] = a;
+  }
+}
+
+// The plan's forward with the loss's element work in the epilogue (loss/shifted_logits_sm90.cuh): E = exp(scale z -
+// shift) and the tile statistics, against fp64 ones of an fp32 reference of the sampled rows; timed beside cuBLAS's
+// logits, and the backward it feeds (cuBLAS on E: dX with an fp32 output, dW) beside cuBLAS's on G.
+void run_shifted(int M, int N, int K, cublasLtHandle_t lt, void *ws, size_t ws_bytes) {
+  namespace sl = hl::loss::cuda::sm90;
+  __nv_bfloat16 *x, *w, *e, *ref, *dw_out;
+  float *dx32, *zref;
+  sl::TileStats *stats;
+  const int tiles_m = (M + sl::kBM - 1) / sl::kBM, tiles_n = (N + sl::kBN - 1) / sl::kBN;
+  CK(cudaMalloc(&x, size_t(M) * K * 2));
+  CK(cudaMalloc(&w, size_t(N) * K * 2));
+  CK(cudaMalloc(&e, size_t(M) * N * 2));
+  CK(cudaMalloc(&ref, size_t(M) * N * 2));
+  CK(cudaMalloc(&dw_out, size_t(N) * K * 2));
+  CK(cudaMalloc(&dx32, size_t(M) * K * 4));
+  CK(cudaMalloc(&stats, size_t(M) * tiles_n * sizeof(sl::TileStats)));
+  fill<<<1024, 256>>>(x, nullptr, int64_t(M) * K, 1u, -1.f, 1.f);
+  fill<<<1024, 256>>>(w, nullptr, int64_t(N) * K, 2u, -9.f / std::sqrt(float(K)), 9.f / std::sqrt(float(K)));
+  CK(cudaMemset(e, 0xff, size_t(M) * N * 2));
+  CK(cudaMemset(stats, 0xff, size_t(M) * tiles_n * sizeof(sl::TileStats)));
+  sl::ShiftedParams P{};
+  make_map(&P.x, x, M, K, sl::kBM);
+  make_map(&P.w, w, N, K, sl::kBN);
+  make_map(&P.e, e, M, N, 64);
+  P.stats = stats, P.scale = 1.0f, P.M = M, P.N = N, P.K = K, P.tiles_m = tiles_m, P.tiles_n = tiles_n;
+  P.group_m = tiles_m;
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CK(cudaFuncSetAttribute(sl::shifted_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sl::kSmem)));
+  const int grid = int(std::min<int64_t>(sms, int64_t(tiles_m) * tiles_n));
+  const auto ours = [&] { sl::shifted_logits_kernel<<<grid, sl::kThreads, sl::kSmem>>>(P); };
+  ours();
+  CK(cudaDeviceSynchronize());
+  // checks on sampled rows
+  const std::vector<int> rows = {0, 1, M / 3, M / 2 + 7, M - 1};
+  int *drows;
+  CK(cudaMalloc(&drows, rows.size() * 4));
+  CK(cudaMalloc(&zref, rows.size() * size_t(N) * 4));
+  CK(cudaMemcpy(drows, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice));
+  ref_logits<<<1024, 256>>>(x, w, drows, int(rows.size()), N, K, zref);
+  CK(cudaDeviceSynchronize());
+  std::vector<float> z(N);
+  std::vector<__nv_bfloat16> eh(N);
+  std::vector<sl::TileStats> st(tiles_n);
+  double err_e = 0, err_s = 0, err_b = 0, err_m = 0;
+  int bad_amax = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int r = rows[i];
+    CK(cudaMemcpy(z.data(), zref + i * size_t(N), size_t(N) * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(eh.data(), e + int64_t(r) * N, size_t(N) * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(st.data(), stats + int64_t(r) * tiles_n, tiles_n * sizeof(sl::TileStats), cudaMemcpyDeviceToHost));
+    for (int tn = 0; tn < tiles_n; ++tn) {
+      const int c0 = tn * sl::kBN, c1 = std::min(N, c0 + sl::kBN);
+      double s = 0, b = 0, m = -INFINITY;
+      int am = -1;
+      for (int c = c0; c < c1; ++c) {
+        const double ev = std::exp(double(z[c]) - sl::kFirstShift);
+        s += ev, b += ev * (double(z[c]) - sl::kFirstShift);
+        if (z[c] > m) m = z[c], am = c;
+        err_e = std::max(err_e, std::fabs(double(__bfloat162float(eh[c])) - ev) / ev);
+      }
+      err_s = std::max(err_s, std::fabs(st[tn].s - s) / s);
+      err_b = std::max(err_b, std::fabs(st[tn].b - b) / std::fabs(b));
+      err_m = std::max(err_m, std::fabs(st[tn].m - m));
+      // the argmax may differ where two logits are within the reference's rounding of each other
+      if (st[tn].amax != am && std::fabs(double(z[st[tn].amax]) - m) > 1e-4) ++bad_amax;
+    }
+  }
+  // timing: cuBLAS's logits; ours; cuBLAS dX on E with fp32 and bf16 outputs; cuBLAS dW on E
+  const LtProduct fwd(lt, ws, ws_bytes, true, false, N, M, K, K, K, N);
+  const LtProduct dx16(lt, ws, ws_bytes, false, false, K, M, N, K, N, K);
+  const LtProduct dx32p(lt, ws, ws_bytes, false, false, K, M, N, K, N, K, true);
+  const LtProduct dwp(lt, ws, ws_bytes, false, true, K, N, M, K, N, K);
+  const auto grouped = [&](int g) {
+    return [&, g] {
+      sl::ShiftedParams Q = P;
+      Q.group_m = std::min(g, tiles_m);
+      sl::shifted_logits_kernel<<<grid, sl::kThreads, sl::kSmem>>>(Q);
+    };
+  };
+  const std::vector<float> t = time_in_turns({[&] { fwd(w, x, ref); }, ours, [&] { dx16(w, e, ref); },
+                                              [&] { dx32p(w, e, dx32); }, [&] { dwp(x, e, dw_out); }, grouped(16),
+                                              grouped(8), grouped(4)});
+  std::printf("| groups of row blocks: all %d %.3f ms, 16 %.3f, 8 %.3f, 4 %.3f |\n", tiles_m, t[1], t[5], t[6], t[7]);
+  std::printf("| shifted logits: E = exp(z - shift) + tile stats (s, b, max, argmax), %d x %d x %d | cuBLAS logits "
+              "%.3f ms | ours %.3f ms | %.3fx | E rel %.1e, s %.1e, b %.1e, max abs %.1e, argmax misses %d | dX bf16 "
+              "%.3f, dX fp32 out %.3f, dW %.3f ms; the design: (ours + dX fp32 + dW) / (3 cuBLAS) = %.3fx |\n",
+              M, N, K, t[0], t[1], t[1] / t[0], err_e, err_s, err_b, err_m, bad_amax, t[2], t[3], t[4],
+              (t[1] + t[3] + t[4]) / (t[0] + t[2] + t[4]));
+  for (void *p : {static_cast<void *>(x), static_cast<void *>(w), static_cast<void *>(e), static_cast<void *>(ref),
+                  static_cast<void *>(dw_out), static_cast<void *>(dx32), static_cast<void *>(zref),
+                  static_cast<void *>(stats), static_cast<void *>(drows)})
+    CK(cudaFree(p));
+}
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -777,13 +872,13 @@ int main(int argc, char **argv) {
     int a, b, c;
   };
   std::vector<Job> jobs;
-  const char *kinds[] = {"fwd", "dx", "dw"};
+  const char *kinds[] = {"fwd", "dx", "dw", "shifted"};
   for (int i = 1; i < argc; i += 4) {
     int kind = -1;
-    for (int k = 0; k < 3; ++k)
+    for (int k = 0; k < 4; ++k)
       if (std::strcmp(argv[i], kinds[k]) == 0) kind = k;
     if (i + 3 >= argc || kind < 0)
-      return std::fprintf(stderr, "usage: %s [fwd M N K | dx M V H | dw M V H] ...\n", argv[0]), 2;
+      return std::fprintf(stderr, "usage: %s [fwd M N K | dx M V H | dw M V H | shifted M N K] ...\n", argv[0]), 2;
     jobs.push_back({kind, std::atoi(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3])});
   }
   if (jobs.empty())
@@ -800,7 +895,8 @@ int main(int argc, char **argv) {
               "(the heuristic's first algorithm), bf16, fp32 accumulation, %s; ms: medians of 5 x 10, in turns\n\n%s",
               prop.name, kTableHead);
   for (const Job &j : jobs) {
-    if (j.kind == 0) run_forward(j.a, j.b, j.c, lt, ws, ws_bytes);
+    if (j.kind == 3) run_shifted(j.a, j.b, j.c, lt, ws, ws_bytes);
+    else if (j.kind == 0) run_forward(j.a, j.b, j.c, lt, ws, ws_bytes);
     else run_backward(j.kind == 2, j.a, j.b, j.c, lt, ws, ws_bytes);
   }
   CK(cudaFree(ws));

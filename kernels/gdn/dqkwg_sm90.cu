@@ -36,7 +36,6 @@
 // pieces of odd K or V through registers, cp.async has no 2-byte form: the ODD = 2 kernels, with fp32
 // states in rows of other than a multiple of 4 floats).
 #include <cuda.h>
-#include <cudaTypedefs.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -48,6 +47,7 @@
 #include "common/cp_async.cuh"
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
+#include "common/tensor_map.h"
 #include "gdn/dqkwg_sm90.h"
 #include "gdn/gdn.h"
 #include "gdn/mma.cuh"
@@ -902,42 +902,10 @@ using hl::cuda::aligned16;
 
 namespace {
 
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void *p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      p = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-// Compute capability 9.0, the only one sm_90a code runs on.
-bool device_is_sm90() {
-  static std::atomic<int> cache[hl::cuda::kMaxDevices];
-  return hl::cuda::per_device(cache, [](int dev) {
-    int major = 0, minor = 0;
-    const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
-                     major == 9 && minor == 0;
-    if (!yes) (void)cudaGetLastError();
-    return int(yes);
-  }) != 0;
-}
-
 // A 3-D tensor (d0 contiguous; s1, s2 strides in bytes) read in b0 x b1 x b2 boxes, 128-byte swizzle.
 hl_status_t make_map(CUtensorMap *m, hl_dtype_t dt, const void *base, uint64_t d0, uint64_t d1, uint64_t d2,
                      uint64_t s1, uint64_t s2, uint32_t b0, uint32_t b1, uint32_t b2) {
-  const cuuint64_t dims[3] = {d0, d1, d2}, strides[2] = {s1, s2};
-  const cuuint32_t box[3] = {b0, b1, b2}, step[3] = {1, 1, 1};
-  const CUresult r = tensor_map_encoder()(
-      m, dt == HL_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
-      const_cast<void *>(base), dims, strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = hl::cuda::encode_map(m, dt, base, d0, d1, d2, s1, s2, b0, b1, b2);
   if (r != CUDA_SUCCESS)
     return fail(HL_STATUS_CUDA_ERROR, "gdn_bwd_dqkwg: cuTensorMapEncodeTiled failed (%d)", int(r));
   return HL_STATUS_SUCCESS;
@@ -1018,13 +986,13 @@ bool kernel_forced(const char *name) {  // read on every call, so that tests can
 // 128-wide CTAs, else q, k or do, v, dv copied by hand). What it needs: 16-byte aligned tensors, int32
 // TMA coordinates and a 9.0 device.
 bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks) {
-#if HL_GDN_SM90A
+#if HL_SM90A
   if (kernel_forced("portable")) return false;
   if (a.B * a.T >= INT32_MAX || chunks * a.HV >= INT32_MAX) return false;  // TMA coordinates are int32
   for (const void *p : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.h, a.dh, a.dq, a.dk})
     if (!aligned16(p)) return false;
   if (a.dw && !(aligned16(a.dv) && aligned16(a.dw))) return false;
-  return device_is_sm90() && tensor_map_encoder() != nullptr;
+  return hl::cuda::device_is_sm90() && hl::cuda::tensor_maps_available();
 #else
   (void)a, (void)chunks;
   return false;

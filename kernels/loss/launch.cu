@@ -437,6 +437,11 @@ hl_status_t cuda::rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Ph
   return launch_rows(c, k, stream, after_prep && p.cuda.early_start);
 }
 
+cuda::Params cuda::row_params(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace, int64_t row0,
+                              int64_t total) {
+  return make_params(p, CudaLaunch{}, a, workspace, row0, total);
+}
+
 hl_status_t cuda::rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,
                            cudaStream_t stream) {
   if (!a.scalars) return HL_STATUS_SUCCESS;

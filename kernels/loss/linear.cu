@@ -16,6 +16,7 @@
 #include "common/cuda_util.h"
 #include "loss/gemm.h"
 #include "loss/launch.h"
+#include "loss/shifted.h"
 
 namespace hl::loss::cuda {
 namespace {
@@ -27,14 +28,17 @@ namespace {
 constexpr int64_t kFastRows = 4096;
 
 // Where a call's pieces live in the workspace, after the logits form's part (base). The teacher's
-// chunk starts 256-byte aligned after the logits': kSlack bytes cover that rounding.
+// chunk (or the shifted path's buffers) start 256-byte aligned after the logits': kSlack bytes
+// cover that rounding.
 constexpr size_t kSlack = 256;
 struct Layout {
   int64_t ldz, ldt;      // row strides of the logits and teacher chunks (16-byte multiples)
   size_t gemm, logits, teacher;  // byte offsets: cuBLASLt's workspace, the chunks
   size_t row_bytes;      // a chunk's bytes per row
+  size_t fixed;          // bytes before the first row's (base, cuBLASLt's, the alignments)
   int64_t chunk;         // rows a chunk (at most the call's)
   bool keep;             // every row fits: a split's finish reuses its statistics step's logits
+  bool shifted;          // room for the shifted path's buffers (shifted.h), after the logits
 };
 
 size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
@@ -45,11 +49,12 @@ Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes) {
   Layout L;
   L.ldz = int64_t(round_up(size_t(d.vocab), 16 / elt));
   L.ldt = d.teacher_hidden > 0 ? L.ldz : 0;
-  L.row_bytes = size_t(L.ldz + L.ldt) * elt;
+  L.shifted = shifted_plan(p);
+  L.row_bytes = size_t(L.ldz + L.ldt) * elt + (L.shifted ? shifted_row_bytes(p) : 0);
   L.gemm = round_up(cuda_base_workspace(p, rows), 256);
   L.logits = L.gemm + kGemmWorkspace;
-  const size_t start = L.logits + kSlack;
-  const int64_t fit = bytes > start ? int64_t((bytes - start) / L.row_bytes) : 0;
+  L.fixed = L.logits + kSlack + (L.shifted ? kShiftedSlack : 0);
+  const int64_t fit = bytes > L.fixed ? int64_t((bytes - L.fixed) / L.row_bytes) : 0;
   L.keep = fit >= rows;
   L.chunk = std::min(rows, fit);
   L.teacher = L.logits + round_up(size_t(L.chunk * L.ldz) * elt, 256);
@@ -97,8 +102,8 @@ void linear_workspace(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes,
   const Layout L = layout(p, rows, 0);
   // A split (ranks, or GSPO's statistics first) keeps every row's logits for its finish.
   const int64_t fast_rows = p.desc.ranks > 1 || p.seq_stats ? rows : std::min(rows, kFastRows);
-  *min_bytes = L.logits + kSlack + L.row_bytes;  // a chunk of one row
-  *fast_bytes = L.logits + kSlack + size_t(fast_rows) * L.row_bytes;
+  *min_bytes = L.fixed + L.row_bytes;  // a chunk of one row
+  *fast_bytes = L.fixed + size_t(fast_rows) * L.row_bytes;
 }
 
 hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
@@ -124,6 +129,9 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   const Layout L = layout(p, N, workspace_bytes);
   char *w = static_cast<char *>(workspace);
   void *gemm_ws = w + L.gemm, *z = w + L.logits, *t = w + L.teacher;
+  ShiftedBuffers sb{};
+  const bool shifted = L.shifted && phase == kWhole && shifted_call(p, a);
+  if (shifted) sb.e = z, sb.lde = L.ldz, shifted_buffers(p, L.chunk, w, L.teacher, &sb);
   if (phase != kStats) HL_TRY(rows_begin(fn, p, a, gathered, workspace, stream));
   // A split's middle step and finish reuse the statistics step's logits when every row's stayed
   // (the middle step writes no gradient over them); a finish without a gradient reads none.
@@ -131,6 +139,13 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   for (int64_t i0 = 0; i0 < N; i0 += L.chunk) {
     const int64_t n = std::min(L.chunk, N - i0);
     const void *x = row(a.hidden, i0, a.hidden_stride, wd);
+    void *gh = grad_hidden ? row(a.grad_hidden, i0, a.grad_hidden_stride, d.grad_hidden_dtype) : nullptr;
+    const bool acc_weight = i0 > 0 || d.grad_weight_mode == HL_LOSS_GRAD_ACCUMULATE;
+    if (shifted) {
+      HL_TRY(shifted_chunk(fn, p, g, chunk_args(p, a, i0, n, z, t, L), x, i0, N, gh,
+                           grad_weight ? a.grad_weight : nullptr, acc_weight, sb, gemm_ws, workspace, stream));
+      continue;
+    }
     if (form) {
       HL_TRY(run_gemm(fn, g, {true, false, V, n, H, a.weight, a.weight_stride, x, a.hidden_stride, z,
                               L.ldz, wd, false}, gemm_ws, stream));
@@ -142,14 +157,12 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
     const hl_loss_args_t c = chunk_args(p, a, i0, n, z, t, L);
     HL_TRY(rows_run(p, c, phase, i0, N, gathered, block, workspace, stream, false));
     if (grad_hidden)
-      HL_TRY(run_gemm(fn, g, {false, false, H, n, V, a.weight, a.weight_stride, z, L.ldz,
-                              row(a.grad_hidden, i0, a.grad_hidden_stride, d.grad_hidden_dtype),
+      HL_TRY(run_gemm(fn, g, {false, false, H, n, V, a.weight, a.weight_stride, z, L.ldz, gh,
                               a.grad_hidden_stride, d.grad_hidden_dtype,
                               d.grad_hidden_mode == HL_LOSS_GRAD_ACCUMULATE}, gemm_ws, stream));
     if (grad_weight)
       HL_TRY(run_gemm(fn, g, {false, true, H, V, n, x, a.hidden_stride, z, L.ldz, a.grad_weight,
-                              a.grad_weight_stride, d.grad_weight_dtype,
-                              i0 > 0 || d.grad_weight_mode == HL_LOSS_GRAD_ACCUMULATE}, gemm_ws, stream));
+                              a.grad_weight_stride, d.grad_weight_dtype, acc_weight}, gemm_ws, stream));
   }
   return writes_outputs(phase) ? rows_end(p, a, workspace, stream) : HL_STATUS_SUCCESS;
 }

@@ -74,6 +74,19 @@ def reference_linear(inp, terms, opts, backend="cpu", **kw):
     return sc, toks, G @ W, G.T @ X
 
 
+def shifted_path(be, inp, terms, opts, strided=False):
+    """Whether the CUDA plan runs the shifted path (kernels/loss/shifted.h): bf16 on a 9.0 GPU, a
+    gradient of the form p cp + [v = y] cy, row strides of multiples of 8 elements. Its logits stay
+    fp32 (no rounding between the products), so its reference is the CPU one."""
+    if be.name != "cuda" or str(inp["hidden"].dtype) != "bfloat16" or strided or inp["hidden"].shape[1] % 8:
+        return False
+    if be.torch.cuda.get_device_capability() != (9, 0) or "teacher_hidden" in inp:
+        return False
+    return not (set(terms) & {"entropy", "distill_fwd", "distill_rev", "distill_jsd"}) and not (
+        opts.get("label_smoothing") or opts.get("softcap") or opts.get("teacher_topk")
+        or opts.get("ratio_level") == "seq_mean")
+
+
 def run_linear(be, inp, terms, opts, *, grad_hidden="write", grad_weight="write", gh_dtype=None,
                gw_dtype=None, init=None, divisor=0.0, grad_scale=0.0, workspace_bytes=None,
                strided=False):
@@ -154,7 +167,8 @@ def test_terms(be, case, dtype):
     """Every term alone and combined, ragged sizes (H and V not multiples of any tile)."""
     rng = np.random.default_rng(zlib.crc32(f"lin-{case}-{dtype}".encode()))
     terms, opts, inp = make(rng, 29, 72, 301, dtype, case, labels="int32" if dtype == "float16" else "int64")
-    check(be, run_linear(be, inp, terms, opts), reference_linear(inp, terms, opts, be.name), dtype)
+    ref_be = "cpu" if shifted_path(be, inp, terms, opts) else be.name
+    check(be, run_linear(be, inp, terms, opts), reference_linear(inp, terms, opts, ref_be), dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -165,19 +179,14 @@ def test_fused_teacher(be, dtype):
     check(be, run_linear(be, inp, terms, opts), reference_linear(inp, terms, opts, be.name), dtype)
 
 
-@pytest.mark.parametrize("case", ["all", "sparse_rl", "jsd_ce"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mode", ["f32_grads", "accumulate", "hidden_only", "weight_only", "eval",
-                                  "divisor", "strided", "odd_hidden"])
-def test_modes(be, mode, dtype, case):
-    rng = np.random.default_rng(zlib.crc32(f"mode-{mode}-{dtype}".encode()))
-    H = 37 if mode == "odd_hidden" else 64
-    terms, opts, inp = make(rng, 21, H, 257, dtype, case)
+def mode_kwargs(mode, rng, N, H, V):
+    """run_linear's keywords for a test mode, the outputs' starting values (accumulate), and the
+    reference's keywords."""
     kw, init = {}, None
     if mode == "f32_grads":
         kw = dict(gh_dtype="float32", gw_dtype="float32")
     elif mode == "accumulate":
-        init = {"gh": rng.standard_normal((21, H)) * 1e-2, "gw": rng.standard_normal((257, H)) * 1e-2}
+        init = {"gh": rng.standard_normal((N, H)) * 1e-2, "gw": rng.standard_normal((V, H)) * 1e-2}
         kw = dict(grad_hidden="accumulate", grad_weight="accumulate", gw_dtype="float32", init=init)
     elif mode == "hidden_only":
         kw = dict(grad_weight=None)
@@ -189,7 +198,18 @@ def test_modes(be, mode, dtype, case):
         kw = dict(divisor=50.0, grad_scale=0.5)
     elif mode == "strided":
         kw = dict(strided=True)
-    ref_kw = dict(divisor=50.0, grad_scale=0.5) if mode == "divisor" else {}
+    return kw, init, dict(divisor=50.0, grad_scale=0.5) if mode == "divisor" else {}
+
+
+@pytest.mark.parametrize("case", ["all", "sparse_rl", "jsd_ce"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["f32_grads", "accumulate", "hidden_only", "weight_only", "eval",
+                                  "divisor", "strided", "odd_hidden"])
+def test_modes(be, mode, dtype, case):
+    rng = np.random.default_rng(zlib.crc32(f"mode-{mode}-{dtype}".encode()))
+    H = 37 if mode == "odd_hidden" else 64
+    terms, opts, inp = make(rng, 21, H, 257, dtype, case)
+    kw, init, ref_kw = mode_kwargs(mode, rng, 21, H, 257)
     got = run_linear(be, inp, terms, opts, **kw)
     if mode in ("hidden_only", "eval"):
         assert got[3] is None
@@ -379,7 +399,7 @@ def cuda_be():
     return _cuda_backend()
 
 
-@pytest.mark.parametrize("case", ["all", "sparse_rl", "jsd_ce"])
+@pytest.mark.parametrize("case", ["all", "sparse_rl", "jsd_ce", "ce", "grpo_kl"])
 def test_cuda_chunks_and_determinism(cuda_be, case):
     """Chunks of 1, 7 and all rows each match the reference (a sparse teacher's per-row inputs
     offset by the chunk's first row), and a call gives the same bits on every run."""
@@ -389,7 +409,7 @@ def test_cuda_chunks_and_determinism(cuda_be, case):
     plan = LinearLossPlan(1031, 96, "bfloat16", terms=terms, device="cuda", **opts)
     lo, hi = plan.workspace_sizes(45)
     row = (hi - lo) // 44  # bytes a row (fast_bytes holds all 45 rows here)
-    want = reference_linear(inp, terms, opts, be.name)
+    want = reference_linear(inp, terms, opts, "cpu" if shifted_path(be, inp, terms, opts) else be.name)
     results = []
     for nbytes in (lo, lo + 6 * row, hi, hi):
         got = run_linear(be, inp, terms, opts, gw_dtype="float32", workspace_bytes=nbytes)
@@ -403,9 +423,10 @@ def test_cuda_chunks_and_determinism(cuda_be, case):
 
 
 @pytest.mark.parametrize("case", ["ce", "all", "distill_fwd", "grpo_kl", "sparse_rl", "jsd_ce"])
-def test_cuda_equals_logits_form(cuda_be, case):
-    """On the GPU the linear form equals the logits form run on the same 16-bit logits (X W^T
-    rounded once, as cuBLAS stores them): the same loss math, then G W and G^T X."""
+def test_cuda_equals_logits_form(cuda_be, case, monkeypatch):
+    """On the GPU the linear form's row path equals the logits form run on the same 16-bit logits
+    (X W^T rounded once, as cuBLAS stores them): the same loss math, then G W and G^T X."""
+    monkeypatch.setenv("HEADLOSS_LINEAR_PATH", "rows")  # CE and GRPO plans take the shifted path
     be = cuda_be
     torch = be.torch
     rng = np.random.default_rng(zlib.crc32(case.encode()))
@@ -423,3 +444,64 @@ def test_cuda_equals_logits_form(cuda_be, case):
         assert abs(got[0][k] - sc_l[k]) <= 1e-4 * (1 + abs(sc_l[k])), f"scalar {k}: {got[0][k]} vs {sc_l[k]}"
     assert rel(got[2], be.to_np(G @ W.float())) < 2e-3
     assert rel(got[3], be.to_np(G.T @ X.float())) < 2e-3
+
+
+# The shifted path (bf16 on a 9.0 GPU; plans whose gradient is p cp + [v = y] cy): the logits stay
+# fp32 up to E = exp(z - shift) in bf16, so it is checked against the reference of unrounded logits.
+SHIFTED_CASES = ["ce", "z", "grpo_kl", "cispo"]
+
+
+def shifted_inputs(case, N=70, H=136, V=1000, extremes=True):
+    """A CASES entry's inputs with weights; extremes: some rows' logits all near +150 or -150 (the
+    first hidden column large, the weight's first column 1), outside the first pass's window, so
+    those rows' blocks run again at their own max."""
+    rng = np.random.default_rng(zlib.crc32(f"shifted-{case}-{N}".encode()))
+    terms, opts, inp = make(rng, N, H, V, "bfloat16", case)
+    inp["weights"] = rng.uniform(0.25, 2.0, N).astype(np.float32)
+    if extremes:
+        inp["weight"][:, 0] = 1.0
+        inp["hidden"][3, 0], inp["hidden"][N - 2, 0] = 150.0, -150.0
+        if "old_logprobs" in inp:  # GRPO's old log-probs near the new ones again
+            logits = f64(inp["hidden"]) @ f64(inp["weight"]).T
+            inp["old_logprobs"] = old_logprobs(np.random.default_rng(1), logits, inp.get("labels"), "near")
+    return terms, opts, inp
+
+
+@pytest.mark.parametrize("case", SHIFTED_CASES)
+@pytest.mark.parametrize("mode", ["write", "f32_grads", "accumulate", "hidden_only", "weight_only", "eval",
+                                  "divisor"])
+def test_cuda_shifted(cuda_be, case, mode):
+    """Against the fp64 reference of the unrounded logits, rows at both ends of the window included:
+    the scalars to 1e-4 where bf16 logits (the row path) would be off by ~0.3 at logits of 150."""
+    be = cuda_be
+    terms, opts, inp = shifted_inputs(case)
+    N, H = inp["hidden"].shape
+    V = inp["weight"].shape[0]
+    kw, init, ref_kw = mode_kwargs(mode, np.random.default_rng(3), N, H, V)
+    got = run_linear(be, inp, terms, opts, **kw)
+    want = reference_linear(inp, terms, opts, "cpu", **ref_kw)
+    for k in SCALARS:
+        w = want[0].get(k, 0.0)
+        tol = 1e-3 if k.startswith(("ratio", "k3", "clip")) else 1e-4
+        assert abs(got[0][k] - w) <= tol * (1 + abs(w)), f"scalar {k}: {got[0][k]} vs {w}"
+    for k in want[1]:
+        assert rel(got[1][k], want[1][k]) < 1e-4, f"token {k}"
+    check(be, got, want, "bfloat16", gh_dtype=kw.get("gh_dtype"), gw_dtype=kw.get("gw_dtype"), init=init,
+          gtol=1e-2)
+
+
+def test_cuda_shifted_large(cuda_be):
+    """Rows in several 128-row blocks and vocabulary tiles (a ragged last one), one block's rows
+    outside the window, chunks of 300 rows: the reference, and the same bits on a second run."""
+    be = cuda_be
+    terms, opts, inp = shifted_inputs("ce", N=700, H=256, V=5000)
+    plan = LinearLossPlan(5000, 256, "bfloat16", terms=terms, device="cuda", **opts)
+    lo, hi = plan.workspace_sizes(700)
+    row = (hi - lo) // 699
+    want = reference_linear(inp, terms, opts, "cpu")
+    first = run_linear(be, inp, terms, opts, gw_dtype="float32", workspace_bytes=lo + 299 * row)
+    check(be, first, want, "bfloat16", gw_dtype="float32", gtol=1e-2)
+    assert abs(first[0]["loss"] - want[0]["loss"]) <= 1e-4 * abs(want[0]["loss"])
+    again = run_linear(be, inp, terms, opts, gw_dtype="float32", workspace_bytes=lo + 299 * row)
+    assert np.array_equal(first[2], again[2]) and np.array_equal(first[3], again[3])
+    assert all(np.array_equal(first[0][k], again[0][k]) for k in first[0])
