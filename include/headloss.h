@@ -583,7 +583,16 @@ typedef struct {
  * else libcublasLt.so.13), with fp32 accumulation and deterministic algorithms chosen once per
  * shape. Between the products a chunk's logits are stored in weight_dtype (rounded once from fp32,
  * as a 16-bit matmul's output is), the loss math runs on them in fp32, and G is rounded once to
- * weight_dtype, the products' operand type. grad_weight sums over rows chunk by chunk: in F32 the
+ * weight_dtype, the products' operand type. Except on a 9.0 GPU (H100, H200) with BF16 hidden and
+ * weight (row strides of multiples of 8 elements, 16-byte aligned) for a plan without ENTROPY,
+ * distillation, label smoothing, soft cap, GSPO's sequence ratio or shards: there the logits are
+ * never stored. The first product (the library's own kernel) keeps them in fp32 and stores
+ * e = exp(z_hat - s_r) in BF16, with s_r a shift per row (16, or the row's max where its max lies
+ * outside [s_r - 64, s_r + 48]: those rows' blocks run the product again), and the loss's
+ * statistics of the fp32 logits; the gradient is then alpha_r e (the label's element replaced by
+ * G's own, formed in fp32), so grad_hidden = alpha (e W) (fp32, rounded once) and grad_weight =
+ * e^T (alpha X) (alpha X rounded once to BF16) run on cuBLASLt without a pass over the logits.
+ * grad_weight sums over rows chunk by chunk: in F32 the
  * sum stays fp32; in weight_dtype it is rounded once a chunk. So results depend on the chunking
  * (the workspace passed), never on the run. CPU: everything in fp64 with one rounding at each
  * store, no rounding between the products: the reference.

@@ -62,7 +62,6 @@ constexpr float kFirstShift = 16.0f, kLowest = -64.0f, kHighest = 48.0f;
 #define HL_SHIFTED_LOGITS_CODE 0
 #endif
 
-#if HL_SHIFTED_LOGITS_CODE
 // The 128 accumulator operands of an m64n256 wgmma (its asm list and constraints, for d[32][4]).
 #define HL_ACC_LIST \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
@@ -79,6 +78,7 @@ constexpr float kFirstShift = 16.0f, kLowest = -64.0f, kHighest = 48.0f;
   HL_D4(21), HL_D4(22), HL_D4(23), HL_D4(24), HL_D4(25), HL_D4(26), HL_D4(27), HL_D4(28), HL_D4(29), HL_D4(30), \
   HL_D4(31)
 
+#if HL_SHIFTED_LOGITS_CODE
 // D[64 x 256] (+)= A[64 x 16] B[16 x 256], both K-major in shared memory; scale_d 0: D = A B.
 __device__ __forceinline__ void wgmma_m64n256(float (&d)[32][4], uint64_t a, uint64_t b, int scale_d) {
   asm volatile(
