@@ -12,6 +12,8 @@
 //   tile of V), X [c, H].
 //   Both form G in registers: ldmatrix of e, times F in fp32, rounded once to bf16 as G materialised would be,
 //   and wgmma with A from registers; cuBLAS runs the same product on G materialised.
+// - shifted: the library's forward for the shifted path (loss/shifted_logits_sm90.cuh: e = exp(z - shift), one
+//   shift a row, and tile statistics), and cuBLASLt's dX (fp32 output) and dW on its e: what the plan runs.
 //
 // Design: persistent CTAs of 384 threads over 128 x 256 output tiles (forward M fastest, so a wave shares B's
 // tiles in L2; dX, dW N fastest, so an A block's N tiles run together); warp 0 loads A (128 x 64) and B (64 x
@@ -19,9 +21,9 @@
 // and write the tile into a shared-memory staging tile that TMA stores while they go on.
 //
 // On the device (-DFG_DEBUG: a hung launch prints where each warp waits, then exits):
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels -Iinclude -o /tmp/fused_gemms bench/experiments/fused_gemms.cu -lcublasLt
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels -Iinclude -o /tmp/fused_gemms bench/experiments/fused_gemms.cu -lcublasLt -lcuda
 //   timeout 300 /tmp/fused_gemms      # each product at c x V x H = 4096 x 262144 x 2048 and 4096 x 128256 x 4096
-//   /tmp/fused_gemms [fwd M N K | dx c V H | dw c V H] ...     # N, H, K multiples of 8; V of 256; dw: c of 64
+//   /tmp/fused_gemms [fwd M N K | dx c V H | dw c V H | shifted M N K] ...   # N, H, K multiples of 8; V of 256; dw: c of 64
 #include <cublasLt.h>
 #include <cuda.h>
 #include <cuda_bf16.h>
