@@ -97,6 +97,8 @@ inline uint64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, hl_dtype_
   if (rows == 0 || cols == 0) return 0;
   return (uint64_t(rows - 1) * uint64_t(stride) + uint64_t(cols)) * dtype_size(dt);
 }
+// x rounded up to a multiple of m.
+inline size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 // True when the byte ranges [a, a + na) and [b, b + nb) intersect.
 inline bool overlaps(const void *a, uint64_t na, const void *b, uint64_t nb) {
   if (!a || !b || na == 0 || nb == 0) return false;

@@ -51,6 +51,7 @@ using hl::cuda::gdn::wgmma_desc;
 using hl::cuda::gdn::wgmma_desc_n_major;
 using hl::cuda::gdn::wgmma_fence;
 using hl::cuda::gdn::wgmma_pin;
+using hl::cuda::gdn::wgmma_wait;
 
 static void fail_if(bool bad, const char *call, const char *file, int line, const char *why) {
   if (bad) std::fprintf(stderr, "%s:%d %s: %s\n", file, line, call, why), std::exit(1);
@@ -124,20 +125,6 @@ __device__ __forceinline__ void tma_load_3d_multicast(void *dst, const void *map
       : "memory");
 }
 
-// A 64 x 64 box of shared memory (128-byte swizzled) to the tensor at map; committed as a bulk group.
-__device__ __forceinline__ void tma_store_3d(const void *map, const void *src, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(map),
-               "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// READ: until the groups have read their shared memory (it may be written again); else until done.
-template <bool READ>
-__device__ __forceinline__ void bulk_wait_all() {
-  if constexpr (READ) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-  else asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-
 // wgmma256 with A from registers (a: this thread's m64k16 fragment, the mma.sync A layout of its warp's 16
 // rows); B N-major. The registers must not change until the wgmma has completed.
 __device__ __forceinline__ void wgmma256_rs(float (&d)[32][4], const uint32_t (&a)[4], uint64_t b, int scale_d) {
@@ -159,10 +146,6 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t x, float2 f) {
   return x;
 }
 
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
 
 // The epilogue of one warp's 16 rows (m0..) of tile columns n0..n0 + 255 (EDGE: a partial last tile, whose
 // columns from N on are TMA's zeros). MODE 0: the logits rounded to bf16, stored; 1: also their max and sum of

@@ -105,6 +105,30 @@ __device__ __forceinline__ void tma_load_3d(void *dst, const void *map, int c0, 
 #endif
 }
 
+// A 3-D box of shared memory to a tensor (TMA; clipped to the tensor's bounds) as part of this
+// thread's current bulk group; bulk_commit closes the group, bulk_wait_all waits for them.
+__device__ __forceinline__ void tma_store_3d(const void *map, const void *src, int c0, int c1, int c2) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(map),
+               "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+// READ: until this thread's committed groups have read their shared memory (it may be written
+// again); else until they are done.
+template <bool READ>
+__device__ __forceinline__ void bulk_wait_all() {
+#if __CUDA_ARCH__ >= 900
+  if constexpr (READ) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  else asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
+}
+
 // Waits like mbar_wait, with acquire at cluster scope (the phase was completed from a peer CTA).
 __device__ __forceinline__ void mbar_wait_cluster(uint64_t *bar, uint32_t parity) {
 #if __CUDA_ARCH__ >= 900

@@ -764,7 +764,7 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
           }
           wgmma_commit();
           sum_hdh();
-          wgmma_wait_all();
+          wgmma_wait<0>();
           wgmma_pin(acc);
           wgmma_pin(ds);
         } else {

@@ -29,9 +29,13 @@ __device__ __forceinline__ uint64_t wgmma_desc_n_major(const void *p) {
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Until at most N committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 
-// Pins accumulator registers after wgmma_wait_all, so the compiler reads them no earlier.
+// Pins accumulator registers after wgmma_wait<0>, so the compiler reads them no earlier.
 template <int NB>
 __device__ __forceinline__ void wgmma_pin(float (&d)[NB][4]) {
 #pragma unroll

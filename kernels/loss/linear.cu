@@ -41,8 +41,6 @@ struct Layout {
   bool shifted;          // room for the shifted path's buffers (shifted.h), after the logits
 };
 
-size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
-
 Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes) {
   const hl_loss_plan_desc_t &d = p.desc;
   const size_t elt = dtype_size(d.weight_dtype);
@@ -130,8 +128,11 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   char *w = static_cast<char *>(workspace);
   void *gemm_ws = w + L.gemm, *z = w + L.logits, *t = w + L.teacher;
   ShiftedBuffers sb{};
-  const bool shifted = L.shifted && phase == kWhole && shifted_call(p, a);
-  if (shifted) sb.e = z, sb.lde = L.ldz, shifted_buffers(p, L.chunk, w, L.teacher, &sb);
+  const bool shifted = L.shifted && phase == kWhole && shifted_call(a);
+  if (shifted) {  // E where the logits chunk would be, its buffers after it
+    sb.e = z, sb.lde = L.ldz;
+    shifted_buffers(p, L.chunk, w, L.teacher, &sb);
+  }
   if (phase != kStats) HL_TRY(rows_begin(fn, p, a, gathered, workspace, stream));
   // A split's middle step and finish reuse the statistics step's logits when every row's stayed
   // (the middle step writes no gradient over them); a finish without a gradient reads none.

@@ -34,6 +34,7 @@
 
 #include "common/bulk_copy.cuh"
 #include "common/dtype.cuh"
+#include "common/fast_math.cuh"
 #include "common/grid_dependency.cuh"
 #include "loss/params.cuh"
 #include "loss/sums.cuh"
@@ -48,12 +49,7 @@ using hl::cuda::Pack;
 using hl::cuda::to_float;
 using hl::cuda::from_float;
 
-// 2^x in one MUFU instruction (exp2f adds a denormal fix-up; results below 2^-126 flush to 0).
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+using hl::cuda::ex2;
 __device__ __forceinline__ float fast_exp(float x) { return ex2(x * kLog2e); }
 // The column loops' exponential and log for row_math.h (its LibMath is libm's): one MUFU
 // instruction each (lg2.approx: ~2^-22 absolute error).

@@ -23,7 +23,6 @@ using sm90::TileStats;
 using bf16 = __nv_bfloat16;
 constexpr int kRowWarps = 8;  // rows a CTA of the row kernels, a warp a row
 
-size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 int64_t tiles_of(int64_t n, int64_t tile) { return (n + tile - 1) / tile; }
 
 // Each row's max over its tiles. A row whose max lies outside the first shift's window takes its
@@ -158,7 +157,7 @@ bool shifted_plan(const hl_loss_plan_st &p) {
 #endif
 }
 
-bool shifted_call(const hl_loss_plan_st &p, const hl_loss_args_t &a) {
+bool shifted_call(const hl_loss_args_t &a) {
   return a.rows < INT32_MAX && hl::cuda::aligned16(a.hidden) && hl::cuda::aligned16(a.weight) &&
          a.hidden_stride % 8 == 0 && a.weight_stride % 8 == 0 && hl::cuda::device_is_sm90() &&
          hl::cuda::tensor_maps_available();
@@ -170,9 +169,9 @@ size_t shifted_row_bytes(const hl_loss_plan_st &p) {
                   H * sizeof(float)) + 2 * sizeof(float) + 1;
 }
 
-size_t shifted_buffers(const hl_loss_plan_st &p, int64_t chunk, char *workspace, size_t at, ShiftedBuffers *b) {
+void shifted_buffers(const hl_loss_plan_st &p, int64_t chunk, char *workspace, size_t at, ShiftedBuffers *b) {
   const auto take = [&](size_t bytes) {
-    void *q = workspace ? workspace + at : nullptr;
+    void *q = workspace + at;
     at = round_up(at + bytes, 256);
     return q;
   };
@@ -181,12 +180,11 @@ size_t shifted_buffers(const hl_loss_plan_st &p, int64_t chunk, char *workspace,
   const size_t start = at;
   b->stats = take(n * size_t(tiles_of(p.desc.vocab, sm90::kBN)) * sizeof(TileStats));
   b->xs = take(n * H * sizeof(bf16));
-  b->d32 = reinterpret_cast<float *>(workspace ? workspace + start : nullptr);
+  b->d32 = reinterpret_cast<float *>(workspace + start);
   at = std::max(at, round_up(start + n * H * sizeof(float), 256));
   b->shift = static_cast<float *>(take(n * sizeof(float)));
   b->alpha = static_cast<float *>(take(n * sizeof(float)));
   b->redo = static_cast<unsigned char *>(take(size_t(tiles_of(chunk, sm90::kBM))));
-  return at;
 }
 
 hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, const hl_loss_args_t &c,

@@ -20,7 +20,7 @@ namespace hl::loss::cuda {
 bool shifted_plan(const hl_loss_plan_st &p);
 // Whether this call can take it: a 9.0 device, hidden and weight 16-byte aligned with row strides
 // of multiples of 8 elements.
-bool shifted_call(const hl_loss_plan_st &p, const hl_loss_args_t &a);
+bool shifted_call(const hl_loss_args_t &a);
 // The workspace a chunk row takes beyond its logits, and the slack of its buffers' alignment.
 size_t shifted_row_bytes(const hl_loss_plan_st &p);
 constexpr size_t kShiftedSlack = 6 * 256;
@@ -35,9 +35,9 @@ struct ShiftedBuffers {
   float *shift, *alpha;
   unsigned char *redo;  // a flag a 128-row block
 };
-// Carves the buffers for `chunk` rows out of the workspace from byte offset `at` on; returns the
-// end offset.
-size_t shifted_buffers(const hl_loss_plan_st &p, int64_t chunk, char *workspace, size_t at, ShiftedBuffers *b);
+// Carves the buffers for `chunk` rows out of the workspace from byte offset `at` on (at most
+// chunk shifted_row_bytes + kShiftedSlack bytes).
+void shifted_buffers(const hl_loss_plan_st &p, int64_t chunk, char *workspace, size_t at, ShiftedBuffers *b);
 
 // Rows [i0, i0 + c.rows) of a call of `total` rows (c: the chunk's arguments, per-row pointers
 // already offset; x: its hidden rows). grad_hidden / grad_weight: where the chunk's products go (null: none);

@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "common/bulk_copy.cuh"
+#include "common/fast_math.cuh"
 #include "gdn/wgmma.cuh"
 
 namespace hl::loss::cuda::sm90 {
@@ -88,31 +89,6 @@ __device__ __forceinline__ void wgmma_m64n256(float (&d)[32][4], uint64_t a, uin
       : "l"(a), "l"(b), "r"(scale_d));
 }
 
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// A 64 x 64 box of shared memory (128-byte swizzled) to the tensor at map (clipped to its bounds).
-__device__ __forceinline__ void tma_store_3d(const void *map, const void *src, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(map),
-               "r"(hl::cuda::smem_addr(src)), "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-// READ: until the stores have read their shared memory; else until they are done.
-template <bool READ>
-__device__ __forceinline__ void bulk_wait_all() {
-  if constexpr (READ) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-  else asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t *>(&h);
@@ -138,7 +114,7 @@ __device__ __forceinline__ void shifted_epilogue(const ShiftedParams &P, const f
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         const float z = acc[j][2 * h + q], t = fmaf(z, k2, -shift2[h]);  // log2(e)
-        e2[q] = ex2_approx(t);
+        e2[q] = hl::cuda::ex2(t);
         if (!EDGE || c0 + 8 * j + q < P.N) {
           s += e2[q], b = fmaf(e2[q], t, b);
           if (z > mx) mx = z, ai = 8 * j + q;  // columns ascend: the first maximum stays
@@ -168,7 +144,7 @@ __device__ __forceinline__ void store_tile(const ShiftedParams &P, const uint32_
                                            unsigned char *staging, int lane) {
   const int wg = (int(threadIdx.x) - 128) / 128, wt = threadIdx.x % 128, row0 = 16 * (wt / 32) + lane / 4;
   unsigned char *tile = staging + wg * (kBM / 2) * kBN * 2;
-  if (wt == 0) bulk_wait_all<true>();  // the previous tile's stores have read the staging tile
+  if (wt == 0) hl::cuda::bulk_wait_all<true>();  // the previous tile's stores have read the staging tile
   hl::cuda::named_barrier(1 + wg, 128);
 #pragma unroll
   for (int h = 0; h < 2; ++h)
@@ -178,8 +154,10 @@ __device__ __forceinline__ void store_tile(const ShiftedParams &P, const uint32_
                                     (lane % 4) * 4) = pk[h][j];
   hl::cuda::fence_proxy_async();
   hl::cuda::named_barrier(1 + wg, 128);
-  if (wt == 0)
-    for (int b = 0; b < 4; ++b) tma_store_3d(&P.e, tile + b * 8192, n0 + 64 * b, m0, 0);
+  if (wt == 0) {
+    for (int b = 0; b < 4; ++b) hl::cuda::tma_store_3d(&P.e, tile + b * 8192, n0 + 64 * b, m0, 0);
+    hl::cuda::bulk_commit();
+  }
 }
 #endif  // HL_SHIFTED_LOGITS_CODE
 
