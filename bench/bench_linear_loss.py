@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import headloss  # noqa: E402
-from common import header, interleaved_ms, median_ms  # noqa: E402
+from common import header, interleaved_ms, interleaved_runs, median, median_ms, paired_ratio  # noqa: E402
 from headloss import loss as hloss  # noqa: E402
 
 SHAPES = "8192x4096x128256,32768x4096x128256,16384x8192x151936,4096x2048x262144"
@@ -197,15 +197,17 @@ def main():
             rl = Direct(x, w, y, RL_TERMS, extra={"advantages": adv, "old_logprobs": old, "ref_logprobs": ref},
                         tokens=True, **RL_OPTS)
             f32 = Direct(x, w, y, ("ce",), gw_dtype=torch.float32)
-            # The floor and our variants in turns (the same clocks for all: see interleaved_ms).
+            # The floor and our variants in turns (the same clocks for all: see interleaved_runs).
             fns = {"floor": products, "copy": products_copy, "ce": ce, "full": full, "rl": rl, "f32": f32}
             if args.graphs:  # the same calls replayed from CUDA graphs: no host time in them
                 fns.update({k + " graph": graphed(fns[k]) for k in ("floor", "ce")})
-            t = interleaved_ms(fns, **it)
+            runs = interleaved_runs(fns, **it)
+            t = {k: median(v) for k, v in runs.items()}
+            r = lambda a, b: paired_ratio(runs, a, b)  # noqa: E731
             t_floor, t_copy, t_ce, t_full, t_rl, t_f32 = (t[k] for k in ("floor", "copy", "ce", "full", "rl", "f32"))
             if args.graphs:
                 graph_lines.append(f"| {N} x {H} x {V} | {kind} | {t['floor graph']:.2f} | {t['ce graph']:.2f} | "
-                                   f"{t['ce graph'] / t['floor graph']:.3f}x |")
+                                   f"{r('ce graph', 'floor graph'):.3f}x |")
             if args.profile and not profile_lines:
                 profile_lines = profile("3 products", products) + profile("headloss CE", ce)
                 print("\n".join(profile_lines), flush=True)
@@ -228,8 +230,8 @@ def main():
                 torch.cuda.empty_cache()
             f = lambda t: "n/a" if t is None else f"{t:.2f}"  # noqa: E731
             row = [f"{N} x {H} x {V}", kind, f"{t_floor:.2f}", f"{t_copy:.2f}", f"{t_ce:.2f}",
-                   f"{t_ce / t_floor:.3f}x", f"{t_ce / t_copy:.3f}x", f"{t_full:.2f}", f"{t_full / t_ce:.3f}x",
-                   f"{t_rl:.2f}", f"{t_rl / t_ce:.3f}x",
+                   f"{r('ce', 'floor'):.3f}x", f"{r('ce', 'copy'):.3f}x", f"{t_full:.2f}", f"{r('full', 'ce'):.3f}x",
+                   f"{t_rl:.2f}", f"{r('rl', 'ce'):.3f}x",
                    f"{t_f32:.2f}"] + [f(t) for t in t_peers]
             row.append(" / ".join("n/a" if m is None else f"{m:.2f}" for m in mem))
             row.append(f"{ws_gib:.2f}")
@@ -249,8 +251,9 @@ def main():
             del x, w, y
             torch.cuda.empty_cache()
     lines += ["", "The floor and headloss's columns are timed in turns (each iteration runs each once: the same "
-              "clocks); the peers one after another. vs floor: headloss CE over the three products' time. vs CE: "
-              "every term and metric over CE alone. Memory: peak above the inputs during one forward + backward, "
+              "clocks); the peers one after another. Times: medians over the rounds; ratios: the median over the rounds "
+              "of the two times of the same round (the clocks move by up to ~9% over seconds). vs floor: headloss CE "
+              "over the three products' time. vs CE: every term and metric over CE alone. Memory: peak above the inputs during one forward + backward, "
               "the gradients included (as autograd allocates them for the peers); headloss's workspace (the "
               "last column, fast_bytes) is part of it. CCE runs with its default gradient filter "
               "(filter_eps='high') and its autotuning on (CCE_AUTOTUNE=1). '+ a copy of the logits': the three "

@@ -36,10 +36,10 @@ def median_ms(fn, *, warmup: int = 10, iters: int = 50, rotate=None) -> float:
     return times[len(times) // 2]
 
 
-def interleaved_ms(fns: dict, *, warmup: int = 2, iters: int = 10) -> dict:
-    """Median GPU time (ms) of each fn, timed as median_ms does but in turns: each iteration times
-    every fn once, so all see the same clocks. For calls that run long enough to heat the GPU
-    (tens of ms of matrix products), where one timed after another drifts by a few percent."""
+def interleaved_runs(fns: dict, *, warmup: int = 2, iters: int = 10) -> dict:
+    """Each fn's GPU times (ms), one a round: every round times every fn once, in turn, so all see
+    the same clocks. For calls that run long enough to heat the GPU (tens of ms of matrix products),
+    where one timed after another drifts by a few percent."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -54,7 +54,24 @@ def interleaved_ms(fns: dict, *, warmup: int = 2, iters: int = 10) -> dict:
             b.record()
             b.synchronize()
             times[k].append(a.elapsed_time(b))
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return times
+
+
+def median(v):
+    v = sorted(v)
+    return v[len(v) // 2]
+
+
+def interleaved_ms(fns: dict, *, warmup: int = 2, iters: int = 10) -> dict:
+    """Median GPU time (ms) of each fn, timed in turns (interleaved_runs)."""
+    return {k: median(v) for k, v in interleaved_runs(fns, warmup=warmup, iters=iters).items()}
+
+
+def paired_ratio(runs: dict, a, b) -> float:
+    """The median over rounds of a's time over b's in the same round (interleaved_runs): the H100's
+    clocks move by up to ~9% over seconds under tens of ms of matrix products (bench/NOTES.md), which
+    a ratio of two medians keeps and a ratio within a round mostly cancels."""
+    return median([x / y for x, y in zip(runs[a], runs[b])])
 
 
 def compile_per_shape(fn):

@@ -21,6 +21,11 @@ namespace {
 
 using sm90::TileStats;
 using bf16 = __nv_bfloat16;
+using hl::cuda::from_floats;
+using hl::cuda::load_pack;
+using hl::cuda::Pack;
+using hl::cuda::store_pack;
+using hl::cuda::to_floats;
 constexpr int kRowWarps = 8;  // rows a CTA of the row kernels, a warp a row
 
 int64_t tiles_of(int64_t n, int64_t tile) { return (n + tile - 1) / tile; }
@@ -54,6 +59,7 @@ struct FinishArgs {
   int64_t lde;
   bf16 *xs;  // [rows][H]: alpha X (null without grad_weight)
   int64_t rows, H, V;
+  int64_t H8;  // H rounded down to a multiple of 8: the columns read 8 at a time
   Params k;  // the per-row inputs and outputs, the records, D (launch.h's row_params)
 };
 
@@ -82,10 +88,16 @@ __global__ void __launch_bounds__(32 * kRowWarps) finish_kernel(const __grid_con
   const int64_t y = read_label(k.src, r);
   const bool labelled = y >= 0 && y < f.V;
   float zy = -INFINITY;
-  if (labelled) {  // the label's logit, an fp32 dot product
+  if (labelled) {  // the label's logit, an fp32 dot product (rows 16-byte aligned: shifted_call)
     const bf16 *wy = f.w + y * f.ldw;
     float d = 0.f;
-    for (int64_t h = lane; h < f.H; h += 32) d = fmaf(__bfloat162float(xr[h]), __bfloat162float(wy[h]), d);
+    for (int64_t h = lane * 8; h < f.H8; h += 32 * 8) {
+      float xv[8], wv[8];
+      to_floats(load_pack<bf16, 8>(xr + h), xv), to_floats(load_pack<bf16, 8>(wy + h), wv);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) d = fmaf(xv[j], wv[j], d);
+    }
+    for (int64_t h = f.H8 + lane; h < f.H; h += 32) d = fmaf(__bfloat162float(xr[h]), __bfloat162float(wy[h]), d);
     for (int o = 16; o > 0; o /= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
     zy = d * k.o.scale;
   }
@@ -115,19 +127,53 @@ __global__ void __launch_bounds__(32 * kRowWarps) finish_kernel(const __grid_con
     alpha = 1.f;
   }
   if (lane == 0) f.alpha[r] = alpha;
-  if (f.xs)
-    for (int64_t h = lane; h < f.H; h += 32) f.xs[r * f.H + h] = __float2bfloat16_rn(alpha * __bfloat162float(xr[h]));
+  if (!f.xs) return;
+  bf16 *xs = f.xs + r * f.H;
+  const int64_t h8 = f.H % 8 == 0 ? f.H : 0;  // xs's rows 16-byte aligned
+  for (int64_t h = lane * 8; h < h8; h += 32 * 8) {
+    float v[8];
+    to_floats(load_pack<bf16, 8>(xr + h), v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] *= alpha;
+    Pack<bf16, 8> o;
+    from_floats<bf16, 8>(v, o.v);
+    store_pack(xs + h, o);
+  }
+  for (int64_t h = h8 + lane; h < f.H; h += 32) xs[h] = __float2bfloat16_rn(alpha * __bfloat162float(xr[h]));
 }
 
-// grad_hidden rows = alpha (E W) (+ what they hold), rounded once.
+// grad_hidden rows = alpha (E W) (+ what they hold), rounded once: a CTA a row, 4 columns a thread
+// where the rows align (vec), else one.
 template <class T>
 __global__ void scale_rows_kernel(const float *d32, const float *alpha, T *out, int64_t ldo, int64_t rows,
-                                  int64_t H, bool accumulate) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * H; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / H, h = i % H;
-    T *o = out + r * ldo + h;
-    const float v = alpha[r] * d32[i];
-    *o = hl::cuda::from_float<T>(accumulate ? hl::cuda::to_float(*o) + v : v);
+                                  int64_t H, bool accumulate, bool vec) {
+  const auto put = [&](T *o, const float *v, int n) {
+    float w[4];
+    for (int j = 0; j < n; ++j) w[j] = accumulate ? hl::cuda::to_float(o[j]) + v[j] : v[j];
+    if (n == 4) {
+      Pack<T, 4> p;
+      from_floats<T, 4>(w, p.v);
+      store_pack(o, p);
+    } else {
+      o[0] = hl::cuda::from_float<T>(w[0]);
+    }
+  };
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float a = alpha[r];
+    const float *src = d32 + r * H;
+    T *o = out + r * ldo;
+    if (vec) {
+      for (int64_t h = threadIdx.x * 4; h < H; h += blockDim.x * 4) {
+        const float4 d = *reinterpret_cast<const float4 *>(src + h);
+        const float v[4] = {a * d.x, a * d.y, a * d.z, a * d.w};
+        put(o + h, v, 4);
+      }
+    } else {
+      for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
+        const float v = a * src[h];
+        put(o + h, &v, 1);
+      }
+    }
   }
 }
 
@@ -220,7 +266,7 @@ hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, co
   f.ldx = c.hidden_stride, f.ldw = c.weight_stride;
   f.e = static_cast<bf16 *>(b.e), f.lde = b.lde;
   f.xs = grad_weight ? static_cast<bf16 *>(b.xs) : nullptr;
-  f.rows = n, f.H = H, f.V = V;
+  f.rows = n, f.H = H, f.V = V, f.H8 = H / 8 * 8;
   f.k = row_params(p, c, workspace, i0, total);
   finish_kernel<<<row_ctas, 32 * kRowWarps, 0, stream>>>(f);
   HL_CUDA_TRY_LAUNCH();
@@ -231,14 +277,16 @@ hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, co
   if (grad_hidden) {
     HL_TRY(run_gemm(fn, g, {false, false, H, n, V, c.weight, c.weight_stride, b.e, b.lde, b.d32, H, HL_DTYPE_F32,
                             false}, gemm_ws, stream));
-    const int64_t ctas = std::min<int64_t>(tiles_of(n * H, 256), int64_t(hl::cuda::sm_count()) * 8);
+    const int64_t ctas = std::min<int64_t>(n, int64_t(hl::cuda::sm_count()) * 16);
     const bool acc = d.grad_hidden_mode == HL_LOSS_GRAD_ACCUMULATE;
+    const size_t elt = dtype_size(d.grad_hidden_dtype);
+    const bool vec = H % 4 == 0 && c.grad_hidden_stride % 4 == 0 && hl::cuda::aligned_to(grad_hidden, 4 * elt);
     if (d.grad_hidden_dtype == HL_DTYPE_F32)
       scale_rows_kernel<<<ctas, 256, 0, stream>>>(b.d32, b.alpha, static_cast<float *>(grad_hidden),
-                                                  c.grad_hidden_stride, n, H, acc);
+                                                  c.grad_hidden_stride, n, H, acc, vec);
     else
       scale_rows_kernel<<<ctas, 256, 0, stream>>>(b.d32, b.alpha, static_cast<bf16 *>(grad_hidden),
-                                                  c.grad_hidden_stride, n, H, acc);
+                                                  c.grad_hidden_stride, n, H, acc, vec);
     HL_CUDA_TRY_LAUNCH();
   }
   return HL_STATUS_SUCCESS;

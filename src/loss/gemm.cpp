@@ -28,6 +28,7 @@ struct Lt {
   decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
   decltype(&cublasLtMatmul) matmul = nullptr;
+  decltype(&cublasLtMatmulAlgoConfigGetAttribute) algo_get = nullptr;
   DynlibError err;
 };
 
@@ -48,7 +49,8 @@ const Lt &lt() {
                  bind(lib, "cublasLtMatmulPreferenceDestroy", l.pref_destroy, l.err) &&
                  bind(lib, "cublasLtMatmulPreferenceSetAttribute", l.pref_set, l.err) &&
                  bind(lib, "cublasLtMatmulAlgoGetHeuristic", l.heuristic, l.err) &&
-                 bind(lib, "cublasLtMatmul", l.matmul, l.err)))
+                 bind(lib, "cublasLtMatmul", l.matmul, l.err) &&
+                 bind(lib, "cublasLtMatmulAlgoConfigGetAttribute", l.algo_get, l.err)))
       l.matmul = nullptr;
     return l;
   }();
@@ -117,7 +119,36 @@ struct Gemms {
 
 namespace {
 
-// The descriptors of a shape and its algorithm: the heuristic's first deterministic answer.
+// The heuristic's answers a shape considers.
+constexpr int kAnswers = 8;
+
+int algo_attr(const cublasLtMatmulAlgo_t &a, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  uint32_t v = 0;  // the tile and split-k attributes are 32-bit
+  size_t written = 0;
+  return lt().algo_get(&a, attr, &v, sizeof v, &written) == CUBLAS_STATUS_SUCCESS ? int(v) : -1;
+}
+
+// Which answer to take: the first, but where the heuristic also offers a tile that measured faster
+// for the product's form (H100, cuBLAS 13.0, every candidate timed at the bench shapes by
+// bench/experiments/lt_algos.cu; bench/NOTES.md "cuBLASLt's answers"; all gave the same bits):
+// - logits = W X^T (A transposed): 176 x 128, then 168 x 128, 5-7% faster than the first (320 x 128);
+// - grad_weight (+)= G^T X (B transposed): 128 x 160 where m (the hidden size) <= 4096, else 256 x 128,
+//   3-8% faster than the first (320 x 128, 192 x 192).
+// grad_hidden = G W keeps the first (256 x 128), within 1-2% of the best.
+int preferred(const Shape &s, const cublasLtMatmulHeuristicResult_t *r, int found) {
+  int want[2] = {-1, -1};
+  if (s.ta && !s.tb) want[0] = CUBLASLT_MATMUL_TILE_176x128, want[1] = CUBLASLT_MATMUL_TILE_168x128;
+  if (!s.ta && s.tb) want[0] = s.m <= 4096 ? CUBLASLT_MATMUL_TILE_128x160 : -1, want[1] = CUBLASLT_MATMUL_TILE_256x128;
+  for (int tile : want)
+    for (int i = 0; tile >= 0 && i < found; ++i)
+      if (algo_attr(r[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID) == tile &&
+          algo_attr(r[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) == 1)
+        return i;
+  return 0;
+}
+
+// The descriptors of a shape and its algorithm: the heuristic's deterministic answer that
+// preferred() picks.
 hl_status_t prepare(const char *fn, Gemms &g, const Shape &s, Prepared &p) {
   const Lt &l = lt();
   p.shape = s;
@@ -144,14 +175,14 @@ hl_status_t prepare(const char *fn, Gemms &g, const Shape &s, Prepared &p) {
   HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &s.align_b, sizeof s.align_b));
   HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &s.align_d, sizeof s.align_d));
   HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &s.align_d, sizeof s.align_d));
-  cublasLtMatmulHeuristicResult_t r{};
+  cublasLtMatmulHeuristicResult_t r[kAnswers]{};
   int found = 0;
-  HL_LT_TRY(l.heuristic(g.handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &r, &found));
+  HL_LT_TRY(l.heuristic(g.handle, p.desc, p.a, p.b, p.d, p.d, pref, kAnswers, r, &found));
   if (found < 1)
     return fail(HL_STATUS_NOT_SUPPORTED, "%s: cuBLASLt has no algorithm for a %lld x %lld x %lld "
                 "product (%s operands)", fn, (long long)s.m, (long long)s.n, (long long)s.k,
                 dtype_name(g.operand));
-  p.algo = r.algo;
+  p.algo = r[preferred(s, r, found)].algo;
   return HL_STATUS_SUCCESS;
 }
 

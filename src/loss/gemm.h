@@ -1,6 +1,7 @@
 // The fused linear form's matrix products on cuBLASLt, loaded at run time (dynlib.h). One Gemms
-// object per plan: its handle, and the algorithm of each product shape chosen once (the heuristic's
-// first answer among deterministic ones: split-K only with fp32 partials in the workspace).
+// object per plan: its handle, and the algorithm of each product shape chosen once (among the
+// heuristic's deterministic answers, split-K only with fp32 partials in the workspace: its first,
+// or a tile measured faster for the product's form; gemm.cpp's preferred()).
 #pragma once
 
 #if HL_HAVE_CUDA

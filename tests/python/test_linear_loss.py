@@ -91,7 +91,8 @@ def run_linear(be, inp, terms, opts, *, grad_hidden="write", grad_weight="write"
                gw_dtype=None, init=None, divisor=0.0, grad_scale=0.0, workspace_bytes=None,
                strided=False):
     """Runs the plan with poisoned outputs; returns (scalars, tokens, grad_hidden, grad_weight) in
-    fp64 NumPy. strided: every matrix is a column slice of a wider one (row stride > columns)."""
+    fp64 NumPy. strided: every matrix is a column slice of a wider one (row stride > columns): 5
+    columns wider, or, given a number, the H-column matrices' row stride."""
     dtype = str(inp["hidden"].dtype)
     N, H = inp["hidden"].shape
     V = inp["weight"].shape[0]
@@ -103,9 +104,12 @@ def run_linear(be, inp, terms, opts, *, grad_hidden="write", grad_weight="write"
                           grad_hidden=grad_hidden, grad_weight=grad_weight,
                           grad_hidden_dtype=gh_dtype, grad_weight_dtype=gw_dtype, teacher_hidden=Ht, **opts)
 
+    def pad(cols):
+        return 0 if not strided else 5 if strided is True or cols != H else strided - cols
+
     def put(x):
         if strided and x.ndim == 2:
-            wide = np.zeros((x.shape[0], x.shape[1] + 5), x.dtype)
+            wide = np.zeros((x.shape[0], x.shape[1] + pad(x.shape[1])), x.dtype)
             wide[:, :x.shape[1]] = x
             return be.to_dev(wide)[:, :x.shape[1]]
         return be.to_dev(x)
@@ -115,7 +119,7 @@ def run_linear(be, inp, terms, opts, *, grad_hidden="write", grad_weight="write"
             return None
         if mode == "accumulate":
             return put(start.astype(NP_DTYPES[dt]))
-        full = be.full((shape[0], shape[1] + (5 if strided else 0)), dt)
+        full = be.full((shape[0], shape[1] + pad(shape[1])), dt)
         return full[:, :shape[1]] if strided else full
 
     init = init or {}
@@ -486,6 +490,22 @@ def test_cuda_shifted(cuda_be, case, mode):
         assert abs(got[0][k] - w) <= tol * (1 + abs(w)), f"scalar {k}: {got[0][k]} vs {w}"
     for k in want[1]:
         assert rel(got[1][k], want[1][k]) < 1e-4, f"token {k}"
+    check(be, got, want, "bfloat16", gh_dtype=kw.get("gh_dtype"), gw_dtype=kw.get("gw_dtype"), init=init,
+          gtol=1e-2)
+
+
+@pytest.mark.parametrize("H", [100, 102])
+@pytest.mark.parametrize("mode", ["write", "f32_grads", "accumulate"])
+def test_cuda_shifted_ragged_hidden(cuda_be, H, mode):
+    """H not a multiple of 8 (100) or 4 (102) in rows of 104 elements, as the shifted path takes
+    them: its 8- and 4-column loops' scalar tails (the label's dot product, alpha X, grad_hidden)."""
+    be = cuda_be
+    terms, opts, inp = shifted_inputs("grpo_kl", H=H)
+    N, V = inp["hidden"].shape[0], inp["weight"].shape[0]
+    kw, init, _ = mode_kwargs(mode, np.random.default_rng(4), N, H, V)
+    got = run_linear(be, inp, terms, opts, strided=104, **kw)
+    want = reference_linear(inp, terms, opts, "cpu")
+    assert abs(got[0]["loss"] - want[0]["loss"]) <= 1e-4 * (1 + abs(want[0]["loss"]))  # not the row path's 0.3
     check(be, got, want, "bfloat16", gh_dtype=kw.get("gh_dtype"), gw_dtype=kw.get("gw_dtype"), init=init,
           gtol=1e-2)
 
