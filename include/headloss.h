@@ -585,8 +585,8 @@ typedef struct {
  * as a 16-bit matmul's output is), the loss math runs on them in fp32, and G is rounded once to
  * weight_dtype, the products' operand type. Except on a 9.0 GPU (H100, H200) with BF16 hidden and
  * weight (row strides of multiples of 8 elements, 16-byte aligned) for a plan without ENTROPY,
- * distillation, label smoothing, soft cap, GSPO's sequence ratio or shards: there the logits are
- * never stored. The first product (the library's own kernel) keeps them in fp32 and stores
+ * distillation, label smoothing, soft cap or GSPO's sequence ratio (sharded or not): there the
+ * logits are never stored. The first product (the library's own kernel) keeps them in fp32 and stores
  * e = exp(z_hat - s_r) in BF16, with s_r a shift per row (16, or the row's max where its max lies
  * outside [s_r - 64, s_r + 48]: those rows' blocks run the product again), and the loss's
  * statistics of the fp32 logits; the gradient is then alpha_r e (the label's element replaced by
@@ -604,7 +604,8 @@ typedef struct {
  * Tensor parallelism: W sharded by vocabulary rows (vocab = the shard's rows, vocab_start etc. as
  * for logits); the same stats / gather / finish protocol, one all-gather for the loss. Give stats
  * (and middle) and finish the same workspace (hl_loss_plan_execute_stats_ws): when it holds every row's logits
- * (fast_bytes of a sharded plan), finish reuses them (three products in all); otherwise finish
+ * (fast_bytes of a sharded plan), finish reuses them (three products in all; on the shifted path
+ * above, e, its statistics and each row's shift, which are this rank's own); otherwise finish
  * forms them again (four). grad_hidden is then this rank's part, G_shard W_shard (added to the
  * buffer with ACCUMULATE): the sum over ranks is the gradient, one all-reduce, the collective every
  * tensor-parallel linear layer has. hl_loss_plan_execute_nccl does it: after the finish, an

@@ -311,6 +311,19 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
   return k;
 }
 
+// The blocks a phase reads and writes: the gathered ones, and this rank's with its header.
+static void set_blocks(const hl_loss_plan_st &p, Phase phase, int64_t total, Gathered gathered, void *block,
+                       Params &k) {
+  k.gathered = static_cast<const char *>(gathered.stats);
+  k.gathered_middle = static_cast<const char *>(gathered.middle);
+  if (block) {
+    k.block = static_cast<char *>(block);
+    const BlockHeader h = make_header(p, total, phase == kMiddle);
+    static_assert(sizeof h == sizeof k.header, "the header is 8 int64 fields");
+    std::memcpy(k.header, &h, sizeof h);
+  }
+}
+
 // early: the kernel before it on the stream is the prep kernel, which it may overlap (sm_90).
 static hl_status_t launch_rows(const CudaLaunch &c, const Params &k, cudaStream_t stream, bool early) {
   const int64_t clusters = std::min<int64_t>(k.rows, c.grid / c.cluster);
@@ -423,14 +436,7 @@ hl_status_t cuda::rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Ph
                            void *workspace, cudaStream_t stream, bool after_prep) {
   const CudaLaunch &c = pick_launch(p, a, phase);
   Params k = make_params(p, c, a, workspace, row0, total);
-  k.gathered = static_cast<const char *>(gathered.stats);
-  k.gathered_middle = static_cast<const char *>(gathered.middle);
-  if (block) {
-    k.block = static_cast<char *>(block);
-    const BlockHeader h = make_header(p, total, phase == kMiddle);
-    static_assert(sizeof h == sizeof k.header, "the header is 8 int64 fields");
-    std::memcpy(k.header, &h, sizeof h);
-  }
+  set_blocks(p, phase, total, gathered, block, k);
   // The row counters are the prep kernel's to zero; a later chunk's launch zeroes them again.
   if (phase != kStats && !after_prep)
     HL_CUDA_TRY(cudaMemsetAsync(k.counters, 0, kMaxCluster * sizeof(unsigned), stream));
@@ -438,8 +444,10 @@ hl_status_t cuda::rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Ph
 }
 
 cuda::Params cuda::row_params(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace, int64_t row0,
-                              int64_t total) {
-  return make_params(p, CudaLaunch{}, a, workspace, row0, total);
+                              int64_t total, Phase phase, Gathered gathered, void *block) {
+  Params k = make_params(p, CudaLaunch{}, a, workspace, row0, total);
+  set_blocks(p, phase, total, gathered, block, k);
+  return k;
 }
 
 hl_status_t cuda::rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,

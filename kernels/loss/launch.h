@@ -37,11 +37,11 @@ hl_status_t seq_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, const voi
                     float *out, cudaStream_t stream);
 hl_status_t zero_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, cudaStream_t stream);
 // The row kernel's arguments for rows [row0, row0 + a.rows) of a call of `total` rows, without a
-// launch's specialisation: the per-row inputs and outputs, the records and D, for kernels that
-// finish rows from statistics of their own (shifted.cu).
+// launch's specialisation: the per-row inputs and outputs, the records, D and the phase's blocks
+// (as rows_run's), for kernels that finish rows from statistics of their own (shifted.cu).
 struct Params;
 Params row_params(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace, int64_t row0,
-                  int64_t total);
+                  int64_t total, Phase phase, Gathered gathered, void *block);
 
 // The fused linear form (linear.cu).
 void linear_workspace(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes);

@@ -128,7 +128,7 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   char *w = static_cast<char *>(workspace);
   void *gemm_ws = w + L.gemm, *z = w + L.logits, *t = w + L.teacher;
   ShiftedBuffers sb{};
-  const bool shifted = L.shifted && phase == kWhole && shifted_call(a);
+  const bool shifted = L.shifted && phase != kMiddle && shifted_call(a);
   if (shifted) {  // E where the logits chunk would be, its buffers after it
     sb.e = z, sb.lde = L.ldz;
     shifted_buffers(p, L.chunk, w, L.teacher, &sb);
@@ -143,8 +143,10 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
     void *gh = grad_hidden ? row(a.grad_hidden, i0, a.grad_hidden_stride, d.grad_hidden_dtype) : nullptr;
     const bool acc_weight = i0 > 0 || d.grad_weight_mode == HL_LOSS_GRAD_ACCUMULATE;
     if (shifted) {
-      HL_TRY(shifted_chunk(fn, p, g, chunk_args(p, a, i0, n, z, t, L), x, i0, N, gh,
-                           grad_weight ? a.grad_weight : nullptr, acc_weight, sb, gemm_ws, workspace, stream));
+      HL_TRY(shifted_chunk(fn, p, g, chunk_args(p, a, i0, n, z, t, L), x, i0, N, phase,
+                           phase != kFinish || (!L.keep && (gh || grad_weight)),
+                           gathered, block, gh, grad_weight ? a.grad_weight : nullptr, acc_weight, sb, gemm_ws,
+                           workspace, stream));
       continue;
     }
     if (form) {

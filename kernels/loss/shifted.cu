@@ -13,6 +13,7 @@
 #include "common/tensor_map.h"
 #include "loss/launch.h"
 #include "loss/params.cuh"
+#include "loss/row_kernel.cuh"
 #include "loss/shifted_logits_sm90.cuh"
 #include "loss/sums.cuh"
 
@@ -60,17 +61,13 @@ struct FinishArgs {
   bf16 *xs;  // [rows][H]: alpha X (null without grad_weight)
   int64_t rows, H, V;
   int64_t H8;  // H rounded down to a multiple of 8: the columns read 8 at a time
-  Params k;  // the per-row inputs and outputs, the records, D (launch.h's row_params)
+  Phase phase;  // kWhole; kStats: the row's record into this rank's block; kFinish: from the ranks'
+  Params k;     // the per-row inputs and outputs, the records, D, the blocks (launch.h's row_params)
 };
 
-// A row's loss from its tile statistics (row_math.h's finish_row, as the row kernel runs it), its
-// outputs and record, alpha, E's label element patched, and alpha X. A warp a row; the tiles and
-// the label's dot product summed lane by lane, then by a butterfly: the same bits on every run.
-__global__ void __launch_bounds__(32 * kRowWarps) finish_kernel(const __grid_constant__ FinishArgs f) {
-  const int64_t r = blockIdx.x * int64_t(kRowWarps) + threadIdx.x / 32;
-  if (r >= f.rows) return;
-  const int lane = threadIdx.x % 32;
-  const Params &k = f.k;
+// This shard's record of a row from its tile statistics: sums relative to its max, as RowStats
+// (e_m = e exp(shift - m)); the label's logit an fp32 dot product where the label is this shard's.
+__device__ RowStats<float> shard_stats(const FinishArgs &f, int64_t r, int64_t y, bool labelled, int lane) {
   float s = 0.f, b = 0.f, m = -INFINITY;
   long long am = LLONG_MAX;
   for (int64_t t = lane; t < f.tiles; t += 32) {
@@ -85,8 +82,6 @@ __global__ void __launch_bounds__(32 * kRowWarps) finish_kernel(const __grid_con
     if (m2 > m || (m2 == m && a2 < am)) m = m2, am = a2;
   }
   const bf16 *xr = f.x + r * f.ldx;
-  const int64_t y = read_label(k.src, r);
-  const bool labelled = y >= 0 && y < f.V;
   float zy = -INFINITY;
   if (labelled) {  // the label's logit, an fp32 dot product (rows 16-byte aligned: shifted_call)
     const bf16 *wy = f.w + y * f.ldw;
@@ -99,12 +94,43 @@ __global__ void __launch_bounds__(32 * kRowWarps) finish_kernel(const __grid_con
     }
     for (int64_t h = f.H8 + lane; h < f.H; h += 32) d = fmaf(__bfloat162float(xr[h]), __bfloat162float(wy[h]), d);
     for (int o = 16; o > 0; o /= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
-    zy = d * k.o.scale;
+    zy = d * f.k.o.scale;
   }
-  // The record relative to the row's max (RowStats): e_m = e exp(shift - m).
   const float sh = f.shift[r], fm = expf(sh - m);
   RowStats<float> st = empty_stats<float>();
   st.m = m, st.s = s * fm, st.b = fm * (b + (sh - m) * s), st.sum = 0.f, st.zy = zy, st.amax = am;
+  return st;
+}
+
+// Lane 0's record in every lane.
+__device__ __forceinline__ RowStats<float> from_lane0(RowStats<float> st) {
+  st.m = __shfl_sync(0xffffffffu, st.m, 0), st.s = __shfl_sync(0xffffffffu, st.s, 0);
+  st.b = __shfl_sync(0xffffffffu, st.b, 0), st.sum = __shfl_sync(0xffffffffu, st.sum, 0);
+  st.zy = __shfl_sync(0xffffffffu, st.zy, 0);
+  st.amax = __shfl_sync(0xffffffffu, (long long)st.amax, 0);
+  return st;
+}
+
+// A row's loss from its statistics (row_math.h's finish_row, as the row kernel runs it), its outputs
+// and record, alpha, E's label element patched, and alpha X; or (kStats) only this shard's record.
+// A warp a row; the tiles, the label's dot product and the ranks' records summed lane by lane, then
+// by a fixed tree: the same bits on every run (and on every rank).
+__global__ void __launch_bounds__(32 * kRowWarps) finish_kernel(const __grid_constant__ FinishArgs f) {
+  const int64_t r = blockIdx.x * int64_t(kRowWarps) + threadIdx.x / 32;
+  if (r >= f.rows) return;
+  const int lane = threadIdx.x % 32;
+  const Params &k = f.k;
+  const bf16 *xr = f.x + r * f.ldx;
+  const int64_t y = read_label(k.src, r) - k.col0;  // in this shard's columns
+  const bool labelled = y >= 0 && y < f.V;
+  if (f.phase == kStats) {
+    const RowStats<float> st = shard_stats(f, r, y, labelled, lane);
+    if (lane == 0) write_record<kDistillNone>(k, r, st);
+    return;
+  }
+  const RowStats<float> st =
+      f.phase == kFinish ? from_lane0(gathered_stats<kDistillNone>(k, r)) : shard_stats(f, r, y, labelled, lane);
+  const float zy = st.zy, sh = f.shift[r];
   const RowResult<float> row = finish_row(st, read_inputs<float>(k.src, r), k.o, k.prep->kd);
   if (lane == 0) {
     if (k.records) store_floats<kRecFields>(k.records + r * kRecStride, row.rec);
@@ -195,7 +221,7 @@ bool shifted_plan(const hl_loss_plan_st &p) {
   const char *env = std::getenv("HEADLOSS_LINEAR_PATH");
   if (env && std::strcmp(env, "rows") == 0) return false;
   return p.linear && d.weight_dtype == HL_DTYPE_BF16 && d.teacher_hidden == 0 && o.distill == kDistillNone &&
-         o.topk == 0 && d.ranks <= 1 && !p.seq_stats && o.cap == 0.0f && o.smoothing == 0.0f &&
+         o.topk == 0 && !p.seq_stats && o.cap == 0.0f && o.smoothing == 0.0f &&
          o.ent_w == 0.0f && o.scale > 0.0f && d.vocab < INT32_MAX && d.hidden < INT32_MAX;
 #else
   (void)p;
@@ -234,42 +260,47 @@ void shifted_buffers(const hl_loss_plan_st &p, int64_t chunk, char *workspace, s
 }
 
 hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, const hl_loss_args_t &c,
-                          const void *x, int64_t i0, int64_t total, void *grad_hidden, void *grad_weight,
-                          bool accumulate_weight, const ShiftedBuffers &b, void *gemm_ws, void *workspace,
-                          cudaStream_t stream) {
+                          const void *x, int64_t i0, int64_t total, Phase phase, bool form, Gathered gathered,
+                          void *block, void *grad_hidden, void *grad_weight, bool accumulate_weight,
+                          const ShiftedBuffers &b, void *gemm_ws, void *workspace, cudaStream_t stream) {
   const hl_loss_plan_desc_t &d = p.desc;
   const int64_t n = c.rows, V = d.vocab, H = d.hidden;
-  sm90::ShiftedParams P{};
-  HL_TRY(map(fn, &P.x, x, H, n, c.hidden_stride, sm90::kBM));
-  HL_TRY(map(fn, &P.w, c.weight, H, V, c.weight_stride, sm90::kBN));
-  HL_TRY(map(fn, &P.e, b.e, V, n, b.lde, 64));
-  P.stats = static_cast<TileStats *>(b.stats), P.scale = p.opt.scale;
-  P.M = int(n), P.N = int(V), P.K = int(H);
-  P.tiles_m = int(tiles_of(n, sm90::kBM)), P.tiles_n = int(tiles_of(V, sm90::kBN));
-  // Row blocks a group: the group's rows of X (~16 MB) stay in L2 while it runs over W.
-  P.group_m = int(std::clamp<int64_t>((int64_t(16) << 20) / (int64_t(sm90::kBM) * H * 2), 1, P.tiles_m));
-  const int grid = int(std::min<int64_t>(hl::cuda::sm_count(), int64_t(P.tiles_m) * P.tiles_n));
-  hl::cuda::allow_smem(sm90::shifted_logits_kernel, sm90::kSmem);
-  // The first pass at the first shift; rows outside its window again at their own max.
-  HL_CUDA_TRY(cudaMemsetAsync(b.redo, 0, size_t(P.tiles_m), stream));
-  sm90::shifted_logits_kernel<<<grid, sm90::kThreads, sm90::kSmem, stream>>>(P);
-  HL_CUDA_TRY_LAUNCH();
   const int64_t row_ctas = tiles_of(n, kRowWarps);
-  window_kernel<<<row_ctas, 32 * kRowWarps, 0, stream>>>(P.stats, P.tiles_n, n, b.shift, b.redo);
-  HL_CUDA_TRY_LAUNCH();
-  P.shift = b.shift, P.redo = b.redo;
-  sm90::shifted_logits_kernel<<<grid, sm90::kThreads, sm90::kSmem, stream>>>(P);
-  HL_CUDA_TRY_LAUNCH();
+  if (form) {
+    sm90::ShiftedParams P{};
+    HL_TRY(map(fn, &P.x, x, H, n, c.hidden_stride, sm90::kBM));
+    HL_TRY(map(fn, &P.w, c.weight, H, V, c.weight_stride, sm90::kBN));
+    HL_TRY(map(fn, &P.e, b.e, V, n, b.lde, 64));
+    P.stats = static_cast<TileStats *>(b.stats), P.scale = p.opt.scale;
+    P.M = int(n), P.N = int(V), P.K = int(H);
+    P.tiles_m = int(tiles_of(n, sm90::kBM)), P.tiles_n = int(tiles_of(V, sm90::kBN));
+    // Row blocks a group: the group's rows of X (~16 MB) stay in L2 while it runs over W.
+    P.group_m = int(std::clamp<int64_t>((int64_t(16) << 20) / (int64_t(sm90::kBM) * H * 2), 1, P.tiles_m));
+    const int grid = int(std::min<int64_t>(hl::cuda::sm_count(), int64_t(P.tiles_m) * P.tiles_n));
+    hl::cuda::allow_smem(sm90::shifted_logits_kernel, sm90::kSmem);
+    // The first pass at the first shift; rows outside its window again at their own max.
+    HL_CUDA_TRY(cudaMemsetAsync(b.redo, 0, size_t(P.tiles_m), stream));
+    sm90::shifted_logits_kernel<<<grid, sm90::kThreads, sm90::kSmem, stream>>>(P);
+    HL_CUDA_TRY_LAUNCH();
+    window_kernel<<<row_ctas, 32 * kRowWarps, 0, stream>>>(P.stats, P.tiles_n, n, b.shift, b.redo);
+    HL_CUDA_TRY_LAUNCH();
+    P.shift = b.shift, P.redo = b.redo;
+    sm90::shifted_logits_kernel<<<grid, sm90::kThreads, sm90::kSmem, stream>>>(P);
+    HL_CUDA_TRY_LAUNCH();
+  }
   FinishArgs f{};
-  f.stats = P.stats, f.tiles = P.tiles_n, f.shift = b.shift, f.alpha = b.alpha;
+  f.stats = static_cast<const TileStats *>(b.stats), f.tiles = tiles_of(V, sm90::kBN);
+  f.shift = b.shift, f.alpha = b.alpha;
   f.x = static_cast<const bf16 *>(x), f.w = static_cast<const bf16 *>(c.weight);
   f.ldx = c.hidden_stride, f.ldw = c.weight_stride;
   f.e = static_cast<bf16 *>(b.e), f.lde = b.lde;
   f.xs = grad_weight ? static_cast<bf16 *>(b.xs) : nullptr;
   f.rows = n, f.H = H, f.V = V, f.H8 = H / 8 * 8;
-  f.k = row_params(p, c, workspace, i0, total);
+  f.phase = phase;
+  f.k = row_params(p, c, workspace, i0, total, phase, gathered, block);
   finish_kernel<<<row_ctas, 32 * kRowWarps, 0, stream>>>(f);
   HL_CUDA_TRY_LAUNCH();
+  if (phase == kStats) return HL_STATUS_SUCCESS;
   // dW first: dX's product goes where alpha X was.
   if (grad_weight)
     HL_TRY(run_gemm(fn, g, {false, true, H, V, n, b.xs, H, b.e, b.lde, grad_weight, c.grad_weight_stride,

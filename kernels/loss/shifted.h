@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "loss/gemm.h"
+#include "loss/launch.h"
 #include "loss/loss.h"
 
 namespace hl::loss::cuda {
@@ -40,11 +41,14 @@ struct ShiftedBuffers {
 void shifted_buffers(const hl_loss_plan_st &p, int64_t chunk, char *workspace, size_t at, ShiftedBuffers *b);
 
 // Rows [i0, i0 + c.rows) of a call of `total` rows (c: the chunk's arguments, per-row pointers
-// already offset; x: its hidden rows). grad_hidden / grad_weight: where the chunk's products go (null: none);
-// accumulate_weight: grad_weight += (a later chunk, or ACCUMULATE).
+// already offset; x: its hidden rows) in `phase`: kWhole; kStats, the rows' records into this rank's
+// block (no products); kFinish, from the ranks' gathered blocks. form: run the first product (not where
+// a finish reuses its statistics step's E, statistics and shifts, all rows kept in the workspace).
+// grad_hidden / grad_weight: where the chunk's products go (null: none); accumulate_weight:
+// grad_weight += (a later chunk, or ACCUMULATE).
 hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, const hl_loss_args_t &c,
-                          const void *x, int64_t i0, int64_t total, void *grad_hidden, void *grad_weight,
-                          bool accumulate_weight, const ShiftedBuffers &b, void *gemm_ws, void *workspace,
-                          cudaStream_t stream);
+                          const void *x, int64_t i0, int64_t total, Phase phase, bool form, Gathered gathered,
+                          void *block, void *grad_hidden, void *grad_weight, bool accumulate_weight,
+                          const ShiftedBuffers &b, void *gemm_ws, void *workspace, cudaStream_t stream);
 
 }  // namespace hl::loss::cuda

@@ -244,27 +244,20 @@ def shard_plans(be, R, V, H, dtype, terms, opts, labels_dtype, **kw):
                                    ranks=R, **kw, **opts) for r in range(R)]
 
 
-@pytest.mark.parametrize("R", [2, 3, 4])
-@pytest.mark.parametrize("keep", [True, False])
-@pytest.mark.parametrize("case", ["all", "sparse_rl", "jsd_ce"])
-def test_sharded_equals_unsharded(be, R, keep, case):
-    """The weight sharded by vocabulary rows over R ranks (run one after another here): stats,
-    the blocks concatenated (the all-gather), finish; the ranks' grad_hidden parts summed (the
-    all-reduce) and grad_weight shards stacked equal the unsharded result. keep: the workspace
-    holds every row's logits, so finish reuses them (CUDA); else finish forms them again. A
-    sparse teacher's ids are global; dense JSD (a fused teacher) takes the middle step and a
-    second exchange, which reuse the kept logits too."""
-    if be.name == "cpu" and not keep:
-        pytest.skip("the CPU backend keeps no logits: one case covers it")
-    dtype = "float32" if be.name == "cpu" else "bfloat16"
-    rng = np.random.default_rng(R)
-    Ht = 0 if case.startswith("sparse") else 32
-    terms, opts, inp = make(rng, 23, 48, 211, dtype, case, Ht=Ht)
+def run_sharded(be, inp, terms, opts, R, keep, dtype):
+    """The weight sharded by vocabulary rows over R ranks (run one after another here): stats, the
+    blocks concatenated (the all-gather), finish; returns (scalars, grad_hidden summed over the ranks
+    (the all-reduce), grad_weight shards stacked, every rank's scalars). keep: the workspace holds
+    every row's logits (CUDA), else finish forms them again."""
+    N, H = inp["hidden"].shape
+    V = inp["weight"].shape[0]
+    Ht = inp["teacher_hidden"].shape[1] if "teacher_hidden" in inp else 0
     ids = {"topk_ids_dtype": str(inp["teacher_topk_ids"].dtype)} if "teacher_topk_ids" in inp else {}
     X, W = inp["hidden"], inp["weight"]
-    bounds, plans = shard_plans(be, R, 211, 48, dtype, terms, opts, "int64", teacher_hidden=Ht, **ids)
+    labels = str(inp["labels"].dtype) if "labels" in inp else None
+    bounds, plans = shard_plans(be, R, V, H, dtype, terms, opts, labels, teacher_hidden=Ht, **ids)
     dev = {k: be.to_dev(v) for k, v in inp.items() if k not in ("hidden", "weight", "teacher_weight")}
-    x, y = be.to_dev(X), dev.pop("labels")
+    x, y = be.to_dev(X), dev.pop("labels", None)
     teacher = {k: dev.pop(k) for k in ("teacher_hidden", "teacher_topk_ids", "teacher_topk_logprobs") if k in dev}
     cat = (lambda bs: be.torch.cat([b.view(-1) for b in bs])) if be.name == "cuda" else np.concatenate
     ws, blocks = [], []
@@ -274,8 +267,8 @@ def test_sharded_equals_unsharded(be, R, keep, case):
         tw = {"teacher_weight": be.to_dev(np.ascontiguousarray(inp["teacher_weight"][lo:hi]))} if Ht else {}
         wsr = None
         if be.name == "cuda":
-            lo_b, hi_b = p.workspace_sizes(23)
-            wsr = p.workspace(x, 23, hi_b if keep else lo_b)
+            lo_b, hi_b = p.workspace_sizes(N)
+            wsr = p.workspace(x, N, hi_b if keep else lo_b)
         ws.append((w, tw, wsr))
         blocks.append(p.stats(x, w, y, workspace=wsr, **tw, **teacher))
     gathered = cat(blocks)
@@ -287,15 +280,30 @@ def test_sharded_equals_unsharded(be, R, keep, case):
     for r, p in enumerate(plans):
         w, tw, wsr = ws[r]
         out = p.finish(gathered, x, w, y, workspace=wsr, **tw, **teacher, **mid,
-                       grad_hidden=be.full((23, 48), dtype), grad_weight=be.full((int(bounds[r + 1] - bounds[r]), 48), dtype),
+                       grad_hidden=be.full((N, H), dtype), grad_weight=be.full((int(bounds[r + 1] - bounds[r]), H), dtype),
                        **dev)
         gh_sum = gh_sum + be.to_np(out.grad_hidden)
         gws.append(be.to_np(out.grad_weight))
         scal.append(be.to_np(out.scalars))
     for s in scal[1:]:
         assert np.array_equal(s, scal[0]), "the ranks' scalars differ"
-    sc = dict(zip(SCALARS, scal[0]))
-    got = (sc, {}, gh_sum, np.concatenate(gws))
+    return dict(zip(SCALARS, scal[0])), gh_sum, np.concatenate(gws)
+
+
+@pytest.mark.parametrize("R", [2, 3, 4])
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("case", ["all", "sparse_rl", "jsd_ce"])
+def test_sharded_equals_unsharded(be, R, keep, case):
+    """Sharded (run_sharded) equals the unsharded result. A sparse teacher's ids are global; dense
+    JSD (a fused teacher) takes the middle step and a second exchange, which reuse the kept logits too."""
+    if be.name == "cpu" and not keep:
+        pytest.skip("the CPU backend keeps no logits: one case covers it")
+    dtype = "float32" if be.name == "cpu" else "bfloat16"
+    rng = np.random.default_rng(R)
+    Ht = 0 if case.startswith("sparse") else 32
+    terms, opts, inp = make(rng, 23, 48, 211, dtype, case, Ht=Ht)
+    sc, gh_sum, gw = run_sharded(be, inp, terms, opts, R, keep, dtype)
+    got = (sc, {}, gh_sum, gw)
     ref = reference_linear(inp, terms, opts, be.name)
     check(be, got, (ref[0], {}, *ref[2:]), dtype)
     if be.name == "cuda":  # and against the unsharded run, which rounds the same logits
@@ -508,6 +516,26 @@ def test_cuda_shifted_ragged_hidden(cuda_be, H, mode):
     assert abs(got[0]["loss"] - want[0]["loss"]) <= 1e-4 * (1 + abs(want[0]["loss"]))  # not the row path's 0.3
     check(be, got, want, "bfloat16", gh_dtype=kw.get("gh_dtype"), gw_dtype=kw.get("gw_dtype"), init=init,
           gtol=1e-2)
+
+
+@pytest.mark.parametrize("R", [2, 3])
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("case", SHIFTED_CASES)
+def test_cuda_shifted_sharded(cuda_be, R, keep, case):
+    """Shards on the shifted path (each rank's own shifts; the records merged as the row path's):
+    against the fp64 reference of the unrounded logits, rows at both ends of the window included, and
+    against the unsharded run."""
+    be = cuda_be
+    terms, opts, inp = shifted_inputs(case, N=90, H=64, V=1500)
+    sc, gh_sum, gw = run_sharded(be, inp, terms, opts, R, keep, "bfloat16")
+    want = reference_linear(inp, terms, opts, "cpu")
+    for k in SCALARS:
+        w = want[0].get(k, 0.0)
+        tol = 1e-3 if k.startswith(("ratio", "k3", "clip")) else 1e-4
+        assert abs(sc[k] - w) <= tol * (1 + abs(w)), f"scalar {k}: {sc[k]} vs {w}"
+    check(be, (sc, {}, gh_sum, gw), (want[0], {}, *want[2:]), "bfloat16", gtol=1e-2)
+    whole = run_linear(be, inp, terms, opts)
+    assert rel(gh_sum, whole[2]) < 5e-3 and rel(gw, whole[3]) < 5e-3
 
 
 def test_cuda_shifted_large(cuda_be):
