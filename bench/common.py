@@ -10,6 +10,24 @@ import torch
 import torch._dynamo
 
 
+def median(v):
+    v = sorted(v)
+    return v[len(v) // 2]
+
+
+def timed_ms(fn) -> float:
+    """One call of fn timed with CUDA events (ms). The GPU is kept busy while the host queues the
+    call, so the time is the GPU's alone and not the host's (Python) overhead;
+    bench/rmsnorm_latency.c measures the launch path."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(2_000_000)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
 def median_ms(fn, *, warmup: int = 10, iters: int = 50, rotate=None) -> float:
     """Median GPU time of fn() in ms, timed with CUDA events one call at a time. `rotate`, when given,
     is called before each timed call (outside the timed region) to move to fresh inputs, so
@@ -23,17 +41,8 @@ def median_ms(fn, *, warmup: int = 10, iters: int = 50, rotate=None) -> float:
     for _ in range(iters):
         if rotate:
             rotate()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # Keep the GPU busy while the host queues the call, so the time is the GPU's alone and
-        # not the host's (Python) overhead; bench/rmsnorm_latency.c measures the launch path.
-        torch.cuda._sleep(2_000_000)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+        times.append(timed_ms(fn))
+    return median(times)
 
 
 def interleaved_runs(fns: dict, *, warmup: int = 2, iters: int = 10) -> dict:
@@ -47,19 +56,8 @@ def interleaved_runs(fns: dict, *, warmup: int = 2, iters: int = 10) -> dict:
     times = {k: [] for k in fns}
     for _ in range(iters):
         for k, fn in fns.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(2_000_000)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times[k].append(a.elapsed_time(b))
+            times[k].append(timed_ms(fn))
     return times
-
-
-def median(v):
-    v = sorted(v)
-    return v[len(v) // 2]
 
 
 def interleaved_ms(fns: dict, *, warmup: int = 2, iters: int = 10) -> dict:

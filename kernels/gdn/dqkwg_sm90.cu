@@ -899,17 +899,11 @@ __global__ void __launch_bounds__(kThreads90, 1) dqkwg_sm90_kernel(const __grid_
 namespace hl::gdn {
 using namespace hl::cuda::gdn;
 using hl::cuda::aligned16;
+using hl::cuda::encode_map;
 
 namespace {
 
-// A 3-D tensor (d0 contiguous; s1, s2 strides in bytes) read in b0 x b1 x b2 boxes, 128-byte swizzle.
-hl_status_t make_map(CUtensorMap *m, hl_dtype_t dt, const void *base, uint64_t d0, uint64_t d1, uint64_t d2,
-                     uint64_t s1, uint64_t s2, uint32_t b0, uint32_t b1, uint32_t b2) {
-  const CUresult r = hl::cuda::encode_map(m, dt, base, d0, d1, d2, s1, s2, b0, b1, b2);
-  if (r != CUDA_SUCCESS)
-    return fail(HL_STATUS_CUDA_ERROR, "gdn_bwd_dqkwg: cuTensorMapEncodeTiled failed (%d)", int(r));
-  return HL_STATUS_SUCCESS;
-}
+constexpr const char *kFn = "gdn_bwd_dqkwg";
 
 template <class T, int KH, int VF, int S32, int ODD>
 hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
@@ -1017,8 +1011,9 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   // [tokens][heads][width] in 64 x 64 boxes: (width, heads, tokens), or folded (K or V not a multiple
   // of 8) as (heads width, 1, tokens), a head's box at column h width.
   const auto head_map = [&](CUtensorMap *m, const void *x, uint64_t width, uint64_t heads, bool fold) {
-    return fold ? make_map(m, a.dtype, x, heads * width, 1, tokens, heads * width * 2, heads * width * 2, 64, 1, 64)
-                : make_map(m, a.dtype, x, width, heads, tokens, width * 2, heads * width * 2, 64, 1, 64);
+    const uint64_t row = heads * width * 2;
+    return fold ? encode_map(kFn, m, a.dtype, x, heads * width, 1, tokens, row, row, 64, 1, 64)
+                : encode_map(kFn, m, a.dtype, x, width, heads, tokens, width * 2, row, 64, 1, 64);
   };
   if (hand_v) {
     p.hand_v = true, p.do16 = a.do_, p.v16 = a.v, p.dv16 = a.dv, p.vw = elements_a_copy(a.V);
@@ -1042,11 +1037,11 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   } else if (!states_mappable(a)) {  // (odd) copied by the producer warpgroup, as wide as the rows allow
     p.hand = true, p.h16 = a.h, p.dh16 = a.dh, p.hw = elements_a_copy(vf ? a.K : a.V);
   } else if (vf) {  // [V, K] per state: 64 x 64 boxes
-    HL_TRY(make_map(&p.m_h, a.dtype, a.h, K, V, states, K * 2, K * V * 2, 64, 64, 1));
-    HL_TRY(make_map(&p.m_dh, a.dtype, a.dh, K, V, states, K * 2, K * V * 2, 64, 64, 1));
+    HL_TRY(encode_map(kFn, &p.m_h, a.dtype, a.h, K, V, states, K * 2, K * V * 2, 64, 64, 1));
+    HL_TRY(encode_map(kFn, &p.m_dh, a.dtype, a.dh, K, V, states, K * 2, K * V * 2, 64, 64, 1));
   } else {
-    HL_TRY(make_map(&p.m_h, a.dtype, a.h, V, K, states, V * 2, K * V * 2, 64, KH, 1));
-    HL_TRY(make_map(&p.m_dh, a.dtype, a.dh, V, K, states, V * 2, K * V * 2, 64, KH, 1));
+    HL_TRY(encode_map(kFn, &p.m_h, a.dtype, a.h, V, K, states, V * 2, K * V * 2, 64, KH, 1));
+    HL_TRY(encode_map(kFn, &p.m_dh, a.dtype, a.dh, V, K, states, V * 2, K * V * 2, 64, KH, 1));
   }
   // arrivals on a stage's full barrier a producer thread: after its cp.async copies, after its stores
   p.sw = elements_a_copy(vf ? a.K : a.V);

@@ -134,8 +134,9 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
     shifted_buffers(p, L.chunk, w, L.teacher, &sb);
   }
   if (phase != kStats) HL_TRY(rows_begin(fn, p, a, gathered, workspace, stream));
-  // A split's middle step and finish reuse the statistics step's logits when every row's stayed
-  // (the middle step writes no gradient over them); a finish without a gradient reads none.
+  // A split's middle step and finish reuse the statistics step's logits (the shifted path's E,
+  // statistics and shifts) when every row's stayed (the middle step writes no gradient over them);
+  // a finish without a gradient reads none.
   const bool form = phase == kMiddle ? !L.keep : phase != kFinish || (p.dlogits && !L.keep);
   for (int64_t i0 = 0; i0 < N; i0 += L.chunk) {
     const int64_t n = std::min(L.chunk, N - i0);
@@ -143,10 +144,8 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
     void *gh = grad_hidden ? row(a.grad_hidden, i0, a.grad_hidden_stride, d.grad_hidden_dtype) : nullptr;
     const bool acc_weight = i0 > 0 || d.grad_weight_mode == HL_LOSS_GRAD_ACCUMULATE;
     if (shifted) {
-      HL_TRY(shifted_chunk(fn, p, g, chunk_args(p, a, i0, n, z, t, L), x, i0, N, phase,
-                           phase != kFinish || (!L.keep && (gh || grad_weight)),
-                           gathered, block, gh, grad_weight ? a.grad_weight : nullptr, acc_weight, sb, gemm_ws,
-                           workspace, stream));
+      HL_TRY(shifted_chunk(fn, p, g, chunk_args(p, a, i0, n, z, t, L), x, i0, N, phase, form, gathered, block, gh,
+                           grad_weight ? a.grad_weight : nullptr, acc_weight, sb, gemm_ws, workspace, stream));
       continue;
     }
     if (form) {

@@ -11,7 +11,6 @@
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
 #include "common/tensor_map.h"
-#include "loss/launch.h"
 #include "loss/params.cuh"
 #include "loss/row_kernel.cuh"
 #include "loss/shifted_logits_sm90.cuh"
@@ -203,13 +202,12 @@ __global__ void scale_rows_kernel(const float *d32, const float *alpha, T *out, 
   }
 }
 
+// A [rows][inner] BF16 matrix of row stride ld (elements) in 64 x box_rows boxes.
 hl_status_t map(const char *fn, CUtensorMap *m, const void *base, int64_t inner, int64_t rows, int64_t ld,
                 uint32_t box_rows) {
   const uint64_t s = uint64_t(ld) * 2;
-  const CUresult r = hl::cuda::encode_map(m, HL_DTYPE_BF16, base, uint64_t(inner), uint64_t(rows), 1, s,
-                                          s * uint64_t(rows), 64, box_rows, 1);
-  if (r != CUDA_SUCCESS) return fail(HL_STATUS_CUDA_ERROR, "%s: cuTensorMapEncodeTiled failed (%d)", fn, int(r));
-  return HL_STATUS_SUCCESS;
+  return hl::cuda::encode_map(fn, m, HL_DTYPE_BF16, base, uint64_t(inner), uint64_t(rows), 1, s, s * uint64_t(rows),
+                              64, box_rows, 1);
 }
 
 }  // namespace

@@ -43,7 +43,8 @@ void shifted_buffers(const hl_loss_plan_st &p, int64_t chunk, char *workspace, s
 // Rows [i0, i0 + c.rows) of a call of `total` rows (c: the chunk's arguments, per-row pointers
 // already offset; x: its hidden rows) in `phase`: kWhole; kStats, the rows' records into this rank's
 // block (no products); kFinish, from the ranks' gathered blocks. form: run the first product (not where
-// a finish reuses its statistics step's E, statistics and shifts, all rows kept in the workspace).
+// a finish reuses its statistics step's E, statistics and shifts, all rows kept in the workspace, or
+// forms no gradient).
 // grad_hidden / grad_weight: where the chunk's products go (null: none); accumulate_weight:
 // grad_weight += (a later chunk, or ACCUMULATE).
 hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, const hl_loss_args_t &c,
