@@ -43,6 +43,7 @@ STATES = [  # B, T, H, K (= V unless given) with fp32 states / fla's state_v_fir
     ("odd V, K = 128 (Hopper kernel: folded do, v, dv, states by hand)", (8, 4096, 16, 128), dict(V=100)),
     ("odd K = V = 99 (Hopper kernel: states element by element)", (8, 4096, 16, 99), {}),
     ("odd K = V, 15 heads (Hopper kernel: q, k, do, v, dv copied by hand)", (8, 4096, 15, 100), {}),
+    ("odd V, 15 heads (Hopper kernel: do, v, dv copied by hand)", (8, 4096, 15, 128), dict(V=100)),
     ("odd K = V = 99, 15 heads (Hopper kernel: 2-byte copies by hand)", (8, 4096, 15, 99), {}),
     ("fp32 states, V = 98 (two floats a load)", (8, 4096, 16, 128), dict(h_dtype=torch.float32, V=98)),
     ("fp32 states, V = 99, 15 heads (one float a load; do, v, dv by hand)", (8, 4096, 15, 128),
