@@ -1,5 +1,5 @@
 """The fused linear form's sharded CE on one GPU, the shifted path against the row path
-(HEADLOSS_LINEAR_PATH=rows, read at every execution): R ranks one after another, stats of every rank,
+(HEADLOSS_LINEAR_PATH=rows, read when a plan is created): R ranks one after another, stats of every rank,
 the blocks concatenated (the all-gather), finish of every rank; both paths in turns, 8 rounds; the
 paired ratio and how far apart the summed grad_hidden are. Plans are checked (a synchronisation in each
 finish), so times are for comparing the two paths, not the unsharded bench.
@@ -29,7 +29,6 @@ def build(path, x, w, y, R):
     gw = [torch.empty_like(t) for t in wr]
 
     def run():
-        os.environ["HEADLOSS_LINEAR_PATH"] = path
         g = torch.cat([p.stats(x, wr[r], y, workspace=ws[r]).view(-1) for r, p in enumerate(plans)])
         for r, p in enumerate(plans):
             p.finish(g, x, wr[r], y, workspace=ws[r], grad_hidden=gh[r], grad_weight=gw[r])

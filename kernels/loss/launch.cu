@@ -18,6 +18,7 @@
 #include "loss/launch.h"
 #include "loss/loss.h"
 #include "loss/params.cuh"
+#include "loss/shifted.h"
 #include "loss/sums.cuh"
 
 #include <cooperative_groups.h>
@@ -500,6 +501,8 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
     return fail(HL_STATUS_NOT_SUPPORTED, "%s: a sparse teacher needs vocab <= %d on CUDA (vocab is %lld)",
                 fn, INT_MAX, (long long)d.vocab);
   if (p.linear) HL_TRY(make_gemms(fn, d.weight_dtype, &p.gemms));
+  // Fixed with the plan: the workspace a caller sized for it keeps fitting its calls.
+  p.cuda.shifted = shifted_plan(p);
   int dev = 0, optin = 0;
   HL_CUDA_TRY(cudaGetDevice(&dev));
   HL_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));

@@ -47,7 +47,7 @@ Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes) {
   Layout L;
   L.ldz = int64_t(round_up(size_t(d.vocab), 16 / elt));
   L.ldt = d.teacher_hidden > 0 ? L.ldz : 0;
-  L.shifted = shifted_plan(p);
+  L.shifted = p.cuda.shifted;
   L.row_bytes = size_t(L.ldz + L.ldt) * elt + (L.shifted ? shifted_row_bytes(p) : 0);
   L.gemm = round_up(cuda_base_workspace(p, rows), 256);
   L.logits = L.gemm + kGemmWorkspace;

@@ -30,6 +30,7 @@ struct CudaChoice {
   CudaLaunch bulk[kPhases];   // the same through bulk copies (sm_90, aligned rows); kernel null if none
   int small_cluster = 1;  // the most CTAs of the prep kernel (one cluster)
   bool early_start = false;  // the row kernel may overlap the prep kernel (sm_90)
+  bool shifted = false;      // the fused linear form's shifted path (kernels/loss/shifted.h), chosen once
 };
 
 struct Gemms;  // the fused linear form's cuBLASLt state (kernels/loss/linear.cu)

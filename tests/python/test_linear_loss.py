@@ -541,6 +541,35 @@ def test_cuda_shifted_sharded(cuda_be, R, keep, case):
     assert rel(gh_sum, whole[2]) < 5e-3 and rel(gw, whole[3]) < 5e-3
 
 
+def test_cuda_path_fixed_at_plan_creation(cuda_be, monkeypatch):
+    """HEADLOSS_LINEAR_PATH is read when a plan is created: a plan made under =rows keeps the row path (its
+    workspace sizes and its bits) once the variable is gone, and one made without it the shifted path."""
+    be = cuda_be
+    terms, opts, inp = shifted_inputs("ce", N=300, H=256, V=4099)
+    N, H = inp["hidden"].shape
+    dev = {k: be.to_dev(v) for k, v in inp.items()}
+    hidden, weight, labels = dev.pop("hidden"), dev.pop("weight"), dev.pop("labels")
+
+    def grads(plan):
+        gh, gw = be.full((N, H), "bfloat16"), be.full((4099, H), "bfloat16")
+        plan(hidden, weight, labels, grad_hidden=gh, grad_weight=gw, **dev)
+        return be.to_np(gh), be.to_np(gw)
+
+    monkeypatch.setenv("HEADLOSS_LINEAR_PATH", "rows")
+    rows = LinearLossPlan(4099, H, "bfloat16", terms=terms, device="cuda", **opts)
+    monkeypatch.delenv("HEADLOSS_LINEAR_PATH")
+    shifted = LinearLossPlan(4099, H, "bfloat16", terms=terms, device="cuda", **opts)
+    sizes = {p: p.workspace_sizes(N) for p in (rows, shifted)}
+    assert sizes[rows] != sizes[shifted], "the shifted path's buffers"
+    first = {p: grads(p) for p in (rows, shifted)}
+    assert not np.array_equal(first[rows][0], first[shifted][0]), "the two paths round differently"
+    monkeypatch.setenv("HEADLOSS_LINEAR_PATH", "rows")
+    for p in (rows, shifted):
+        assert p.workspace_sizes(N) == sizes[p]
+        again = grads(p)
+        assert np.array_equal(again[0], first[p][0]) and np.array_equal(again[1], first[p][1])
+
+
 def test_cuda_shifted_large(cuda_be):
     """Rows in several 128-row blocks and vocabulary tiles (a ragged last one), one block's rows
     outside the window, chunks of 300 rows: the reference, and the same bits on a second run."""
