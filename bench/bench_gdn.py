@@ -145,10 +145,18 @@ def cases():
         yield f"{name}: {B}, {T}, {H}, {K}", lambda B=B, T=T, H=H, K=K, kw=kw: inputs(B, T, H, K, **kw), None
 
 
+def shape_cases(specs):
+    """(label, inputs thunk, None) of shapes written BxTxHxKxV (--shapes, and the GDN experiments)."""
+    for spec in specs:
+        B, T, H, K, V = (int(v) for v in spec.split("x"))
+        yield f"{B}, {T}, {H}, K = {K}, V = {V}", lambda B=B, T=T, H=H, K=K, V=V: inputs(B, T, H, K, V=V), None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--only", nargs="*", help="rows whose label contains one of these")
+    ap.add_argument("--shapes", nargs="*", default=[], help="BxTxHxKxV shapes to run (alone, unless with --only)")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth_gbs()
@@ -158,9 +166,8 @@ def main():
              "| B, T, H, K=V | bytes | HBM floor ms | fla ms | headloss ms | speed-up | % of floor | ours vs fla |",
              "|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
-    for label, make, cu in cases():
-        if args.only and not any(o in label for o in args.only):
-            continue
+    rows = [c for c in cases() if (args.only is None and not args.shapes) or any(o in c[0] for o in args.only or [])]
+    for label, make, cu in rows + list(shape_cases(args.shapes)):
         lines.append(bench_one(label, make(), bw, cu))
         torch.cuda.empty_cache()
     if args.out:

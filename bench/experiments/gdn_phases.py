@@ -18,9 +18,8 @@ from headloss import _lib  # noqa: E402
 
 names = ["stages", "wait q/k", "ds + barrier", "scale, dglk, mma", "dg row sums", "store", "epilogue barrier"]
 get = _lib.lib.hl_exp_prof
-for shape in sys.argv[1:]:
-    B, T, H, K, V = (int(v) for v in shape.split("x"))
-    x = bg.inputs(B, T, H, K, V=V)
+for shape, make, _ in bg.shape_cases(sys.argv[1:]):
+    x = make()
     fn = bg.ours_fn(x)
     for _ in range(5):
         fn()

@@ -38,7 +38,6 @@ struct Layout {
   size_t fixed;          // bytes before the first row's (base, cuBLASLt's, the alignments)
   int64_t chunk;         // rows a chunk (at most the call's)
   bool keep;             // every row fits: a split's finish reuses its statistics step's logits
-  bool shifted;          // room for the shifted path's buffers (shifted.h), after the logits
 };
 
 Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes) {
@@ -47,11 +46,11 @@ Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes) {
   Layout L;
   L.ldz = int64_t(round_up(size_t(d.vocab), 16 / elt));
   L.ldt = d.teacher_hidden > 0 ? L.ldz : 0;
-  L.shifted = p.cuda.shifted;
-  L.row_bytes = size_t(L.ldz + L.ldt) * elt + (L.shifted ? shifted_row_bytes(p) : 0);
+  const bool shifted = p.cuda.shifted;  // room for its buffers (shifted.h), after the logits
+  L.row_bytes = size_t(L.ldz + L.ldt) * elt + (shifted ? shifted_row_bytes(p) : 0);
   L.gemm = round_up(cuda_base_workspace(p, rows), 256);
   L.logits = L.gemm + kGemmWorkspace;
-  L.fixed = L.logits + kSlack + (L.shifted ? kShiftedSlack : 0);
+  L.fixed = L.logits + kSlack + (shifted ? kShiftedSlack : 0);
   const int64_t fit = bytes > L.fixed ? int64_t((bytes - L.fixed) / L.row_bytes) : 0;
   L.keep = fit >= rows;
   L.chunk = std::min(rows, fit);
@@ -128,7 +127,7 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   char *w = static_cast<char *>(workspace);
   void *gemm_ws = w + L.gemm, *z = w + L.logits, *t = w + L.teacher;
   ShiftedBuffers sb{};
-  const bool shifted = L.shifted && phase != kMiddle && shifted_call(a);
+  const bool shifted = p.cuda.shifted && phase != kMiddle && shifted_call(a);
   if (shifted) {  // E where the logits chunk would be, its buffers after it
     sb.e = z, sb.lde = L.ldz;
     shifted_buffers(p, L.chunk, w, L.teacher, &sb);
