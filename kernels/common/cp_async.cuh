@@ -13,11 +13,17 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_b
                "r"(src_bytes) : "memory");
 }
 // BYTES (4, 8 or 16) global -> shared, zeros instead when !valid (src must still be an address).
-template <int BYTES>
+// PF256 (4 or 8 bytes): L2 fetches the 256 bytes around src from memory at once, a hint for rows read in
+// many small copies, which otherwise wait on memory a sector at a time (bench/NOTES.md "GDN v21").
+template <int BYTES, bool PF256 = false>
 __device__ __forceinline__ void cp_async_bytes(void *dst, const void *src, bool valid) {
   static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+  static_assert(!(PF256 && BYTES == 16), "the hint is for the narrow copies");
   if constexpr (BYTES == 16) {
     cp_async16(dst, src, valid ? 16 : 0);  // .cg: streamed data skips L1
+  } else if constexpr (PF256) {
+    asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "n"(BYTES), "r"(valid ? BYTES : 0) : "memory");
   } else {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES),
                  "r"(valid ? BYTES : 0) : "memory");
