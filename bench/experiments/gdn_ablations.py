@@ -32,9 +32,17 @@ ABLATIONS = {
     "cdense_nocopy": DENSE_CONSUMERS + NO_STATES + NO_V,
     # the hand copies without their row bounds and safe-address selects (~2 instructions a copy fewer)
     "lean": [("      const bool in = col_in && r >= rlo && r < rhi;\n"
-              "      cp_async_bytes<2 * W>(d + u * 128 + ((sw ^ u) << 4), in ? s + u * ld : safe, in);",
+              "      cp_async_bytes<2 * W, true>(d + u * 128 + ((sw ^ u) << 4), in ? s + u * ld : safe, in);",
               "      (void)r, (void)safe;\n"
-              "      cp_async_bytes<2 * W>(d + u * 128 + ((sw ^ u) << 4), s + u * ld, col_in);")],
+              "      cp_async_bytes<2 * W, true>(d + u * 128 + ((sw ^ u) << 4), s + u * ld, col_in);")],
+    # every hand copy as one 16-byte copy that skips L1 by the first lane of its 16-byte chunk (from the address
+    # rounded down: wrong data), the other lanes idle: what 16-byte copies of every row would cost
+    "cg16": [("      cp_async_bytes<2 * W, true>(d + u * 128 + ((sw ^ u) << 4), in ? s + u * ld : safe, in);",
+              "      if ((col & 7) == 0)\n"
+              "        asm volatile(\"cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\" ::\n"
+              "                     \"r\"(smem_addr(d + u * 128 + ((sw ^ u) << 4))),\n"
+              "                     \"l\"(reinterpret_cast<uintptr_t>(in ? s + u * ld : safe) & ~uintptr_t(15)),"
+              " \"r\"(in ? 16 : 0) : \"memory\");")],
 }
 
 
