@@ -298,6 +298,11 @@ ODD_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
     # K + the folded boxes' shift past 256 (two CTAs): q, k by hand though H K is a multiple of 8
     (1, 140, 4, 4, 254, 64, "log2", True, None),                  # 4-byte copies
     (1, 130, 8, 8, 255, 40, "log", True, None),                   # 2-byte copies
+    # HV V and the states' rows even but not multiples of 4 or 8, odd token counts, chunks at odd offsets
+    (1, 200, 1, 1, 128, 50, "log", True, None),                   # do, v, dv and the states in 4-byte copies
+    (1, 260, 3, 3, 64, 50, "log2", True, [0, 33, 97, 98, 260]),   # the same, varlen chunks at every offset
+    (1, 151, 1, 1, 100, 100, "log2", True, None),                 # an odd number of tokens, 8-byte copies
+    (1, 300, 1, 3, 128, 100, "log", True, [0, 1, 129, 300]),      # the 15-head rows' copies at GVA 3, varlen
 ]
 
 GPU_CASES = [  # B, T, H, HV, K, V, gate, dw, cu_seqlens
