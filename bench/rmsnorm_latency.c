@@ -45,20 +45,20 @@ int main(int argc, char **argv) {
   a.weight = w;
   a.y = y;
   for (int i = 0; i < 100; ++i)
-    if (rmsnorm_fwd(&a, s)) {
+    if (hl_rmsnorm_fwd(&a, s)) {
       fprintf(stderr, "rmsnorm_fwd: %s\n", hl_get_last_error());
       return 1;
     }
   cudaStreamSynchronize(s);
   enum { CALLS = 5000, SYNCED = 2000 };
   double t0 = now_us();
-  for (int i = 0; i < CALLS; ++i) rmsnorm_fwd(&a, s);
+  for (int i = 0; i < CALLS; ++i) hl_rmsnorm_fwd(&a, s);
   cudaStreamSynchronize(s);
   const double per_call = (now_us() - t0) / CALLS;
   static double lat[SYNCED];
   for (int i = 0; i < SYNCED; ++i) {
     t0 = now_us();
-    rmsnorm_fwd(&a, s);
+    hl_rmsnorm_fwd(&a, s);
     cudaStreamSynchronize(s);
     lat[i] = now_us() - t0;
   }

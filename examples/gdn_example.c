@@ -90,10 +90,10 @@ int main(void) {
     a.g = dev_copy(g, sizeof g);
     a.dq = dev_copy(NULL, sizeof dq); a.dk = dev_copy(NULL, sizeof dk); a.dg = dev_copy(NULL, sizeof dg);
     size_t ws = 0;
-    CHECK_HL(gdn_bwd_dqkwg_workspace_size(&a, &ws)); /* 0 without varlen */
+    CHECK_HL(hl_gdn_bwd_dqkwg_workspace_size(&a, &ws)); /* 0 without varlen */
     a.workspace = ws ? dev_copy(NULL, ws) : NULL;
     a.workspace_bytes = ws;
-    CHECK_HL(gdn_bwd_dqkwg(&a, stream));
+    CHECK_HL(hl_gdn_bwd_dqkwg(&a, stream));
     if (cudaMemcpyAsync(dq, a.dq, sizeof dq, cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
         cudaMemcpyAsync(dk, a.dk, sizeof dk, cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
         cudaMemcpyAsync(dg, a.dg, sizeof dg, cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
@@ -110,7 +110,7 @@ int main(void) {
     a.backend = HL_BACKEND_CPU;
     a.q = q; a.k = k; a.v = v; a.do_ = do_; a.h = h; a.dh = dh; a.g = g;
     a.dq = dq; a.dk = dk; a.dg = dg;
-    CHECK_HL(gdn_bwd_dqkwg(&a, NULL));
+    CHECK_HL(hl_gdn_bwd_dqkwg(&a, NULL));
   }
 
   double sq = 0, sk = 0, sg = 0;

@@ -122,13 +122,8 @@ static double time_steps(int gpu, hl_loss_plan_t plan, const hl_loss_args_t *a, 
 }
 
 static void print_scalars(const float *s, int all) {
-  static const char *names[HL_LOSS_NUM_SCALARS] = {
-      "loss", "ce", "z", "entropy", "distill", "grpo", "kl_ref", "divisor", "weight_sum", "valid_rows",
-      "lse_mean", "entropy_mean", "logp_mean", "accuracy", "ratio_mean", "ratio_min", "ratio_max",
-      "clip_low", "clip_high", "clip_any", "k3_old", "kl_ref_mean", "adv_mean", "adv_min", "adv_max",
-      "distill_kl_mean", "cispo", "dual_clip"};
   for (int k = 0; k < HL_LOSS_NUM_SCALARS; ++k)
-    if (all || k <= HL_LOSS_OUT_KL_REF) printf("  %-16s %12.6f\n", names[k], s[k]);
+    if (all || k <= HL_LOSS_OUT_KL_REF) printf("  %-19s %12.6f\n", hl_loss_scalar_name(k), s[k]);
 }
 
 /* The logits form: [N, V] bf16 logits in, their gradient out. */

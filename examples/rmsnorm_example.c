@@ -45,7 +45,7 @@ int main(void) {
     a.weight = dw;
     a.y = dy;
     a.rstd = dr;
-    CHECK_HL(rmsnorm_fwd(&a, stream));
+    CHECK_HL(hl_rmsnorm_fwd(&a, stream));
     if (cudaMemcpyAsync(y, dy, sizeof y, cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
         cudaMemcpyAsync(rstd, dr, sizeof rstd, cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
         cudaStreamSynchronize(stream) != cudaSuccess) {
@@ -62,7 +62,7 @@ int main(void) {
     a.weight = w;
     a.y = y;
     a.rstd = rstd;
-    CHECK_HL(rmsnorm_fwd(&a, NULL));
+    CHECK_HL(hl_rmsnorm_fwd(&a, NULL));
   }
   printf("headloss %d, rmsnorm_fwd on the %s backend\n", hl_get_version(), gpu ? "CUDA" : "CPU");
   for (int i = 0; i < ROWS; ++i) {

@@ -8,13 +8,24 @@
  *    valid until the next call on the same thread). hl_get_error_string() names a status.
  *  - Arguments travel in descriptors whose first member is struct_size: set it to sizeof(the struct)
  *    so that later versions can add fields without breaking callers compiled against this one.
- *    Zero-initialise the descriptor, then fill in what you use.
+ *    Start from the descriptor's HL_*_INIT macro (or zero it and set struct_size: the same thing),
+ *    then fill in what you use. A zero field means its documented default; the INIT macros spell
+ *    the defaults out. struct_size is checked: it must be this header's size, an earlier
+ *    version's (each descriptor's comment lists them; fields an older descriptor lacks take
+ *    their defaults), or a later header's up to HL_MAX_STRUCT_SIZE bytes whose fields this library does
+ *    not know are all zero; anything else is INVALID_VALUE naming struct_size.
  *  - Each descriptor names its backend explicitly: HL_BACKEND_CUDA takes device pointers (or managed
  *    memory) and runs asynchronously on the stream passed; HL_BACKEND_CPU takes host pointers, runs
  *    synchronously on the calling thread, accumulates in fp64 and ignores the stream. The CPU backend
  *    is the reference the CUDA kernels are tested against.
  *  - Sizes and strides are int64_t and counted in elements. A row stride of 0 means "packed" (equal
  *    to the number of columns). Zero-size work (no rows or no columns) is a valid no-op.
+ *  - Limits: every size, count and stride is at most HL_MAX_EXTENT (2^48 - 1), and every buffer a
+ *    call reads or writes spans at most HL_MAX_SPAN_BYTES (2^62) bytes from its pointer without
+ *    wrapping the address space ((rows - 1) * stride + cols elements for a matrix). Larger values
+ *    are INVALID_VALUE naming the field; all size arithmetic is overflow-checked.
+ *  - Enumerations and flag words are checked as integers: an unknown value or bit is
+ *    INVALID_VALUE naming the field.
  *  - Results are deterministic: the same inputs give the same bits on every run.
  */
 #ifndef HEADLOSS_H_
@@ -38,10 +49,15 @@ extern "C" {
 /* ------------------------------------------------------------------------------------------------ */
 
 #define HL_VERSION_MAJOR 0
-#define HL_VERSION_MINOR 4
+#define HL_VERSION_MINOR 5
 #define HL_VERSION_PATCH 0
 /* HL_VERSION_MAJOR * 10000 + HL_VERSION_MINOR * 100 + HL_VERSION_PATCH */
-#define HL_VERSION 400
+#define HL_VERSION 500
+
+/* The limits of the conventions above. */
+#define HL_MAX_EXTENT ((int64_t)0xFFFFFFFFFFFF)          /* 2^48 - 1: any size, count or stride */
+#define HL_MAX_SPAN_BYTES ((int64_t)1 << 62)           /* bytes one buffer may span           */
+#define HL_MAX_STRUCT_SIZE 4096                        /* the largest struct_size accepted    */
 
 typedef enum {
   HL_STATUS_SUCCESS = 0,
@@ -118,7 +134,7 @@ typedef enum {
 } hl_rmsnorm_cast_t;
 
 typedef struct {
-  size_t struct_size; /* sizeof(hl_rmsnorm_fwd_args_t) */
+  size_t struct_size; /* sizeof(hl_rmsnorm_fwd_args_t); no earlier size */
   hl_backend_t backend;
   int64_t rows;
   int64_t cols;
@@ -145,7 +161,10 @@ typedef struct {
   float *rstd; /* optional, [rows] fp32 */
 } hl_rmsnorm_fwd_args_t;
 
-HL_API hl_status_t rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t stream);
+/* No field has a nonzero default: cast LLAMA, eps 0, offset 0, strides packed, rstd not stored. */
+#define HL_RMSNORM_FWD_ARGS_INIT { .struct_size = sizeof(hl_rmsnorm_fwd_args_t) }
+
+HL_API hl_status_t hl_rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t stream);
 
 /*
  * Backward of rmsnorm_fwd. With xhat = s * rstd and g = dy * (offset + w) (g = dy without a weight):
@@ -159,7 +178,7 @@ HL_API hl_status_t rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t st
  * The CUDA backend needs a workspace: ask rmsnorm_bwd_workspace_size.
  */
 typedef struct {
-  size_t struct_size; /* sizeof(hl_rmsnorm_bwd_args_t) */
+  size_t struct_size; /* sizeof(hl_rmsnorm_bwd_args_t); no earlier size */
   hl_backend_t backend;
   int64_t rows;
   int64_t cols;
@@ -194,8 +213,11 @@ typedef struct {
   size_t workspace_bytes;
 } hl_rmsnorm_bwd_args_t;
 
-HL_API hl_status_t rmsnorm_bwd_workspace_size(const hl_rmsnorm_bwd_args_t *args, size_t *bytes);
-HL_API hl_status_t rmsnorm_bwd(const hl_rmsnorm_bwd_args_t *args, hl_stream_t stream);
+/* No field has a nonzero default (dw_dtype NONE is refused with a weight: name F32 or its dtype). */
+#define HL_RMSNORM_BWD_ARGS_INIT { .struct_size = sizeof(hl_rmsnorm_bwd_args_t) }
+
+HL_API hl_status_t hl_rmsnorm_bwd_workspace_size(const hl_rmsnorm_bwd_args_t *args, size_t *bytes);
+HL_API hl_status_t hl_rmsnorm_bwd(const hl_rmsnorm_bwd_args_t *args, hl_stream_t stream);
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Gated DeltaNet backward: dq, dk, dw, dg of one chunked step                                      */
@@ -259,7 +281,7 @@ typedef enum {
 #define HL_GDN_STATE_V_FIRST (1u << 1)
 
 typedef struct {
-  size_t struct_size; /* sizeof(hl_gdn_bwd_dqkwg_args_t) */
+  size_t struct_size; /* sizeof(hl_gdn_bwd_dqkwg_args_t); earlier: 240 (0.1, before flags) */
   hl_backend_t backend;
   int64_t B, T, H, HV, K, V;
   int64_t num_chunks; /* NT of h and dh; required with cu_seqlens, else 0 or ceil(T / 64) */
@@ -276,7 +298,7 @@ typedef struct {
   const float *g_gamma; /* [HV] with CONST_DECAY* */
   float *dg;            /* [B,T,HV], required with LOG / LOG2, NULL otherwise */
   int reverse_cumsum;   /* 1: dg reverse-cumulated within each chunk */
-  float scale;
+  float scale;          /* 0 means 1 / sqrt(K), as fla */
 
   hl_dtype_t cu_seqlens_dtype; /* I32 or I64 */
   const void *cu_seqlens;      /* optional, [num_seqs + 1], B must be 1 */
@@ -287,8 +309,11 @@ typedef struct {
   unsigned flags; /* HL_GDN_UNCHECKED, HL_GDN_STATE_V_FIRST */
 } hl_gdn_bwd_dqkwg_args_t;
 
-HL_API hl_status_t gdn_bwd_dqkwg_workspace_size(const hl_gdn_bwd_dqkwg_args_t *args, size_t *bytes);
-HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_t stream);
+/* No field has a nonzero default: gate NONE, scale 1 / sqrt(K), no flags. */
+#define HL_GDN_BWD_DQKWG_ARGS_INIT { .struct_size = sizeof(hl_gdn_bwd_dqkwg_args_t) }
+
+HL_API hl_status_t hl_gdn_bwd_dqkwg_workspace_size(const hl_gdn_bwd_dqkwg_args_t *args, size_t *bytes);
+HL_API hl_status_t hl_gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_t stream);
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Fused LM-head loss plan                                                                          */
@@ -304,9 +329,10 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  *   DISTILL_FWD  KL(q || p_s), DISTILL_REV  KL(p_s || q); q = softmax(teacher / teacher_temperature),
  *            p_s = softmax(z_hat / student_temperature); gradients as SPEC section 1 (no tau^2 factor)
  *   DISTILL_JSD  generalised JSD (TRL's generalized_jsd_loss, Liger's JSD): with m = (1 - b) p_s + b q,
- *            b = jsd_beta in (0, 1), b KL(q || m) + (1 - b) KL(p_s || m); as TRL, b = 0 is forward
- *            and b = 1 reverse KL (the plan runs DISTILL_FWD / _REV there; the formula's own limits
- *            are 0). The distillation terms are exclusive.
+ *            b = jsd_beta in (0, 1], b KL(q || m) + (1 - b) KL(p_s || m); jsd_beta 0 means 0.5
+ *            (TRL's and Liger's default); as TRL, b = 1 is reverse KL (the plan runs DISTILL_REV
+ *            there; the formula's own limit is 0), and its b = 0, forward KL, is DISTILL_FWD.
+ *            The distillation terms are exclusive.
  *            With a_j = dL/dp_s_j, every divergence's gradient is
  *              d/dz_hat_j = p_s_j (a_j - sum_i p_s_i a_i) / student_temperature,
  *            a_j = -q_j / p_s_j (FWD), log(p_s_j / q_j) + 1 (REV), (1 - b) log(p_s_j / m_j) (JSD).
@@ -352,6 +378,12 @@ HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_
  * D: the divisor, default the sum of valid weights); loss = sum of weight_k * term_k; the gradient
  * row t is (grad_scale / D) w_t d(loss_t)/dz, formed in fp32 and rounded once. Metrics are weighted
  * means over valid rows (sum w x / sum w) or min / max over rows with w > 0.
+ * Term weights: 0 means the term's conventional weight: ce_weight 1, z_weight 1e-4 (PaLM's and
+ * Liger's), distill_weight 1, grpo_weight 1, cispo_weight 1. ENTROPY and GRPO_KL_REF have no
+ * conventional weight (an entropy bonus is negative; KL coefficients run from 1e-3 to 0.04):
+ * with those terms entropy_weight / kl_ref_beta must be set (nonzero, finite), else INVALID_VALUE.
+ * A term's weight is unused when the term is off. A plan with no term (terms = 0) computes the
+ * metrics and per-token outputs alone; it has no gradient (grad modes must be NONE).
  * Sequence-level options (the rows grouped into sequences by args.cu_seqlens, each sequence's
  * "tokens" being its rows that are not ignored; weights do not enter these means):
  *   ratio_level = SEQ_MEAN (GSPO, as verl's gspo loss / GSPO-token): GRPO's and CISPO's r is the
@@ -430,21 +462,22 @@ typedef enum {
 } hl_loss_grad_mode_t;
 
 typedef struct {
-  size_t struct_size; /* sizeof(hl_loss_plan_desc_t) */
+  size_t struct_size; /* sizeof(hl_loss_plan_desc_t); earlier: 128, 136 (0.1), 176 (0.2), 192 (0.3) */
   hl_backend_t backend;
   int64_t vocab;           /* columns of the logits */
   hl_dtype_t logits_dtype; /* F32, F16 or BF16; teacher logits share it */
   hl_dtype_t labels_dtype; /* I32 or I64; NONE when no labels are passed */
   unsigned terms;          /* HL_LOSS_CE | ... */
   unsigned flags;          /* HL_LOSS_UNCHECKED */
+  /* Term weights; 0: the term's default (above): 1, 1e-4, none (set it), 1, 1, none (set it). */
   float ce_weight, z_weight, entropy_weight, distill_weight, grpo_weight, kl_ref_beta;
   float label_smoothing;     /* in [0, 1) */
   float logit_scale;         /* 0 means 1 */
   float softcap;             /* 0: no cap */
   float teacher_temperature; /* 0 means 1 */
   float student_temperature; /* 0 means 1 */
-  float eps_low, eps_high;   /* GRPO clip range; 0 means 0.2 */
-  int use_ignore_index;      /* 1: labels equal to ignore_index are ignored too */
+  float eps_low, eps_high;   /* GRPO clip range: eps_low in (0, 1), eps_high > 0; 0 means 0.2 */
+  int use_ignore_index;      /* 1: labels equal to ignore_index are ignored too (0 or 1) */
   int64_t ignore_index;
   hl_loss_grad_mode_t grad_mode;
   hl_dtype_t grad_dtype;     /* logits_dtype or F32; with a gradient */
@@ -464,7 +497,7 @@ typedef struct {
   hl_dtype_t grad_weight_dtype;         /* F32 or weight_dtype (NONE: weight_dtype) */
   /* Policy-gradient options (see the formulas above); zero keeps the plain GRPO / k3 behaviour. */
   float dual_clip;      /* c > 1: GRPO's dual clip for A < 0; 0: off */
-  float cispo_weight;
+  float cispo_weight;   /* 0 means 1 */
   float cispo_eps_high; /* CISPO's upper clip of r is 1 + this; 0 means eps_high (as resolved) */
   int kl_estimator;     /* HL_LOSS_KL_K3 (0), _K1 or _K2 */
   /* Sequence-level and rollout-correction options (see the formulas above); 0 is off. */
@@ -475,10 +508,18 @@ typedef struct {
   float rollout_cap;           /* TIS's cap, MIS's and REJECT's upper bound; 0 means 2 */
   float rollout_floor;         /* MIS's and REJECT's lower bound; 0 means 1 / rollout_cap */
   /* Distillation options (0.4 too); zero keeps a dense teacher (jsd_beta is unused without JSD). */
-  float jsd_beta;                   /* DISTILL_JSD's b in [0, 1] */
+  float jsd_beta;                   /* DISTILL_JSD's b in (0, 1]; 0 means 0.5 */
   int teacher_topk;                 /* k in [1, 256]: a sparse teacher (top-k ids and log-probs) */
   hl_dtype_t teacher_topk_ids_dtype; /* I32 or I64, with teacher_topk */
 } hl_loss_plan_desc_t;
+
+/* The defaults a zero field stands for, spelled out (derived ones stay 0: vocab_global = vocab,
+ * ranks 1, cispo_eps_high = eps_high, rollout_floor = 1 / rollout_cap). */
+#define HL_LOSS_PLAN_DESC_INIT                                                                      \
+  { .struct_size = sizeof(hl_loss_plan_desc_t), .ce_weight = 1.0f, .z_weight = 1e-4f,              \
+    .distill_weight = 1.0f, .grpo_weight = 1.0f, .logit_scale = 1.0f, .teacher_temperature = 1.0f, \
+    .student_temperature = 1.0f, .eps_low = 0.2f, .eps_high = 0.2f, .cispo_weight = 1.0f,          \
+    .rollout_cap = 2.0f, .jsd_beta = 0.5f }
 
 /* Indices of hl_loss_args_t.scalars. A metric whose inputs were not passed is 0. */
 typedef enum {
@@ -518,8 +559,12 @@ typedef enum {
   HL_LOSS_NUM_SCALARS
 } hl_loss_scalar_t;
 
+/* The name of scalar `index` ("loss", "ce", ..., "topk_mass": the enumerator's suffix in lower
+ * case), or NULL outside [0, HL_LOSS_NUM_SCALARS). */
+HL_API const char *hl_loss_scalar_name(int index);
+
 typedef struct {
-  size_t struct_size; /* sizeof(hl_loss_args_t) */
+  size_t struct_size; /* sizeof(hl_loss_args_t); earlier: 160 (0.1), 256 (0.2, 0.3) */
   int64_t rows;
   const void *logits; /* [rows, vocab] */
   int64_t logits_stride;
@@ -564,6 +609,9 @@ typedef struct {
   const float *teacher_topk_logprobs;  /* [rows, k] the teacher's log-probs of those ids */
   int64_t teacher_topk_logprobs_stride;
 } hl_loss_args_t;
+
+/* No field has a nonzero default: divisor 0 (the sum of valid weights), grad_scale 0 (1). */
+#define HL_LOSS_ARGS_INIT { .struct_size = sizeof(hl_loss_args_t) }
 
 /*
  * The fused linear form (desc.hidden = H > 0): the plan takes the hidden states X [rows, H] and
@@ -719,6 +767,16 @@ HL_API hl_status_t hl_loss_plan_execute_finish_with_middle(hl_loss_plan_t plan,
 HL_API hl_status_t hl_loss_plan_execute_nccl(hl_loss_plan_t plan, const hl_loss_args_t *args,
                                              void *nccl_comm, void *workspace,
                                              size_t workspace_bytes, hl_stream_t stream);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Names before 0.5, kept as aliases of the hl_-prefixed entry points                               */
+/* ------------------------------------------------------------------------------------------------ */
+
+HL_API hl_status_t rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t stream);
+HL_API hl_status_t rmsnorm_bwd_workspace_size(const hl_rmsnorm_bwd_args_t *args, size_t *bytes);
+HL_API hl_status_t rmsnorm_bwd(const hl_rmsnorm_bwd_args_t *args, hl_stream_t stream);
+HL_API hl_status_t gdn_bwd_dqkwg_workspace_size(const hl_gdn_bwd_dqkwg_args_t *args, size_t *bytes);
+HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

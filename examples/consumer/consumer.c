@@ -31,7 +31,7 @@ int main(void) {
   a.x_dtype = a.y_dtype = HL_DTYPE_F32;
   a.x = x;
   a.y = y;
-  if (check(rmsnorm_fwd(&a, NULL), "rmsnorm_fwd")) return 1;
+  if (check(hl_rmsnorm_fwd(&a, NULL), "rmsnorm_fwd")) return 1;
   for (int j = 0; j < 4; ++j)
     if (fabs(y[j] - x[j] / sqrt(7.5)) > 1e-6) {
       fprintf(stderr, "rmsnorm: y[%d] = %g\n", j, (double)y[j]);

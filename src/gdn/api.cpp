@@ -181,8 +181,8 @@ using namespace hl::gdn;
 
 extern "C" {
 
-HL_API hl_status_t gdn_bwd_dqkwg_workspace_size(const hl_gdn_bwd_dqkwg_args_t *args, size_t *bytes) {
-  static const char *fn = "gdn_bwd_dqkwg_workspace_size";
+HL_API hl_status_t hl_gdn_bwd_dqkwg_workspace_size(const hl_gdn_bwd_dqkwg_args_t *args, size_t *bytes) {
+  static const char *fn = "hl_gdn_bwd_dqkwg_workspace_size";
   return guarded(fn, [&]() -> hl_status_t {
     HL_TRY(check_not_null(fn, "bytes", bytes));
     hl_gdn_bwd_dqkwg_args_t a;
@@ -193,13 +193,14 @@ HL_API hl_status_t gdn_bwd_dqkwg_workspace_size(const hl_gdn_bwd_dqkwg_args_t *a
   });
 }
 
-HL_API hl_status_t gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_t stream) {
-  static const char *fn = "gdn_bwd_dqkwg";
+HL_API hl_status_t hl_gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stream_t stream) {
+  static const char *fn = "hl_gdn_bwd_dqkwg";
   return guarded(fn, [&]() -> hl_status_t {
     hl_gdn_bwd_dqkwg_args_t a;
     HL_TRY(read_descriptor(fn, args, &a));
     HL_TRY(check_shape(fn, a));
     if (!a.cu_seqlens) a.num_chunks = (a.T + kChunk - 1) / kChunk;
+    if (a.scale == 0.0f) a.scale = float(1.0 / std::sqrt(double(a.K)));  // fla's default
     if (a.B == 0 || a.T == 0) return HL_STATUS_SUCCESS;
     std::vector<int64_t> cu;
     HL_TRY(check_memory(fn, a, stream, &cu));

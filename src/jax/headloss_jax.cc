@@ -192,7 +192,7 @@ ffi::Error RmsnormFwd(hl_backend_t backend, hl_stream_t stream, ffi::RemainingAr
     HL_JAX_RET(rstd, rets, ri++);
     a.rstd = static_cast<float *>(rstd->untyped_data());
   }
-  return Done(rmsnorm_fwd(&a, stream), "rmsnorm_fwd");
+  return Done(hl_rmsnorm_fwd(&a, stream), "rmsnorm_fwd");
 }
 
 ffi::Error RmsnormBwd(hl_backend_t backend, hl_stream_t stream, ffi::ScratchAllocator *scratch,
@@ -227,10 +227,10 @@ ffi::Error RmsnormBwd(hl_backend_t backend, hl_stream_t stream, ffi::ScratchAllo
     HL_JAX_DTYPE(a.dw_dtype, *dw, "dw");
     a.dw = dw->untyped_data();
   }
-  HL_JAX_TRY(Done(rmsnorm_bwd_workspace_size(&a, &a.workspace_bytes), "rmsnorm_bwd_workspace_size"));
+  HL_JAX_TRY(Done(hl_rmsnorm_bwd_workspace_size(&a, &a.workspace_bytes), "rmsnorm_bwd_workspace_size"));
   Workspace ws{scratch, {}};
   HL_JAX_TRY(ws.Get(a.workspace_bytes, "rmsnorm_bwd", &a.workspace));
-  return Done(rmsnorm_bwd(&a, stream), "rmsnorm_bwd");
+  return Done(hl_rmsnorm_bwd(&a, stream), "rmsnorm_bwd");
 }
 
 // ---- loss plans, cached per configuration --------------------------------------------------------

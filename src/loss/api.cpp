@@ -56,6 +56,31 @@ hl_status_t resolve_grad_dtype(const char *fn, const char *arg, hl_loss_grad_mod
   return HL_STATUS_SUCCESS;
 }
 
+// Each term's weight, finite; 0 replaced by the term's conventional weight, refused for the terms
+// that have none (ENTROPY, GRPO_KL_REF). A term that is off keeps its field as given (unused).
+hl_status_t resolve_weights(const char *fn, hl_loss_plan_desc_t &d) {
+  struct Term { unsigned bits; const char *name; float *w; float def; };
+  const Term terms[] = {
+      {HL_LOSS_CE, "ce_weight", &d.ce_weight, 1.0f},
+      {HL_LOSS_Z, "z_weight", &d.z_weight, 1e-4f},
+      {HL_LOSS_ENTROPY, "entropy_weight", &d.entropy_weight, 0.0f},
+      {kDistillTerms, "distill_weight", &d.distill_weight, 1.0f},
+      {HL_LOSS_GRPO, "grpo_weight", &d.grpo_weight, 1.0f},
+      {HL_LOSS_GRPO_KL_REF, "kl_ref_beta", &d.kl_ref_beta, 0.0f},
+      {HL_LOSS_CISPO, "cispo_weight", &d.cispo_weight, 1.0f},
+  };
+  for (const Term &t : terms) {
+    HL_TRY(check_finite(fn, t.name, *t.w));
+    if (!(d.terms & t.bits) || *t.w != 0.0f) continue;
+    if (t.def == 0.0f)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: %s is 0, and its term has no conventional weight: set "
+                  "it (%s)", fn, t.name, t.bits == HL_LOSS_ENTROPY ? "negative for an entropy bonus, "
+                  "e.g. -1e-3" : "e.g. 1e-3 as verl, 0.04 as TRL");
+    *t.w = t.def;
+  }
+  return HL_STATUS_SUCCESS;
+}
+
 // The fused linear form's fields (hidden > 0), or their absence; resolves logits_dtype to
 // weight_dtype (the logits' dtype between the products).
 hl_status_t validate_linear_desc(const char *fn, hl_loss_plan_desc_t &d) {
@@ -144,10 +169,11 @@ hl_status_t validate_distill_desc(const char *fn, const hl_loss_plan_desc_t &d, 
     return fail(HL_STATUS_INVALID_VALUE, "%s: jsd_beta is %g but the plan has no HL_LOSS_DISTILL_JSD",
                 fn, double(d.jsd_beta));
   if (d.jsd_beta < 0.0f || d.jsd_beta > 1.0f)
-    return fail(HL_STATUS_INVALID_VALUE, "%s: jsd_beta is %g; must be in [0, 1]", fn, double(d.jsd_beta));
-  o.jsd_beta = d.jsd_beta;
-  o.divergence = (d.terms & HL_LOSS_DISTILL_FWD) || (jsd && d.jsd_beta == 0.0f) ? kDistillFwd
-                 : (d.terms & HL_LOSS_DISTILL_REV) || (jsd && d.jsd_beta == 1.0f) ? kDistillRev
+    return fail(HL_STATUS_INVALID_VALUE, "%s: jsd_beta is %g; must be in (0, 1] (0: the default 0.5; "
+                "forward KL is HL_LOSS_DISTILL_FWD)", fn, double(d.jsd_beta));
+  o.jsd_beta = jsd && d.jsd_beta == 0.0f ? 0.5f : d.jsd_beta;
+  o.divergence = (d.terms & HL_LOSS_DISTILL_FWD) ? kDistillFwd
+                 : (d.terms & HL_LOSS_DISTILL_REV) || (jsd && o.jsd_beta == 1.0f) ? kDistillRev
                  : jsd ? kDistillJsd : kDistillNone;
   o.topk = d.teacher_topk;
   o.distill = o.divergence != kDistillNone && o.topk > 0 ? kDistillSparse : o.divergence;
@@ -179,6 +205,9 @@ hl_status_t validate_distill_desc(const char *fn, const hl_loss_plan_desc_t &d, 
 hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   HL_TRY(check_backend(fn, d.backend));
   HL_TRY(validate_linear_desc(fn, d));
+  if (!d.terms && (d.grad_mode || d.grad_hidden_mode || d.grad_weight_mode))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: terms is 0 (metrics only), so there is no loss to "
+                "differentiate: the grad modes must be NONE", fn);
   if (d.vocab < 1)
     return fail(HL_STATUS_INVALID_VALUE, "%s: vocab is %lld; must be >= 1", fn, (long long)d.vocab);
   HL_TRY(check_float_dtype(fn, "logits_dtype", d.logits_dtype));
@@ -198,11 +227,9 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   if ((d.terms & kLabelTerms) && d.labels_dtype == HL_DTYPE_NONE)
     return fail(HL_STATUS_INVALID_VALUE,
                 "%s: CE, GRPO, CISPO and GRPO_KL_REF need labels, but labels_dtype is NONE", fn);
-  const float weights[] = {d.ce_weight, d.z_weight, d.entropy_weight, d.distill_weight,
-                           d.grpo_weight, d.kl_ref_beta, d.cispo_weight};
-  const char *names[] = {"ce_weight", "z_weight", "entropy_weight", "distill_weight",
-                         "grpo_weight", "kl_ref_beta", "cispo_weight"};
-  for (int i = 0; i < 7; ++i) HL_TRY(check_finite(fn, names[i], weights[i]));
+  HL_TRY(resolve_weights(fn, d));
+  if (d.use_ignore_index != 0 && d.use_ignore_index != 1)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: use_ignore_index is %d; use 0 or 1", fn, d.use_ignore_index);
   if (!(d.label_smoothing >= 0.0f && d.label_smoothing < 1.0f))
     return fail(HL_STATUS_INVALID_VALUE, "%s: label_smoothing is %g; must be in [0, 1)", fn,
                 double(d.label_smoothing));
@@ -211,6 +238,9 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   HL_TRY(positive_or_default(fn, "teacher_temperature", d.teacher_temperature, 1.0f, &tt));
   HL_TRY(positive_or_default(fn, "student_temperature", d.student_temperature, 1.0f, &ts));
   HL_TRY(positive_or_default(fn, "eps_low", d.eps_low, 0.2f, &o.eps_low));
+  if (o.eps_low >= 1.0f)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: eps_low is %g; must be in (0, 1) (the ratio's lower "
+                "clip is 1 - eps_low; 0 means 0.2)", fn, double(d.eps_low));
   HL_TRY(positive_or_default(fn, "eps_high", d.eps_high, 0.2f, &o.eps_high));
   HL_TRY(positive_or_default(fn, "cispo_eps_high", d.cispo_eps_high, o.eps_high, &o.cispo_eps));
   // c <= 1 would cap a negative advantage's loss below its unclipped value at r = 1.
@@ -922,6 +952,17 @@ HL_API hl_status_t hl_loss_plan_execute_nccl(hl_loss_plan_t plan, const hl_loss_
     return fail(HL_STATUS_INTERNAL_ERROR, "%s: a CUDA plan in a build without CUDA", fn);
 #endif
   });
+}
+
+HL_API const char *hl_loss_scalar_name(int index) {
+  static const char *const names[] = {
+      "loss", "ce", "z", "entropy", "distill", "grpo", "kl_ref", "divisor", "weight_sum",
+      "valid_rows", "lse_mean", "entropy_mean", "logp_mean", "accuracy", "ratio_mean", "ratio_min",
+      "ratio_max", "clip_low", "clip_high", "clip_any", "k3_old", "kl_ref_mean", "adv_mean",
+      "adv_min", "adv_max", "distill_kl_mean", "cispo", "dual_clip", "rollout_kl_k1",
+      "rollout_kl_k3", "rollout_weight_mean", "rollout_corrected", "topk_mass"};
+  static_assert(sizeof names / sizeof names[0] == HL_LOSS_NUM_SCALARS, "one name per scalar");
+  return index >= 0 && index < HL_LOSS_NUM_SCALARS ? names[index] : nullptr;
 }
 
 HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan) {

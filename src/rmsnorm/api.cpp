@@ -129,8 +129,8 @@ using namespace hl::rmsnorm;
 
 extern "C" {
 
-HL_API hl_status_t rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t stream) {
-  static const char *fn = "rmsnorm_fwd";
+HL_API hl_status_t hl_rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t stream) {
+  static const char *fn = "hl_rmsnorm_fwd";
   return guarded(fn, [&]() -> hl_status_t {
     hl_rmsnorm_fwd_args_t a;
     HL_TRY(read_descriptor(fn, args, &a));
@@ -144,8 +144,8 @@ HL_API hl_status_t rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t st
   });
 }
 
-HL_API hl_status_t rmsnorm_bwd_workspace_size(const hl_rmsnorm_bwd_args_t *args, size_t *bytes) {
-  static const char *fn = "rmsnorm_bwd_workspace_size";
+HL_API hl_status_t hl_rmsnorm_bwd_workspace_size(const hl_rmsnorm_bwd_args_t *args, size_t *bytes) {
+  static const char *fn = "hl_rmsnorm_bwd_workspace_size";
   return guarded(fn, [&]() -> hl_status_t {
     HL_TRY(check_not_null(fn, "bytes", bytes));
     hl_rmsnorm_bwd_args_t a;
@@ -161,8 +161,8 @@ HL_API hl_status_t rmsnorm_bwd_workspace_size(const hl_rmsnorm_bwd_args_t *args,
   });
 }
 
-HL_API hl_status_t rmsnorm_bwd(const hl_rmsnorm_bwd_args_t *args, hl_stream_t stream) {
-  static const char *fn = "rmsnorm_bwd";
+HL_API hl_status_t hl_rmsnorm_bwd(const hl_rmsnorm_bwd_args_t *args, hl_stream_t stream) {
+  static const char *fn = "hl_rmsnorm_bwd";
   return guarded(fn, [&]() -> hl_status_t {
     hl_rmsnorm_bwd_args_t a;
     HL_TRY(read_descriptor(fn, args, &a));

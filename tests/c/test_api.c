@@ -1,4 +1,6 @@
 /* Version, status strings, last-error behaviour and descriptor versioning (struct_size). */
+#include <math.h>
+
 #include "hl_test.h"
 
 static void version_matches_header(void **state) {
@@ -38,9 +40,9 @@ static void last_error_is_set_then_cleared(void **state) {
   float x[2] = {1, 2}, y[2];
   hl_rmsnorm_fwd_args_t a = tiny_fwd(x, y);
   a.x = NULL;
-  assert_fails(rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "rmsnorm_fwd: x is NULL");
+  assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "rmsnorm_fwd: x is NULL");
   a.x = x;
-  assert_ok(rmsnorm_fwd(&a, NULL));
+  assert_ok(hl_rmsnorm_fwd(&a, NULL));
   assert_string_equal(hl_get_last_error(), "");
 }
 
@@ -48,9 +50,9 @@ static void struct_size_is_checked(void **state) {
   (void)state;
   float x[2] = {1, 2}, y[2] = {-7, -7};
   hl_rmsnorm_fwd_args_t a = tiny_fwd(x, y);
-  assert_fails(rmsnorm_fwd(NULL, NULL), HL_STATUS_INVALID_VALUE, "descriptor pointer is NULL");
+  assert_fails(hl_rmsnorm_fwd(NULL, NULL), HL_STATUS_INVALID_VALUE, "descriptor pointer is NULL");
   a.struct_size = 0;
-  assert_fails(rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "struct_size is 0");
+  assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "struct_size is 0");
   assert_true(y[0] == -7 && y[1] == -7);
 
   /* A newer caller's larger descriptor: fine while the unknown tail is zero. */
@@ -61,10 +63,10 @@ static void struct_size_is_checked(void **state) {
   memset(&big, 0, sizeof big);
   big.a = tiny_fwd(x, y);
   big.a.struct_size = sizeof big;
-  assert_ok(rmsnorm_fwd(&big.a, NULL));
+  assert_ok(hl_rmsnorm_fwd(&big.a, NULL));
   big.future[1] = 1;
   y[0] = y[1] = -7;
-  assert_fails(rmsnorm_fwd(&big.a, NULL), HL_STATUS_NOT_SUPPORTED, "does not know");
+  assert_fails(hl_rmsnorm_fwd(&big.a, NULL), HL_STATUS_NOT_SUPPORTED, "does not know");
   assert_true(y[0] == -7 && y[1] == -7);
 }
 
@@ -73,20 +75,38 @@ static void backend_is_checked(void **state) {
   float x[2] = {1, 2}, y[2];
   hl_rmsnorm_fwd_args_t a = tiny_fwd(x, y);
   a.backend = (hl_backend_t)0;
-  assert_fails(rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "backend is 0");
+  assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "backend is 0");
   assert_int_equal(hl_backend_is_available(HL_BACKEND_CPU), 1);
   if (!hl_backend_is_available(HL_BACKEND_CUDA)) {
     a.backend = HL_BACKEND_CUDA;
-    assert_fails(rmsnorm_fwd(&a, NULL), HL_STATUS_NOT_SUPPORTED, "CUDA backend is not available");
+    assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_NOT_SUPPORTED, "CUDA backend is not available");
   } else {
     /* Host pointers handed to the CUDA backend are refused before any launch. */
     a.backend = HL_BACKEND_CUDA;
-    assert_fails(rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "is host memory");
+    assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "is host memory");
   }
+}
+
+/* Every scalar has a distinct name, NULL past the last; the names before 0.5 still run. */
+static void scalar_names_and_old_names(void **state) {
+  (void)state;
+  assert_string_equal(hl_loss_scalar_name(HL_LOSS_OUT_LOSS), "loss");
+  assert_string_equal(hl_loss_scalar_name(HL_LOSS_OUT_TOPK_MASS), "topk_mass");
+  assert_null(hl_loss_scalar_name(-1));
+  assert_null(hl_loss_scalar_name(HL_LOSS_NUM_SCALARS));
+  for (int i = 0; i < HL_LOSS_NUM_SCALARS; ++i)
+    for (int j = 0; j < i; ++j) assert_string_not_equal(hl_loss_scalar_name(i), hl_loss_scalar_name(j));
+  float x[4] = {1, 2, 3, 4}, y[4];
+  hl_rmsnorm_fwd_args_t a = HL_RMSNORM_FWD_ARGS_INIT;
+  a.backend = HL_BACKEND_CPU, a.rows = 1, a.cols = 4;
+  a.x_dtype = a.y_dtype = HL_DTYPE_F32, a.x = x, a.y = y;
+  assert_ok(rmsnorm_fwd(&a, NULL));
+  assert_float_equal(y[3], 4.0 / sqrt(7.5), 1e-6);
 }
 
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(scalar_names_and_old_names),
       cmocka_unit_test(version_matches_header),
       cmocka_unit_test(every_status_has_a_distinct_name),
       cmocka_unit_test(last_error_is_set_then_cleared),

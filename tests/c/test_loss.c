@@ -167,7 +167,7 @@ static void bad_arguments(void **state) {
   g.terms = HL_LOSS_GRPO;
   a = args_for(b), a.old_logprobs = b->old;
   execute_fails(g, a, b, HL_STATUS_INVALID_VALUE, "advantages is NULL; GRPO needs it");
-  g.terms = HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF;
+  g.terms = HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF, g.kl_ref_beta = 0.04f;
   a = args_for(b), a.old_logprobs = b->old, a.advantages = b->adv;
   execute_fails(g, a, b, HL_STATUS_INVALID_VALUE, "ref_logprobs is NULL; GRPO_KL_REF needs it");
   g.terms = HL_LOSS_CISPO;

@@ -63,7 +63,7 @@ static void cpu_forward_matches_hand_values(void **state) {
   fill(y, 4);
   fill(rstd, 1);
   hl_rmsnorm_fwd_args_t a = fwd_args(y, rstd);
-  assert_ok(rmsnorm_fwd(&a, NULL));
+  assert_ok(hl_rmsnorm_fwd(&a, NULL));
   const double r = 0.3651483473268884;
   const double want[4] = {r, r, 2.1908900839613303, 1.4605933893075536};
   assert_close(y, want, 4, 1e-6);
@@ -73,7 +73,7 @@ static void cpu_forward_matches_hand_values(void **state) {
   fill(y, 4);
   a.rstd = NULL;
   a.offset = 1.0f;
-  assert_ok(rmsnorm_fwd(&a, NULL));
+  assert_ok(hl_rmsnorm_fwd(&a, NULL));
   const double want1[4] = {2 * r, 3 * r, 3 * 3 * r, 2 * 4 * r};
   assert_close(y, want1, 4, 1e-6);
 }
@@ -89,7 +89,7 @@ static void cpu_forward_fuses_the_residual(void **state) {
   a.offset = 1.0f; /* ignored without a weight (Gemma's norm without a scale): y = xhat */
   a.residual = res;
   a.residual_out = s;
-  assert_ok(rmsnorm_fwd(&a, NULL));
+  assert_ok(hl_rmsnorm_fwd(&a, NULL));
   const double sum[4] = {0, 2, 4, 6}; /* mean(s^2) = 14 */
   assert_close(s, sum, 4, 0);
   const double r = 1.0 / sqrt(14.0 + 1e-6);
@@ -103,7 +103,7 @@ static void cpu_backward_matches_hand_values(void **state) {
   fill(dx, 4);
   fill(dw, 4);
   hl_rmsnorm_bwd_args_t a = bwd_args(dx, dw);
-  assert_ok(rmsnorm_bwd(&a, NULL));
+  assert_ok(hl_rmsnorm_bwd(&a, NULL));
   const double want_dx[4] = {0.2312606378253906, -0.45034959266643976, -0.03651478117760501,
                              0.1947458566477856};
   const double want_dw[4] = {0.3651483473268884, -0.7302966946537768, 0.5477225209903326,
@@ -120,7 +120,7 @@ static void cpu_backward_without_weight_ignores_offset(void **state) {
   hl_rmsnorm_bwd_args_t a = bwd_args(dx, NULL);
   a.weight = NULL;
   a.offset = 1.0f;
-  assert_ok(rmsnorm_bwd(&a, NULL));
+  assert_ok(hl_rmsnorm_bwd(&a, NULL));
   const double r = 1.0 / sqrt(7.5 + 1e-6); /* mean(x^2) = 30 / 4 */
   double dot = 0, want[4];
   for (int i = 0; i < 4; ++i) dot += DY[i] * X[i] * r;
@@ -136,14 +136,14 @@ static void zero_size_is_a_no_op(void **state) {
   a.rows = 0;
   a.x = NULL;
   a.y = NULL;
-  assert_ok(rmsnorm_fwd(&a, NULL));
+  assert_ok(hl_rmsnorm_fwd(&a, NULL));
   /* Backward with no rows still owes dw: the empty sum, zero. */
   float dw[4];
   fill(dw, 4);
   hl_rmsnorm_bwd_args_t b = bwd_args(NULL, dw);
   b.rows = 0;
   b.x = b.dy = NULL;
-  assert_ok(rmsnorm_bwd(&b, NULL));
+  assert_ok(hl_rmsnorm_bwd(&b, NULL));
   for (int i = 0; i < 4; ++i) assert_true(dw[i] == 0.0f);
 }
 
@@ -196,7 +196,7 @@ static void forward_rejects_bad_arguments(void **state) {
       case 13: a.rstd = y + 2; break;
       case 14: a.x = xbuf; a.y = (float *)xbuf + 1; break; /* partial overlap with the input */
     }
-    hl_status_t st = rmsnorm_fwd(&a, NULL);
+    hl_status_t st = hl_rmsnorm_fwd(&a, NULL);
     if (st != expect[k].status || !strstr(hl_get_last_error(), expect[k].needle))
       fail_msg("case %d: got %d \"%s\", want %d \"%s\"", k, (int)st, hl_get_last_error(),
                (int)expect[k].status, expect[k].needle);
@@ -212,10 +212,10 @@ static void forward_allows_exact_in_place(void **state) {
   float y[4];
   fill(y, 4);
   hl_rmsnorm_fwd_args_t a = fwd_args(y, NULL);
-  assert_ok(rmsnorm_fwd(&a, NULL));
+  assert_ok(hl_rmsnorm_fwd(&a, NULL));
   a.x = buf;
   a.y = buf;
-  assert_ok(rmsnorm_fwd(&a, NULL));
+  assert_ok(hl_rmsnorm_fwd(&a, NULL));
   for (int i = 0; i < 4; ++i) assert_true(buf[i] == y[i]);
 }
 
@@ -248,7 +248,7 @@ static void backward_rejects_bad_arguments(void **state) {
       case 5: a.eps = NAN; break;
       case 6: a.dw = dx + 1; break;
     }
-    hl_status_t st = rmsnorm_bwd(&a, NULL);
+    hl_status_t st = hl_rmsnorm_bwd(&a, NULL);
     if (st != expect[k].status || !strstr(hl_get_last_error(), expect[k].needle))
       fail_msg("case %d: got %d \"%s\", want %d \"%s\"", k, (int)st, hl_get_last_error(),
                (int)expect[k].status, expect[k].needle);
