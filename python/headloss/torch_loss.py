@@ -10,9 +10,9 @@ uses it in one line:
 
 The gradient is formed in the forward pass (one pass over the logits; for the fused linear form,
 grad_hidden and grad_weight in the same call) and handed back in backward, scaled in place by the
-incoming gradient (no host synchronisation to test for 1; the buffer is used once, so no second
-copy is allocated, and a second backward through the same graph is refused by autograd's version
-check rather than scaled twice). headloss.torch_ops has the same as custom ops (torch.compile).
+incoming gradient (no host synchronisation to test for 1). Backward keeps no reference to it, so
+autograd adopts it as the parameter's .grad: peak memory is the gradients plus the workspace, no
+second copy; a second backward through the same graph is refused rather than scaled twice. headloss.torch_ops has the same as custom ops (torch.compile).
 """
 from __future__ import annotations
 
@@ -37,11 +37,35 @@ def seq_options(options: dict, cu_seqlens) -> dict:
     return dict(options, cu_seqlens_dtype=str(cu_seqlens.dtype).replace("torch.", ""))
 
 
-def scale_saved(g: torch.Tensor, dloss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def keep_grads(ctx, *grads) -> None:
+    """Keeps the gradients formed in the forward pass for backward as plain references (detached:
+    no cycle through an output's grad_fn), not as saved tensors: backward hands them over and keeps
+    nothing, so autograd adopts each as the parameter's .grad instead of copying it (a saved tensor
+    stays referenced by the graph until the backward pass ends, which makes autograd clone)."""
+    ctx.headloss_grads = tuple(None if g is None else g.detach() for g in grads)
+
+
+def take_grads(ctx) -> tuple:
+    """The gradients keep_grads kept, handed over once."""
+    grads = getattr(ctx, "headloss_grads", None)
+    if grads is None:
+        raise RuntimeError("headloss: backward ran twice through the same loss (retain_graph=True): "
+                           "its gradients were formed in the forward pass and handed over already")
+    ctx.headloss_grads = None
+    return grads
+
+
+def scale_grad(g: torch.Tensor, dloss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A gradient formed in the forward pass, times the loss's incoming gradient (in place), in the
     dtype of the input it belongs to (a gradient computed in fp32 on request is cast here)."""
     g.mul_(dloss.to(g.dtype))
-    return g.to(dtype)
+    return g if g.dtype == dtype else g.to(dtype)
+
+
+# The PyTorch front ends' workspace cap for the fused linear form: at or below the memory of the
+# other fused-linear losses at every benchmark shape, 1.05-1.22x the time of the plan's fast size
+# (H200, bench/NOTES.md "Memory through PyTorch"); None lifts the cap.
+DEFAULT_MAX_WORKSPACE_BYTES = 256 << 20
 
 
 def linear_workspace(plan: LinearLossPlan, like: torch.Tensor, rows: int,
@@ -68,15 +92,15 @@ class FusedLossFunction(torch.autograd.Function):
     def forward(ctx, logits, labels, plan: LossPlan, in_place: bool, divisor: float, *inputs):
         kw = {k: v for k, v in zip(_INPUTS, inputs) if v is not None}
         out = plan(logits, labels, divisor=divisor, in_place=in_place, **kw)
-        ctx.save_for_backward(out.grad)
+        keep_grads(ctx, out.grad)
         ctx.logits_dtype = logits.dtype
         ctx.mark_non_differentiable(out.scalars)
         return out.scalars[0].clone(), out.scalars
 
     @staticmethod
     def backward(ctx, dloss, _dscalars):
-        (g,) = ctx.saved_tensors
-        g = None if g is None else scale_saved(g, dloss, ctx.logits_dtype)
+        (g,) = take_grads(ctx)
+        g = None if g is None else scale_grad(g, dloss, ctx.logits_dtype)
         return (g, None, None, None, None) + (None,) * len(_INPUTS)
 
 
@@ -93,15 +117,15 @@ class LinearLossFunction(torch.autograd.Function):
                 max_workspace_bytes: Optional[int], *inputs):
         kw = {k: v for k, v in zip(LINEAR_INPUTS, inputs) if v is not None}
         scalars, gh, gw = run_linear(plan, hidden, weight, labels, divisor, max_workspace_bytes, kw)
-        ctx.save_for_backward(gh, gw)
+        keep_grads(ctx, gh, gw)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.mark_non_differentiable(scalars)
         return scalars[0].clone(), scalars
 
     @staticmethod
     def backward(ctx, dloss, _dscalars):
-        grads = tuple(None if g is None else scale_saved(g, dloss, dt)
-                      for g, dt in zip(ctx.saved_tensors, ctx.dtypes))
+        grads = tuple(None if g is None else scale_grad(g, dloss, dt)
+                      for g, dt in zip(take_grads(ctx), ctx.dtypes))
         return grads + (None,) * (4 + len(LINEAR_INPUTS))
 
 

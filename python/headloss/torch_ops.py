@@ -29,7 +29,7 @@ from torch import Tensor
 from .loss import SCALARS, LinearLossPlan, LossPlan
 from .rmsnorm import rmsnorm_bwd as _hl_rmsnorm_bwd
 from .rmsnorm import rmsnorm_fwd as _hl_rmsnorm_fwd
-from .torch_loss import LINEAR_INPUTS, run_linear, scale_saved, seq_options
+from .torch_loss import DEFAULT_MAX_WORKSPACE_BYTES, LINEAR_INPUTS, keep_grads, run_linear, scale_grad, seq_options, take_grads
 
 __all__ = ["RMSNorm", "rmsnorm", "lm_head_loss", "LMHeadLoss", "linear_loss", "LinearLoss",
            "LMHeadLinearLoss"]
@@ -196,8 +196,7 @@ def _plan(options: str, vocab: int, dtype: torch.dtype, device: str, labels_dtyp
                     grad="write" if grad else None, **json.loads(options))
 
 
-@torch.library.custom_op("headloss::fused_loss", mutates_args=())
-def _fused_loss(logits: Tensor, labels: Optional[Tensor], weights: Optional[Tensor],
+def _fused_loss_impl(logits: Tensor, labels: Optional[Tensor], weights: Optional[Tensor],
                 teacher_logits: Optional[Tensor], advantages: Optional[Tensor],
                 old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor],
                 rollout_logprobs: Optional[Tensor], cu_seqlens: Optional[Tensor],
@@ -214,6 +213,9 @@ def _fused_loss(logits: Tensor, labels: Optional[Tensor], weights: Optional[Tens
     return out.scalars, (out.grad if need_grad else logits.new_empty(0))
 
 
+_fused_loss = torch.library.custom_op("headloss::fused_loss", mutates_args=())(_fused_loss_impl)
+
+
 @_fused_loss.register_fake
 def _(logits, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
       rollout_logprobs, cu_seqlens, teacher_topk_ids, teacher_topk_logprobs, options, divisor, need_grad):
@@ -224,19 +226,50 @@ def _(logits, labels, weights, teacher_logits, advantages, old_logprobs, ref_log
 
 
 def _loss_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[1])
+    keep_grads(ctx, output[1])
     ctx.logits_dtype = inputs[0].dtype
 
 
 def _loss_backward(ctx, dscalars, _dgrad):
-    (g,) = ctx.saved_tensors
     # The loss is scalars[0]: its incoming gradient scales the one formed in the forward pass, in
-    # place (see torch_loss.scale_saved: no host synchronisation, no second [rows, vocab] tensor,
-    # a second backward refused by autograd's version check rather than scaled twice).
-    return (scale_saved(g, dscalars[0], ctx.logits_dtype),) + (None,) * 13
+    # place, and the buffer is handed over (torch_loss.keep_grads: no second [rows, vocab] tensor).
+    (g,) = take_grads(ctx)
+    return (scale_grad(g, dscalars[0], ctx.logits_dtype),) + (None,) * 13
 
 
 _fused_loss.register_autograd(_loss_backward, setup_context=_loss_setup)
+
+
+class _EagerLoss(torch.autograd.Function):
+    """A loss op's eager path: its implementation (scalars, then the gradients it formed, empty
+    where not asked for) in an autograd.Function whose outputs are the loss and the scalars alone.
+    The custom op (what torch.compile traces) must return its gradients as outputs, and autograd
+    then copies them into .grad in eager mode (measured: twice the gradients' memory); here they
+    are kept as plain references and handed over in backward, so autograd adopts them."""
+
+    @staticmethod
+    def forward(ctx, impl, diff: tuple, *args):
+        scalars, *grads = impl(*args)
+        keep_grads(ctx, *(g if g.numel() else None for g in grads))
+        ctx.diff, ctx.dtypes, ctx.nargs = diff, tuple(args[i].dtype for i in diff), len(args)
+        ctx.mark_non_differentiable(scalars)
+        return scalars[0].clone(), scalars
+
+    @staticmethod
+    def backward(ctx, dloss, _dscalars):
+        out = [None] * ctx.nargs
+        for i, g, dt in zip(ctx.diff, take_grads(ctx), ctx.dtypes):
+            out[i] = None if g is None else scale_grad(g, dloss, dt)
+        return (None, None, *out)
+
+
+def _run_loss(op, impl, diff: tuple, *args) -> Tuple[Tensor, Tensor]:
+    """(loss, scalars) of a loss op: the custom op under torch.compile, _EagerLoss otherwise. diff:
+    the positions of the arguments its gradients belong to, in the order it returns them."""
+    if torch.compiler.is_compiling():
+        scalars = op(*args)[0]
+        return scalars[0], scalars
+    return _EagerLoss.apply(impl, diff, *args)
 
 
 def _dtype_name(t: Optional[Tensor]) -> Optional[str]:
@@ -279,12 +312,13 @@ def lm_head_loss(logits: Tensor, labels: Optional[Tensor] = None, *, terms: Sequ
     is made once per options / vocabulary / dtype / device).
     """
     need_grad = torch.is_grad_enabled() and logits.requires_grad
-    scalars, _ = torch.ops.headloss.fused_loss(
+    loss, scalars = _run_loss(
+        torch.ops.headloss.fused_loss, _fused_loss_impl, (0,),
         logits, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
         rollout_logprobs, cu_seqlens, teacher_topk_ids, teacher_topk_logprobs,
         _options_json(_options_key(terms, seq_options(options, cu_seqlens))),
         float(divisor), bool(need_grad))
-    return scalars[0], _metrics(scalars)
+    return loss, _metrics(scalars)
 
 
 class LMHeadLoss(torch.nn.Module):
@@ -311,8 +345,7 @@ def _linear_plan(options: str, vocab: int, hidden: int, dtype: torch.dtype, devi
                           grad_weight_dtype=gw_dtype if grad_weight else None, **opts)
 
 
-@torch.library.custom_op("headloss::linear_loss", mutates_args=())
-def _linear_loss(hidden: Tensor, weight: Tensor, labels: Optional[Tensor], weights: Optional[Tensor],
+def _linear_loss_impl(hidden: Tensor, weight: Tensor, labels: Optional[Tensor], weights: Optional[Tensor],
                  teacher_logits: Optional[Tensor], advantages: Optional[Tensor],
                  old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor],
                  rollout_logprobs: Optional[Tensor], cu_seqlens: Optional[Tensor],
@@ -338,6 +371,9 @@ def _linear_loss(hidden: Tensor, weight: Tensor, labels: Optional[Tensor], weigh
             gw if gw is not None else hidden.new_empty(0))
 
 
+_linear_loss = torch.library.custom_op("headloss::linear_loss", mutates_args=())(_linear_loss_impl)
+
+
 @_linear_loss.register_fake
 def _(hidden, weight, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
       rollout_logprobs, cu_seqlens, teacher_topk_ids, teacher_topk_logprobs, teacher_hidden, teacher_weight,
@@ -350,14 +386,14 @@ def _(hidden, weight, labels, weights, teacher_logits, advantages, old_logprobs,
 
 
 def _linear_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[1], output[2])
+    keep_grads(ctx, output[1], output[2])
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype)
     ctx.need = (inputs[16], inputs[17])  # need_grad_hidden, need_grad_weight
 
 
 def _linear_backward(ctx, dscalars, _dgh, _dgw):
-    grads = tuple(scale_saved(g, dscalars[0], dt) if need else None
-                  for g, dt, need in zip(ctx.saved_tensors, ctx.dtypes, ctx.need))
+    grads = tuple(scale_grad(g, dscalars[0], dt) if need else None
+                  for g, dt, need in zip(take_grads(ctx), ctx.dtypes, ctx.need))
     return grads + (None,) * 17
 
 
@@ -420,22 +456,27 @@ def linear_loss(hidden: Tensor, weight, labels: Optional[Tensor] = None, *,
       teacher_hidden [..., Ht], teacher_weight [V, Ht]: a teacher fused the same way (no gradient);
       grad_weight_dtype: "float32" sums grad_weight over the chunks in fp32 (one rounding, at the
         cast to weight's dtype in backward); None: in weight's dtype, rounded once a chunk;
-      max_workspace_bytes: caps the workspace (default: the plan's fast size); never below the
-        plan's minimum. Smaller means more chunks: less memory, more passes over grad_weight.
+      max_workspace_bytes: caps the workspace (default 256 MiB: peak memory at or below the other
+        fused-linear losses'; None: the plan's fast size, up to 1.2x faster at 1-2 GiB more);
+        never below the plan's minimum. Smaller means more chunks: less memory, more passes over
+        grad_weight.
     hidden, weight and the teacher's matrices share one dtype (under torch.autocast: autocast's).
 
     One call computes the loss and the gradients w.r.t. hidden and weight (those that require
     grad; neither under no_grad), and backward hands them back scaled in place by the incoming
-    gradient. torch.compile(fullgraph=True) keeps headloss::linear_loss as one call. A vocabulary
+    gradient, without a copy: the peak is the gradients plus the workspace. In eager mode the op
+    runs as an autograd.Function; torch.compile(fullgraph=True) keeps headloss::linear_loss as one
+    call. A vocabulary
     sharded over tensor-parallel ranks is not differentiable here: use headloss.LinearLossPlan's
     stats / finish (or nccl), whose grad_hidden is each rank's part to all-reduce.
     """
     teacher_hidden, teacher_weight = options.pop("teacher_hidden", None), options.pop("teacher_weight", None)
-    max_workspace_bytes = options.pop("max_workspace_bytes", None)
+    max_workspace_bytes = options.pop("max_workspace_bytes", DEFAULT_MAX_WORKSPACE_BYTES)
     mats = _compute_dtype(hidden, dict(weight=_head_weight(weight), teacher_hidden=teacher_hidden,
                                        teacher_weight=teacher_weight, teacher_logits=teacher_logits))
     grad = torch.is_grad_enabled()
-    scalars, _, _ = torch.ops.headloss.linear_loss(
+    loss, scalars = _run_loss(
+        torch.ops.headloss.linear_loss, _linear_loss_impl, (0, 1),
         _matrix(mats["hidden"]), _matrix(mats["weight"]), _per_row(labels), _per_row(weights),
         _matrix(mats["teacher_logits"]), _per_row(advantages), _per_row(old_logprobs),
         _per_row(ref_logprobs), _per_row(rollout_logprobs), _per_row(cu_seqlens),
@@ -444,7 +485,7 @@ def linear_loss(hidden: Tensor, weight, labels: Optional[Tensor] = None, *,
         _options_json(_options_key(terms, seq_options(options, cu_seqlens))), float(divisor),
         bool(grad and mats["hidden"].requires_grad), bool(grad and mats["weight"].requires_grad),
         None if max_workspace_bytes is None else int(max_workspace_bytes))
-    return scalars[0], _metrics(scalars)
+    return loss, _metrics(scalars)
 
 
 class LinearLoss(torch.nn.Module):
