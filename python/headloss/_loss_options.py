@@ -104,7 +104,8 @@ def plan_fields(options: dict) -> dict:
             fields[k] = code_of(ENUM_OPTIONS[k], k, v)
             continue
         if k not in PLAN_OPTIONS:
-            raise HeadlossTypeError(f"unknown loss plan option {k!r}; the options are {', '.join(PLAN_OPTIONS)}")
+            raise HeadlossTypeError(f"unknown loss plan option {k!r}; the numeric options are "
+                                    f"{', '.join(PLAN_OPTIONS)} (help(headloss.LossPlan) lists them all)")
         kind = float if k in FLOAT_OPTIONS else int
         if isinstance(v, bool) or not isinstance(v, numbers.Real if kind is float else numbers.Integral):
             raise HeadlossTypeError(f"{k} is {v!r}; expected {'a number' if kind is float else 'an int'} or None")

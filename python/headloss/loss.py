@@ -126,7 +126,8 @@ class LossPlan:
                  kl_estimator=None, ratio_level=None, rollout_correction=None, rollout_level=None,
                  rollout_cap=None, rollout_floor=None, cu_seqlens_dtype=None, jsd_beta=None,
                  teacher_topk=None, topk_ids_dtype="int64", vocab_start=None, vocab_global=None,
-                 ranks=None, _linear: Optional[dict] = None):
+                 ranks=None, _linear: Optional[dict] = None, **unknown):
+        plan_fields(unknown)  # HeadlossTypeError naming the first unknown option
         local = locals()
         fields = plan_fields({k: local[k] for k in PLAN_OPTIONS})
         if device not in DEVICES:

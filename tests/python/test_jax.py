@@ -139,7 +139,7 @@ def test_loss_error_carries_message(device, rng):
     labels = jax.device_put(jnp.asarray([0, 1, 2, 99], jnp.int32), device)
     with pytest.raises(Exception, match="labels"):
         hlj.fused_loss(z, labels)[0].block_until_ready()
-    with pytest.raises(headloss.HeadlossTypeError, match="unknown loss plan option 'zz_weight'; the options are ce_weight"):
+    with pytest.raises(headloss.HeadlossTypeError, match="unknown loss plan option 'zz_weight'; the numeric options are ce_weight"):
         hlj.fused_loss(z, labels, zz_weight=1.0)
 
 
