@@ -366,7 +366,8 @@ def expect(x, name: str, dtype: Union[int, Tuple[int, ...], None] = None, *,
     if x is None:
         return None
     v = x if isinstance(x, ArrayView) else view(x, name)
-    if like is not None and (v.backend != like.backend or v.device != like.device):
+    if like is not None and (v.backend != like.backend or  # a device of -1: not known (a generic producer)
+                             (v.device != like.device and min(v.device, like.device) >= 0)):
         raise HeadlossTypeError(f"{name} is in {_place(v)} but {like.name} is in {_place(like)}; "
                                 "pass them on one device")
     if dtype is not None:

@@ -113,6 +113,8 @@ def test_place_checks():
     with pytest.raises(TypeError, match="z is in cuda:1 but y is in cuda:0"):
         _arrays.expect(gpu1, "z", like=gpu0)
     assert _arrays.expect(gpu0, "y", like=gpu0) is gpu0
+    generic = _arrays.ArrayView(None, "cai", 0, (1,), (1,), DTYPE_F32, BACKEND_CUDA, 0, -1, "w")
+    assert _arrays.expect(generic, "w", like=gpu1) is generic  # its device is not known: not refused
 
 
 def test_library_error_carries_message(rng):
