@@ -10,6 +10,7 @@ if(SKBUILD)
   if(TARGET headloss_jax)
     install(TARGETS headloss_jax LIBRARY DESTINATION ${SKBUILD_PROJECT_NAME})
   endif()
+  install(FILES ${HL_ABI_PY} DESTINATION ${SKBUILD_PROJECT_NAME})  # cmake/python_abi.cmake
   return()
 endif()
 

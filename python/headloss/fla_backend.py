@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from ._lib import cuda_available
+from . import _abi
+from ._lib import HeadlossError, cuda_available
 from .gdn import gdn_bwd_dqkwg
 
 _HALF = ("torch.bfloat16", "torch.float16")
@@ -114,7 +115,8 @@ def enable() -> None:
     """Routes fla's chunk_bwd_dqkwg to headloss wherever `takes` says yes (idempotent)."""
     global _enabled, _registered
     if not cuda_available():
-        raise RuntimeError("headloss.fla_backend: the headloss library has no CUDA backend or sees no GPU")
+        raise HeadlossError("headloss.fla_backend: the headloss library has no CUDA backend or sees no GPU",
+                            _abi.HL_STATUS_NOT_SUPPORTED)
     if not _registered:
         _register()
         _registered = True

@@ -43,15 +43,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from ._arrays import DTYPE_NAMES, dtype_code
-from ._lib import _HERE, lib_path
-from .loss import LEVELS, ROLLOUT_CORRECTIONS, SCALARS, TERMS, LossPlan, code_of, kl_estimator_code
+from . import _abi
+from ._arrays import DTYPE_NAMES, FLOATS, INTS, dtype_code, expect, spec
+from ._lib import _HERE, DTYPE_F32, HeadlossValueError, lib_path
+from ._loss_options import SCALARS, call_value, plan_fields, terms_bits
+from .loss import LossPlan
+from .rmsnorm import cast_code
 
 __all__ = ["rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "fused_loss", "sharded_fused_loss", "loss_stats",
            "loss_middle", "loss_finish", "loss_exchanges", "linear_loss", "sharded_linear_loss", "loss_plan_count", "adapter_path"]
 
-_CAST = {"llama": 0, "gemma": 1, "none": 2}
-_GRAD_MODES = {None: 0, "none": 0, "write": 1}
 _OPTIONAL_INPUTS = ("labels", "weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
 _TEACHER_INPUTS = ("teacher_hidden", "teacher_weight")  # the fused linear form's teacher
 _SEQ_INPUTS = ("rollout_logprobs", "cu_seqlens")
@@ -98,15 +99,9 @@ def _f32(v) -> np.float32:
     return np.float32(float(v))
 
 
-def _cast_code(cast: str) -> int:
-    if cast not in _CAST:
-        raise ValueError(f"cast must be one of {sorted(_CAST)}, got {cast!r}")
-    return _CAST[cast]
-
-
-def _check_float(x, name: str) -> None:
-    if x.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
-        raise TypeError(f"{name}: unsupported dtype {x.dtype}; expected float32, float16 or bfloat16")
+def _spec(x, name: str, dtype=None, **checks):
+    """expect() of a JAX array's shape and dtype (a tracer under jit: no memory to check)."""
+    return None if x is None else expect(spec(x, name), name, dtype, **checks)
 
 
 # ---- RMSNorm -------------------------------------------------------------------------------------
@@ -114,13 +109,12 @@ def _check_float(x, name: str) -> None:
 def rmsnorm_fwd(x, weight=None, *, eps: float = 1e-6, offset: float = 0.0, cast: str = "llama",
                 residual=None, out_dtype=None, return_rstd: bool = False):
     """RMSNorm over the last dimension (no autodiff rule: see `rmsnorm`). Returns
-    (y, residual_out or None, rstd or None), as headloss.rmsnorm_fwd."""
-    _check_float(x, "x")
-    if weight is not None and (weight.ndim != 1 or weight.shape[0] != x.shape[-1]):
-        raise ValueError(f"weight has shape {weight.shape}; expected ({x.shape[-1]},)")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError("residual must have x's shape and dtype")
-    rows = math.prod(x.shape[:-1])
+    (y, residual_out or None, rstd or None), as headloss.rmsnorm_fwd (the same options and
+    defaults; every array checked against x's shape, HeadlossError naming it)."""
+    xv = _spec(x, "x", FLOATS, matrix=True)
+    rows, cols = xv.rows, x.shape[-1]
+    _spec(weight, "weight", FLOATS, shape=(cols,))
+    _spec(residual, "residual", xv.dtype, shape=x.shape)
     ydt = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     outs = [jax.ShapeDtypeStruct(x.shape, ydt)]
     args = [x]
@@ -132,7 +126,7 @@ def rmsnorm_fwd(x, weight=None, *, eps: float = 1e-6, offset: float = 0.0, cast:
     if return_rstd:
         outs.append(jax.ShapeDtypeStruct((rows,), jnp.float32))
     res = jax.ffi.ffi_call("headloss_rmsnorm_fwd", outs, vmap_method="sequential")(
-        *args, eps=_f32(eps), offset=_f32(offset), cast=_i32(_cast_code(cast)),
+        *args, eps=_f32(eps), offset=_f32(offset), cast=_i32(cast_code(cast)),
         has_weight=_i32(weight is not None), has_residual=_i32(residual is not None),
         want_rstd=_i32(return_rstd))
     res = list(res)
@@ -145,7 +139,15 @@ def rmsnorm_fwd(x, weight=None, *, eps: float = 1e-6, offset: float = 0.0, cast:
 def rmsnorm_bwd(dy, x, weight=None, rstd=None, *, eps: float = 1e-6, offset: float = 0.0,
                 cast: str = "llama", dresidual_out=None, dw_dtype=None):
     """Gradients of rmsnorm_fwd: (dx, dw or None). x is the normalised input s (x + residual when
-    fused); rstd from the forward or None (recomputed)."""
+    fused) [..., N]; dy like it; rstd fp32 [rows] from the forward or None (recomputed);
+    dresidual_out x's shape and dtype; weight [N]; dw_dtype float32 or the weight's (default)."""
+    xv = _spec(x, "x", FLOATS, matrix=True)
+    _spec(dy, "dy", FLOATS, shape=x.shape)
+    _spec(rstd, "rstd", DTYPE_F32, size=xv.rows)
+    wv = _spec(weight, "weight", FLOATS, shape=(x.shape[-1],))
+    _spec(dresidual_out, "dresidual_out", xv.dtype, shape=x.shape)
+    if dw_dtype is not None and wv is not None and dtype_code(dw_dtype, "dw_dtype") not in (DTYPE_F32, wv.dtype):
+        raise HeadlossValueError(f"dw_dtype is {dw_dtype}; expected float32 or the weight's {weight.dtype}")
     args = [dy, x]
     if rstd is not None:
         args.append(rstd)
@@ -157,7 +159,7 @@ def rmsnorm_bwd(dy, x, weight=None, rstd=None, *, eps: float = 1e-6, offset: flo
     if weight is not None:
         outs.append(jax.ShapeDtypeStruct(weight.shape, weight.dtype if dw_dtype is None else jnp.dtype(dw_dtype)))
     res = jax.ffi.ffi_call("headloss_rmsnorm_bwd", outs, vmap_method="sequential")(
-        *args, eps=_f32(eps), offset=_f32(offset), cast=_i32(_cast_code(cast)),
+        *args, eps=_f32(eps), offset=_f32(offset), cast=_i32(cast_code(cast)),
         has_rstd=_i32(rstd is not None), has_weight=_i32(weight is not None),
         has_dres=_i32(dresidual_out is not None))
     return res[0], (res[1] if weight is not None else None)
@@ -199,21 +201,13 @@ def rmsnorm(x, weight=None, *, eps: float = 1e-6, offset: float = 0.0, cast: str
     x: [..., N] float32 / float16 / bfloat16; weight: optional [N]; cast: "llama", "gemma" or
     "none" (see headloss.h). Runs on the CUDA backend on GPU and the CPU backend on the host.
     """
-    _cast_code(cast)
+    cast_code(cast)
     cfg = (float(eps), float(offset), cast, None if out_dtype is None else jnp.dtype(out_dtype).name)
     y, s = _rmsnorm(x, weight, residual, cfg)
     return y if residual is None else (y, s)
 
 
 # ---- the fused loss plan -------------------------------------------------------------------------
-
-_OPTIONS = frozenset({"ce_weight", "z_weight", "entropy_weight", "distill_weight", "grpo_weight",
-                      "kl_ref_beta", "label_smoothing", "logit_scale", "softcap",
-                      "teacher_temperature", "student_temperature", "eps_low", "eps_high",
-                      "dual_clip", "cispo_weight", "cispo_eps_high", "kl_estimator", "ratio_level",
-                      "rollout_correction", "rollout_level", "rollout_cap", "rollout_floor",
-                      "cu_seqlens_dtype", "jsd_beta"})
-
 
 class _Cfg(NamedTuple):
     """A loss call's static configuration (hashable: custom_vjp's nondiff argument)."""
@@ -228,72 +222,52 @@ class _Cfg(NamedTuple):
 def _config(fn: str, logits, extras, terms, divisor, ignore_index, check, grad_dtype, token_outputs,
             options, axis_name=None, **shard) -> _Cfg:
     """Checks `fn`'s inputs and options; shard: vocab_global and ranks of a vocabulary shard.
-    logits: the operand, or for the linear form a stand-in of the logits' shape and dtype."""
-    _check_float(logits, "logits")
+    logits: the operand, or for the linear form a stand-in of the logits' shape and dtype. The
+    options are validated by the library itself, on a CPU plan made once per configuration at
+    trace time (HeadlossError with its message, as LossPlan raises)."""
+    lv = _spec(logits, "logits", FLOATS, matrix=True)
     options = dict(options)
-    _check_topk(logits, extras[_ALL_INPUTS.index("teacher_topk_ids"):], options.pop("teacher_topk", None))
-    unknown = set(options) - _OPTIONS
-    if unknown:
-        raise TypeError(f"{fn}: unknown options {sorted(unknown)}")
-    labels = extras[0]
-    if labels is not None and labels.dtype not in (jnp.int32, jnp.int64):
-        raise TypeError(f"labels: dtype {labels.dtype}; expected int32 or int64")
-    for name, x in zip(_ALL_INPUTS, extras):
-        if x is None or name in _TEACHER_INPUTS + _TOPK_INPUTS:
-            continue
-        if name == "cu_seqlens":
-            if x.ndim != 1 or x.dtype not in (jnp.int32, jnp.int64):
-                raise TypeError(f"cu_seqlens must be int32 or int64 [sequences + 1], got {x.dtype}{list(x.shape)}")
-            continue
-        want = logits.shape if name == "teacher_logits" else logits.shape[:-1]
-        if tuple(x.shape) != tuple(want):
-            raise ValueError(f"{name} has shape {x.shape}; expected {tuple(want)}")
-        if name == "teacher_logits" and x.dtype != logits.dtype:
-            raise TypeError("teacher_logits must have the logits' dtype")
-        if name not in ("labels", "teacher_logits") and x.dtype != jnp.float32:
-            raise TypeError(f"{name} must be float32, got {x.dtype}")
-    bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
-    opts = dict(options, terms=bits, flags=0 if check else 1, divisor=float(divisor), **shard)
-    if "kl_estimator" in opts:  # an int attribute, whatever the caller named it by
-        opts["kl_estimator"] = kl_estimator_code(opts["kl_estimator"])
-    for k, table in (("ratio_level", LEVELS), ("rollout_level", LEVELS),
-                     ("rollout_correction", ROLLOUT_CORRECTIONS)):
-        if k in opts:
-            opts[k] = code_of(table, k, opts[k])
-    for k in ("rollout_cap", "rollout_floor"):
-        if k in opts:
-            opts[k] = float(opts[k])
+    _check_inputs(extras, lv.rows, logits.shape[-1], lv.dtype, options.pop("teacher_topk", None))
+    options.pop("cu_seqlens_dtype", None)  # cu_seqlens' own dtype is used (without jax_enable_x64
+    #                                        an int64 array arrives as int32)
+    opts = dict(plan_fields(options), terms=terms_bits(terms), flags=0 if check else _abi.HL_LOSS_UNCHECKED,
+                divisor=call_value("divisor", divisor), **shard)
     cu = extras[_ALL_INPUTS.index("cu_seqlens")]
-    # cu_seqlens' own dtype is used (without jax_enable_x64 an int64 array arrives as int32)
-    opts.pop("cu_seqlens_dtype", None)
     if cu is not None:
         opts["cu_seqlens_dtype"] = dtype_code(cu.dtype)
     elif opts.get("ratio_level") or opts.get("rollout_level"):
-        raise ValueError(f"{fn}: a sequence-level ratio_level or rollout_level needs cu_seqlens")
+        raise HeadlossValueError(f"{fn}: a sequence-level ratio_level or rollout_level needs cu_seqlens")
     if ignore_index is not None:
         opts.update(use_ignore_index=1, ignore_index=int(ignore_index))
-    return _Cfg(tuple(sorted(opts.items())), bool(token_outputs),
-                None if grad_dtype is None else jnp.dtype(grad_dtype).name, axis_name,
-                dtypes=(logits.dtype.name,))
+    cfg = _Cfg(tuple(sorted(opts.items())), bool(token_outputs),
+               None if grad_dtype is None else jnp.dtype(grad_dtype).name, axis_name,
+               dtypes=(logits.dtype.name,))
+    _plan("cpu", logits.shape[-1], logits.dtype.name, extras[0], extras, cfg.opts)
+    return cfg
 
 
-def _check_topk(logits, topk, k=None) -> None:
-    """A sparse teacher's ids and log-probs: both or neither, [..., k] over the logits' rows,
-    ids int32 / int64, log-probs float32. k, the plan's teacher_topk, is their last dimension (an
-    option teacher_topk, as LossPlan takes, must say the same)."""
-    ids, lp = topk if topk else (None, None)
+_PER_ROW_F32 = ("weights", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+
+
+def _check_inputs(extras, rows: int, vocab: int, dtype: int, k=None) -> None:
+    """The per-row inputs, teacher logits and a sparse teacher's arrays against the logits' rows,
+    vocabulary and dtype (the fused linear form's teacher is _linear_config's). A sparse teacher's
+    ids and log-probs go together, [rows, k], with k the option teacher_topk where given."""
+    x = dict(zip(_ALL_INPUTS, extras))
+    _spec(x["labels"], "labels", INTS, size=rows)
+    for name in _PER_ROW_F32:
+        _spec(x[name], name, DTYPE_F32, size=rows)
+    _spec(x["teacher_logits"], "teacher_logits", dtype, rows=rows, cols=vocab)
+    _spec(x["cu_seqlens"], "cu_seqlens", INTS, shape=(None,))
+    ids, lp = x["teacher_topk_ids"], x["teacher_topk_logprobs"]
     if (ids is None) != (lp is None):
-        raise ValueError("teacher_topk_ids and teacher_topk_logprobs go together")
+        raise HeadlossValueError("teacher_topk_ids and teacher_topk_logprobs go together")
     if k is not None and k != (0 if ids is None else ids.shape[-1]):
-        raise ValueError(f"teacher_topk is {k} but teacher_topk_ids is {None if ids is None else ids.shape}")
-    if ids is None:
-        return
-    if ids.shape[:-1] != logits.shape[:-1] or lp.shape != ids.shape:
-        raise ValueError(f"teacher_topk_ids {ids.shape} and teacher_topk_logprobs {lp.shape} must both "
-                         f"be {tuple(logits.shape[:-1])} + [k]")
-    if ids.dtype not in (jnp.int32, jnp.int64) or lp.dtype != jnp.float32:
-        raise TypeError(f"teacher_topk_ids must be int32 / int64 and teacher_topk_logprobs float32, got "
-                        f"{ids.dtype} and {lp.dtype}")
+        raise HeadlossValueError(f"teacher_topk is {k} but teacher_topk_ids has shape "
+                                 f"{None if ids is None else ids.shape}")
+    if ids is not None:
+        _spec(ids, "teacher_topk_ids", INTS, rows=rows)
+        _spec(lp, "teacher_topk_logprobs", DTYPE_F32, rows=rows, cols=ids.shape[-1])
 
 
 def _extras(kw: dict, labels, names) -> tuple:
@@ -305,7 +279,7 @@ def _kwargs_config(fn: str, logits, labels, kwargs: dict, **shard):
     """(cfg, extras) from fused_loss's keyword arguments as a dict."""
     kw = dict(kwargs)
     extras = _extras(kw, labels, _OPTIONAL_INPUTS + _SEQ_INPUTS + _TOPK_INPUTS)
-    cfg = _config(fn, logits, extras, kw.pop("terms", ("ce",)), kw.pop("divisor", 0.0),
+    cfg = _config(fn, logits, extras, kw.pop("terms", ("ce",)), kw.pop("divisor", None),
                   kw.pop("ignore_index", None), kw.pop("check", True), kw.pop("grad_dtype", None),
                   kw.pop("token_outputs", False), kw, **shard)
     return cfg, extras
@@ -316,21 +290,18 @@ def _linear_config(fn: str, hidden, weight, labels, kwargs: dict, **shard):
     extras: _ALL_INPUTS."""
     kw = dict(kwargs)
     extras = _extras(kw, labels, _ALL_INPUTS)
-    _check_float(hidden, "hidden")
-    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight has shape {weight.shape}; expected [vocab, {hidden.shape[-1]}]")
+    hv = _spec(hidden, "hidden", FLOATS, matrix=True)
+    H = hidden.shape[-1]
+    _spec(weight, "weight", hv.dtype, shape=(None, H))
     th, tw = extras[6], extras[7]
     if (th is None) != (tw is None):
-        raise ValueError("teacher_hidden and teacher_weight go together")
-    if th is not None and (th.shape[:-1] != hidden.shape[:-1] or tw.shape != (weight.shape[0], th.shape[-1])):
-        raise ValueError(f"teacher_hidden {th.shape} and teacher_weight {tw.shape} must be "
-                         f"{hidden.shape[:-1]} + [Ht] and [{weight.shape[0]}, Ht]")
-    for name, x in (("weight", weight), ("teacher_hidden", th), ("teacher_weight", tw)):
-        if x is not None and x.dtype != hidden.dtype:
-            raise TypeError(f"{name} is {x.dtype}; the fused linear form takes it in hidden's dtype {hidden.dtype}")
+        raise HeadlossValueError("teacher_hidden and teacher_weight go together")
+    if th is not None:
+        Ht = _spec(th, "teacher_hidden", hv.dtype, rows=hv.rows).shape[-1]
+        _spec(tw, "teacher_weight", hv.dtype, shape=(weight.shape[0], Ht))
     cap = kw.pop("max_workspace_bytes", None)
     logits = jax.ShapeDtypeStruct(hidden.shape[:-1] + (weight.shape[0],), hidden.dtype)
-    cfg = _config(fn, logits, extras, kw.pop("terms", ("ce",)), kw.pop("divisor", 0.0),
+    cfg = _config(fn, logits, extras, kw.pop("terms", ("ce",)), kw.pop("divisor", None),
                   kw.pop("ignore_index", None), kw.pop("check", True), kw.pop("grad_weight_dtype", None),
                   kw.pop("token_outputs", False), kw, **shard)
     if cap is not None:
@@ -338,13 +309,17 @@ def _linear_config(fn: str, hidden, weight, labels, kwargs: dict, **shard):
     return cfg._replace(linear=True, dtypes=(hidden.dtype.name, weight.dtype.name)), extras
 
 
-_I64_ATTRS = ("ignore_index", "vocab_global", "max_workspace_bytes")
+# The attributes' types: the descriptor's fields' (int and unsigned fields as int32), and the
+# call's divisor and workspace cap.
+_NP_TYPES = {ctypes.c_float: np.float32, ctypes.c_int: np.int32, ctypes.c_uint: np.int32,
+             ctypes.c_int64: np.int64}
+_ATTR_TYPES = {f: _NP_TYPES[t] for f, t in _abi.hl_loss_plan_desc_t._fields_ if t in _NP_TYPES}
+_ATTR_TYPES.update(divisor=np.float64, max_workspace_bytes=np.int64)
 
 
 def _attrs(cfg: _Cfg) -> dict:
     """The plan's attributes with the types the adapter reads them as."""
-    return {k: (np.int64(v) if k in _I64_ATTRS else np.float64(v) if k == "divisor"
-                else _i32(v) if isinstance(v, (bool, int)) else _f32(v)) for k, v in cfg.opts}
+    return {k: _ATTR_TYPES[k](v) for k, v in cfg.opts}
 
 
 def _vocab_start(v):
@@ -400,17 +375,20 @@ def _platform(x) -> str:
     return "cpu" if getattr(where, "platform", where) == "cpu" else "cuda"
 
 
+def _plan(device: str, vocab: int, dtype: str, labels, extras, opts) -> LossPlan:
+    """The LossPlan of a call's configuration (made once per configuration): what the library
+    says of its options, and the sizes of its blocks."""
+    ids = extras[_ALL_INPUTS.index("teacher_topk_ids")]
+    topk = () if ids is None else (("teacher_topk", int(ids.shape[-1])), ("topk_ids_dtype", ids.dtype.name))
+    return _cached_plan(device, vocab, dtype, None if labels is None else labels.dtype.name, opts + topk)
+
+
 @lru_cache(maxsize=64)
-def _split_bytes(device: str, vocab: int, dtype: str, labels_dtype: Optional[str], rows: int,
-                 opts) -> Tuple[int, int]:
-    """The library's sizes of one block of statistics and of one middle block (0: the plan has no
-    middle step): XLA needs the results' shapes when tracing (records are fp64 on the CPU backend,
-    fp32 on CUDA; the same for both forms)."""
+def _cached_plan(device: str, vocab: int, dtype: str, labels_dtype: Optional[str], opts) -> LossPlan:
     kw = {k: v for k, v in opts if k not in ("flags", "divisor", "use_ignore_index", "max_workspace_bytes")}
     if "cu_seqlens_dtype" in kw:  # an hl_dtype_t attribute; LossPlan takes a name
         kw["cu_seqlens_dtype"] = DTYPE_NAMES[kw["cu_seqlens_dtype"]]
-    plan = LossPlan(vocab, dtype, device=device, labels_dtype=labels_dtype, grad=None, **kw)
-    return plan.stats_bytes(rows), plan.middle_bytes(rows) if plan.exchanges == 2 else 0
+    return LossPlan(vocab, dtype, device=device, labels_dtype=labels_dtype, grad=None, **kw)
 
 
 _STATS_INPUTS = (0, 2, 6, 7, 10, 11)  # the inputs statistics read: labels and the teacher's
@@ -438,11 +416,12 @@ def _split_call(target: str, cfg: _Cfg, operands, extras, tail, need):
 
 
 def _split_sizes(cfg: _Cfg, operands, extras, rows: int) -> Tuple[int, int]:
-    """_split_bytes of a call's plan (a sparse teacher's k and ids' dtype from its ids)."""
-    labels, ids = extras[0], extras[_ALL_INPUTS.index("teacher_topk_ids")]
-    topk = () if ids is None else (("teacher_topk", int(ids.shape[-1])), ("topk_ids_dtype", ids.dtype.name))
-    return _split_bytes(_platform(operands[0]), _vocab(cfg, operands), operands[0].dtype.name,
-                        None if labels is None else labels.dtype.name, rows, cfg.opts + topk)
+    """The library's sizes of one block of statistics and of one middle block (0: the plan has no
+    middle step): XLA needs the results' shapes when tracing (records are fp64 on the CPU backend,
+    fp32 on CUDA; the same for both forms)."""
+    plan = _plan(_platform(operands[0]), _vocab(cfg, operands), operands[0].dtype.name, extras[0], extras,
+                 cfg.opts)
+    return plan.stats_bytes(rows), plan.middle_bytes(rows) if plan.exchanges == 2 else 0
 
 
 def _exchanges(cfg: _Cfg, operands, extras) -> int:
@@ -516,7 +495,7 @@ def _metrics(scalars) -> Dict[str, Any]:
 def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=None,
                teacher_logits=None, advantages=None, old_logprobs=None, ref_logprobs=None,
                rollout_logprobs=None, cu_seqlens=None, teacher_topk_ids=None, teacher_topk_logprobs=None,
-               divisor: float = 0.0, token_outputs: bool = False, ignore_index: Optional[int] = None,
+               divisor: Optional[float] = None, token_outputs: bool = False, ignore_index: Optional[int] = None,
                check: bool = True, grad_dtype=None, **options
                ) -> Tuple[Any, Dict[str, Any]] | Tuple[Any, Dict[str, Any], Tuple[Any, ...]]:
     """The fused LM-head loss plan (see headloss.h and headloss.LossPlan for the options).
@@ -525,14 +504,16 @@ def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=N
     weights, advantages, old_logprobs, ref_logprobs [...] float32; teacher_logits like logits, or a
     sparse teacher: teacher_topk_ids [..., k] int32 / int64 (< 0: padding) and
     teacher_topk_logprobs [..., k] float32 (the plan's teacher_topk is k).
-    terms: names from headloss.loss.TERMS ("ce", "z", "entropy", "distill_fwd", "distill_rev",
-    "distill_jsd", "grpo", "kl_ref", "cispo"); options: ce_weight, z_weight, entropy_weight,
+    terms: a name or names of headloss.TERMS ("ce", the default, "z", "entropy", "distill_fwd",
+    "distill_rev", "distill_jsd", "grpo", "kl_ref", "cispo"). Every option defaults to None, the
+    library's default (headloss.LossPlan's docstring lists them: z_weight 1e-4, ...; an explicit 0
+    that the library would read as a nonzero default is refused, as LossPlan refuses it); options: ce_weight, z_weight, entropy_weight,
     distill_weight, grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap,
     teacher_temperature, student_temperature, eps_low, eps_high, dual_clip, cispo_weight,
     cispo_eps_high, kl_estimator, ratio_level, rollout_correction, rollout_level, rollout_cap,
     rollout_floor, jsd_beta (names as headloss.LossPlan's); rollout_logprobs [...] float32 and
     cu_seqlens int32 / int64 [sequences + 1] over the flattened rows as LossPlan's call.
-    divisor (static): D, 0 = sum of valid weights.
+    divisor (static): D, None (default) = the sum of the valid rows' weights.
 
     Returns (loss, metrics) where metrics maps every name of headloss.loss.SCALARS to a 0-d fp32
     array (no gradient flows through metrics), plus (token_loss, token_logp, token_entropy,
@@ -578,7 +559,7 @@ def linear_loss(hidden, weight, labels=None, *, terms: Sequence[str] = ("ce",), 
                 teacher_logits=None, teacher_hidden=None, teacher_weight=None, advantages=None,
                 old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, cu_seqlens=None,
                 teacher_topk_ids=None, teacher_topk_logprobs=None,
-                divisor: float = 0.0, token_outputs: bool = False,
+                divisor: Optional[float] = None, token_outputs: bool = False,
                 ignore_index: Optional[int] = None, check: bool = True, grad_weight_dtype=None,
                 max_workspace_bytes: Optional[int] = None, **options):
     """The fused linear form of the loss plan: the loss of the logits hidden @ weight.T without

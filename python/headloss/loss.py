@@ -5,150 +5,69 @@ one combined gradient from one pass over the logits (see headloss.h, "Fused LM-h
 NumPy arrays (CPU backend) or PyTorch / CuPy device arrays (CUDA backend, current stream).
 `fused_loss(...)` does both with a cached plan. `LinearLossPlan(vocab, hidden, dtype, ...)` is the
 fused linear form: `plan(hidden, weight, labels, ...)`, the logits never whole in memory.
+Every array is checked against the rows, vocabulary and dtypes the call passes to the library
+before the call (HeadlossError naming it); see headloss._loss_options for the options' defaults.
 """
 from __future__ import annotations
 
 import ctypes
+import math
 from functools import lru_cache
 
 import numpy as np
 from typing import Any, NamedTuple, Optional
 
-from ._arrays import DTYPE_NAMES, dtype_code, empty, same_place, view
-from ._lib import (BACKEND_CPU, BACKEND_CUDA, DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_I32, DTYPE_I64,
-                   DTYPE_NONE, declare)
+from . import _abi
+from ._arrays import DTYPE_NAMES, FLOATS, INTS, ITEMSIZE, ArrayView, dtype_code, empty, expect, view
+from ._loss_options import (GRAD_MODES, KL_ESTIMATORS, LEVELS, PLAN_OPTIONS, ROLLOUT_CORRECTIONS,  # noqa: F401
+                            SCALARS, TERMS, call_value, describe_options, plan_fields, terms_bits)
+from ._lib import (BACKEND_CPU, BACKEND_CUDA, DTYPE_F32, DTYPE_I64, DTYPE_NONE, HeadlossTypeError,
+                   HeadlossValueError, code_of, declare, descriptor)
 from ._lib import check as _check
 
-c_i64, c_ptr, c_int, c_uint, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_float
-
-TERMS = {"ce": 1, "z": 2, "entropy": 4, "distill_fwd": 8, "distill_rev": 16, "grpo": 32, "kl_ref": 64,
-         "cispo": 128, "distill_jsd": 256}
-KL_ESTIMATORS = {"k3": 0, "k1": 1, "k2": 2}  # HL_LOSS_KL_*: kl_estimator by name (or the int)
-LEVELS = {"token": 0, "seq_product": 1, "seq_mean": 2}  # HL_LOSS_LEVEL_*: ratio_level, rollout_level
-ROLLOUT_CORRECTIONS = {None: 0, "none": 0, "tis": 1, "mis": 2, "reject": 3}  # HL_LOSS_ROLLOUT_*
-UNCHECKED = 1  # HL_LOSS_UNCHECKED: no checks that synchronise with the device
-GRAD_MODES = {None: 0, "none": 0, "write": 1, "accumulate": 2}
-SCALARS = ("loss", "ce", "z", "entropy", "distill", "grpo", "kl_ref", "divisor", "weight_sum",
-           "valid_rows", "lse_mean", "entropy_mean", "logp_mean", "accuracy", "ratio_mean",
-           "ratio_min", "ratio_max", "clip_low", "clip_high", "clip_any", "k3_old", "kl_ref_mean",
-           "adv_mean", "adv_min", "adv_max", "distill_kl_mean", "cispo", "dual_clip",
-           "rollout_kl_k1", "rollout_kl_k3", "rollout_weight_mean", "rollout_corrected", "topk_mass")
+c_i64, c_ptr, c_size = ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t
+_Desc, _Args = _abi.hl_loss_plan_desc_t, _abi.hl_loss_args_t
 # The optional per-row inputs of a call, by keyword (cu_seqlens: [sequences + 1]; a sparse
 # teacher's ids and log-probs: [rows, teacher_topk]).
 INPUTS = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs",
           "rollout_logprobs", "cu_seqlens", "teacher_topk_ids", "teacher_topk_logprobs")
-
-
-class _Desc(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("backend", c_int), ("vocab", c_i64),
-                ("logits_dtype", c_int), ("labels_dtype", c_int), ("terms", c_uint), ("flags", c_uint),
-                ("ce_weight", c_float), ("z_weight", c_float), ("entropy_weight", c_float),
-                ("distill_weight", c_float), ("grpo_weight", c_float), ("kl_ref_beta", c_float),
-                ("label_smoothing", c_float), ("logit_scale", c_float), ("softcap", c_float),
-                ("teacher_temperature", c_float), ("student_temperature", c_float),
-                ("eps_low", c_float), ("eps_high", c_float), ("use_ignore_index", c_int),
-                ("ignore_index", c_i64), ("grad_mode", c_int), ("grad_dtype", c_int),
-                ("vocab_start", c_i64), ("vocab_global", c_i64), ("ranks", c_int),
-                ("hidden", c_i64), ("weight_dtype", c_int), ("teacher_hidden", c_i64),
-                ("grad_hidden_mode", c_int), ("grad_hidden_dtype", c_int),
-                ("grad_weight_mode", c_int), ("grad_weight_dtype", c_int),
-                ("dual_clip", c_float), ("cispo_weight", c_float), ("cispo_eps_high", c_float),
-                ("kl_estimator", c_int), ("cu_seqlens_dtype", c_int), ("ratio_level", c_int),
-                ("rollout_correction", c_int), ("rollout_level", c_int), ("rollout_cap", c_float),
-                ("rollout_floor", c_float), ("jsd_beta", c_float), ("teacher_topk", c_int),
-                ("teacher_topk_ids_dtype", c_int)]
-
-
-class _Args(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("rows", c_i64), ("logits", c_ptr),
-                ("logits_stride", c_i64), ("labels", c_ptr), ("weights", c_ptr),
-                ("teacher_logits", c_ptr), ("teacher_stride", c_i64), ("advantages", c_ptr),
-                ("old_logprobs", c_ptr), ("ref_logprobs", c_ptr), ("divisor", ctypes.c_double),
-                ("grad_scale", c_float), ("grad", c_ptr), ("grad_stride", c_i64), ("scalars", c_ptr),
-                ("token_loss", c_ptr), ("token_logp", c_ptr), ("token_entropy", c_ptr),
-                ("token_lse", c_ptr), ("hidden", c_ptr), ("hidden_stride", c_i64), ("weight", c_ptr),
-                ("weight_stride", c_i64), ("teacher_hidden", c_ptr), ("teacher_hidden_stride", c_i64),
-                ("teacher_weight", c_ptr), ("teacher_weight_stride", c_i64), ("grad_hidden", c_ptr),
-                ("grad_hidden_stride", c_i64), ("grad_weight", c_ptr), ("grad_weight_stride", c_i64),
-                ("cu_seqlens", c_ptr), ("num_seqs", c_i64), ("rollout_logprobs", c_ptr),
-                ("teacher_topk_ids", c_ptr), ("teacher_topk_ids_stride", c_i64),
-                ("teacher_topk_logprobs", c_ptr), ("teacher_topk_logprobs_stride", c_i64)]
+_PER_ROW_F32 = ("weights", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+TOKEN_OUTPUTS = ("token_loss", "token_logp", "token_entropy", "token_lse")
+DEVICES = {"cpu": BACKEND_CPU, "cuda": BACKEND_CUDA}
 
 
 _create = declare("hl_loss_plan_create", ctypes.POINTER(_Desc), ctypes.POINTER(c_ptr))
-_ws_size = declare("hl_loss_plan_get_workspace_size", c_ptr, c_i64, ctypes.POINTER(ctypes.c_size_t))
-_ws_sizes = declare("hl_loss_plan_get_workspace_sizes", c_ptr, c_i64, ctypes.POINTER(ctypes.c_size_t),
-                    ctypes.POINTER(ctypes.c_size_t))
-_execute = declare("hl_loss_plan_execute", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t, c_ptr)
+_ws_sizes = declare("hl_loss_plan_get_workspace_sizes", c_ptr, c_i64, ctypes.POINTER(c_size),
+                    ctypes.POINTER(c_size))
+_execute = declare("hl_loss_plan_execute", c_ptr, ctypes.POINTER(_Args), c_ptr, c_size, c_ptr)
 _destroy = declare("hl_loss_plan_destroy", c_ptr)
-_stats_size = declare("hl_loss_plan_get_stats_size", c_ptr, c_i64, ctypes.POINTER(ctypes.c_size_t))
-_stats = declare("hl_loss_plan_execute_stats_ws", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t,
-                 c_ptr, ctypes.c_size_t, c_ptr)
-_finish = declare("hl_loss_plan_execute_finish", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t,
-                  c_ptr, ctypes.c_size_t, c_ptr)
+_stats_size = declare("hl_loss_plan_get_stats_size", c_ptr, c_i64, ctypes.POINTER(c_size))
+_stats = declare("hl_loss_plan_execute_stats_ws", c_ptr, ctypes.POINTER(_Args), c_ptr, c_size,
+                 c_ptr, c_size, c_ptr)
+_finish = declare("hl_loss_plan_execute_finish", c_ptr, ctypes.POINTER(_Args), c_ptr, c_size,
+                  c_ptr, c_size, c_ptr)
 _exchanges = declare("hl_loss_plan_get_exchanges", c_ptr, ctypes.POINTER(ctypes.c_int))
-_middle_size = declare("hl_loss_plan_get_middle_size", c_ptr, c_i64, ctypes.POINTER(ctypes.c_size_t))
-_middle = declare("hl_loss_plan_execute_middle", c_ptr, ctypes.POINTER(_Args), c_ptr, ctypes.c_size_t,
-                  c_ptr, ctypes.c_size_t, c_ptr, ctypes.c_size_t, c_ptr)
+_middle_size = declare("hl_loss_plan_get_middle_size", c_ptr, c_i64, ctypes.POINTER(c_size))
+_middle = declare("hl_loss_plan_execute_middle", c_ptr, ctypes.POINTER(_Args), c_ptr, c_size,
+                  c_ptr, c_size, c_ptr, c_size, c_ptr)
 _finish_with_middle = declare("hl_loss_plan_execute_finish_with_middle", c_ptr, ctypes.POINTER(_Args), c_ptr,
-                              ctypes.c_size_t, c_ptr, ctypes.c_size_t, c_ptr, ctypes.c_size_t, c_ptr)
-_nccl = declare("hl_loss_plan_execute_nccl", c_ptr, ctypes.POINTER(_Args), c_ptr, c_ptr, ctypes.c_size_t,
-                c_ptr)
-_ITEMSIZE = {DTYPE_F32: 4, DTYPE_F16: 2, DTYPE_BF16: 2, DTYPE_I32: 4, DTYPE_I64: 8}
+                              c_size, c_ptr, c_size, c_ptr, c_size, c_ptr)
+_nccl = declare("hl_loss_plan_execute_nccl", c_ptr, ctypes.POINTER(_Args), c_ptr, c_ptr, c_size, c_ptr)
 
 
-_PER_ROW_F32 = ("weights", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "scalars",
-                "token")
+def _optional_dtype(dt, name: str) -> int:
+    return DTYPE_NONE if dt is None else dtype_code(dt, name)
 
 
-def _packed(v) -> bool:
-    acc = 1
-    for n, s in reversed(list(zip(v.shape, v.strides))):
-        if n == 0:
-            return True
-        if n != 1 and s != acc:
-            return False
-        acc *= n
-    return True
+def _grad_mode(mode, name: str) -> int:
+    return GRAD_MODES["none"] if mode is None else code_of(GRAD_MODES, name, mode)
 
 
-def _check_arrays(views, expected=None) -> None:
-    """TypeError for an array whose dtype is not the one the plan reads it as, ValueError for a
-    per-row array that is not packed: the library gets bare pointers (and no stride for per-row
-    arrays), so either would be misread (or overrun). views: (name, view) pairs; expected:
-    name -> hl_dtype_t; the per-row fp32 inputs and outputs are always checked."""
-    expected = expected or {}
-    for name, v in views:
-        if v is None:
-            continue
-        want = expected.get(name, DTYPE_F32 if name in _PER_ROW_F32 else DTYPE_NONE)
-        if want != DTYPE_NONE and v.dtype != want:
-            raise TypeError(f"{name} is {DTYPE_NAMES[v.dtype]}; the plan expects {DTYPE_NAMES[want]}")
-        if (name in _PER_ROW_F32 or name in ("labels", "cu_seqlens")) and not _packed(v):
-            raise ValueError(f"{name} (shape {v.shape}, strides {v.strides}) must be contiguous")
-
-
-def code_of(table, what, name) -> int:
-    """The code of a name in table; an int passes through (the library checks it)."""
-    if isinstance(name, str) or name is None:
-        if name not in table:
-            raise ValueError(f"{what} {name!r}; expected one of {sorted(k for k in table if k)}")
-        return table[name]
-    return int(name)
-
-
-def kl_estimator_code(name) -> int:
-    """HL_LOSS_KL_* of a KL_ESTIMATORS name (or the int)."""
-    return code_of(KL_ESTIMATORS, "kl_estimator", name)
-
-
-def _set_inputs(a, views, d) -> None:
-    """The optional per-row inputs' pointers (and num_seqs) into the hl_loss_args_t a."""
-    for k, v in views.items():
-        if v is not None:
-            setattr(a, k, v.ptr)
-    if views.get("cu_seqlens") is not None:
-        a.num_seqs = max(int(views["cu_seqlens"].shape[0]) - 1, 0)
+def _given(code: int, name: str, what: str) -> int:
+    """The dtype a plan reads `name` as; HeadlossValueError where the plan was made without it."""
+    if code == DTYPE_NONE:
+        raise HeadlossValueError(f"{name} is given, but the plan was made without {what}")
+    return code
 
 
 class LossOutput(NamedTuple):
@@ -167,62 +86,67 @@ class LossOutput(NamedTuple):
 
 
 class LossPlan:
-    """A validated loss description. Options mirror hl_loss_plan_desc_t: `terms` is an iterable of
-    names from TERMS (or an int of HL_LOSS_* bits); weights default to 1 for each term named.
-    kl_estimator: a name of KL_ESTIMATORS (or its int); dual_clip, cispo_eps_high: 0 is the default.
-    Sequence-level options (calls pass cu_seqlens): ratio_level="seq_mean" is GSPO; a
-    rollout_correction ("tis", "mis", "reject"; calls pass rollout_logprobs) at rollout_level
-    "token", "seq_product" or "seq_mean", with rollout_cap / rollout_floor (0: 2 and 1 / cap).
+    """A validated loss description (hl_loss_plan_desc_t).
+
+    vocab: the logits' columns; dtype: the logits' (float32, float16, bfloat16); device: "cpu"
+    (NumPy, torch CPU tensors) or "cuda". terms: a name of TERMS, several (default "ce"), or an int
+    of HL_LOSS_* bits. labels_dtype: "int64" (default), "int32" or None (no labels).
+    grad: "write" (default), "accumulate" or None; grad_dtype: None (the logits') or "float32".
+    ignore_index: None (default: only negative labels are ignored) or an id ignored as well.
+    check=False skips the checks that synchronise with the GPU (labels in range, gathered headers).
+
+    Every numeric option defaults to None, the library's default, listed below; an explicit 0
+    where the library would read 0 as a nonzero default is refused with the reason (z_weight=0:
+    leave "z" out of terms). entropy_weight and kl_ref_beta have no default: set them with their
+    terms. kl_estimator "k3" / "k1" / "k2"; ratio_level "token" / "seq_mean" (GSPO; calls pass
+    cu_seqlens); rollout_correction "tis" / "mis" / "reject" (calls pass rollout_logprobs) at
+    rollout_level "token" / "seq_product" / "seq_mean", with rollout_cap / rollout_floor.
     cu_seqlens_dtype: the calls' cu_seqlens dtype (default "int32" where an option is
-    sequence-level, as flash-attn's).
-    jsd_beta: DISTILL_JSD's beta ("distill_jsd"). teacher_topk = k > 0: a sparse teacher, its top-k
-    ids (topk_ids_dtype) and log-probs passed as teacher_topk_ids= / teacher_topk_logprobs=
-    [rows, k] instead of teacher_logits (ids < 0: padding).
+    sequence-level, as flash-attn's). jsd_beta: "distill_jsd"'s beta. teacher_topk = k > 0: a
+    sparse teacher, its top-k ids (topk_ids_dtype, default "int64") and log-probs passed as
+    teacher_topk_ids= / teacher_topk_logprobs= [rows, k] instead of teacher_logits (ids < 0:
+    padding).
 
     Tensor parallelism: with vocab_global and ranks set, the plan is the shard [vocab_start,
     vocab_start + vocab) of the vocabulary; run it with stats(), an all-gather of the blocks, and
     finish(), or with nccl() on an NCCL communicator. A plan of two exchanges (dense distill_jsd:
     exchanges == 2) runs middle() on the gathered blocks, a second all-gather of its blocks, and
-    finish(..., gathered_middle=). check=False skips the checks that synchronise with the GPU
-    (labels in range, gathered headers)."""
+    finish(..., gathered_middle=).
+
+    Options and defaults:
+{options}
+    """
 
     def __init__(self, vocab: int, dtype, *, terms=("ce",), device: str = "cpu", labels_dtype="int64",
-                 ce_weight=1.0, z_weight=1.0, entropy_weight=1.0, distill_weight=1.0,
-                 grpo_weight=1.0, kl_ref_beta=1.0, label_smoothing=0.0, logit_scale=0.0,
-                 softcap=0.0, teacher_temperature=0.0, student_temperature=0.0, eps_low=0.0,
-                 eps_high=0.0, ignore_index: Optional[int] = None, grad: Optional[str] = "write",
-                 grad_dtype=None, check: bool = True, vocab_start: int = 0,
-                 vocab_global: int = 0, ranks: int = 0, dual_clip=0.0, cispo_weight=1.0,
-                 cispo_eps_high=0.0, kl_estimator="k3", ratio_level="token", rollout_correction=None,
-                 rollout_level="token", rollout_cap=0.0, rollout_floor=0.0, cu_seqlens_dtype=None,
-                 jsd_beta=0.0, teacher_topk: int = 0, topk_ids_dtype="int64",
-                 _linear: Optional[dict] = None):
-        bits = terms if isinstance(terms, int) else sum(TERMS[t] for t in terms)
-        d = _Desc(ctypes.sizeof(_Desc), BACKEND_CUDA if device == "cuda" else BACKEND_CPU, vocab,
-                  DTYPE_NONE if dtype is None else dtype_code(dtype),
-                  DTYPE_NONE if labels_dtype is None else dtype_code(labels_dtype),
-                  bits, 0 if check else UNCHECKED, ce_weight, z_weight,
-                  entropy_weight, distill_weight, grpo_weight, kl_ref_beta, label_smoothing,
-                  logit_scale, softcap, teacher_temperature, student_temperature, eps_low, eps_high)
+                 ignore_index: Optional[int] = None, grad: Optional[str] = "write", grad_dtype=None,
+                 check: bool = True, ce_weight=None, z_weight=None, entropy_weight=None,
+                 distill_weight=None, grpo_weight=None, kl_ref_beta=None, label_smoothing=None,
+                 logit_scale=None, softcap=None, teacher_temperature=None, student_temperature=None,
+                 eps_low=None, eps_high=None, dual_clip=None, cispo_weight=None, cispo_eps_high=None,
+                 kl_estimator=None, ratio_level=None, rollout_correction=None, rollout_level=None,
+                 rollout_cap=None, rollout_floor=None, cu_seqlens_dtype=None, jsd_beta=None,
+                 teacher_topk=None, topk_ids_dtype="int64", vocab_start=None, vocab_global=None,
+                 ranks=None, _linear: Optional[dict] = None, **unknown):
+        plan_fields(unknown)  # HeadlossTypeError naming the first unknown option
+        local = locals()
+        fields = plan_fields({k: local[k] for k in PLAN_OPTIONS})
+        if device not in DEVICES:
+            raise HeadlossValueError(f"device is {device!r}; expected 'cpu' or 'cuda'")
+        if cu_seqlens_dtype is None and (fields.get("ratio_level") or fields.get("rollout_level")):
+            cu_seqlens_dtype = "int32"
+        d = descriptor(_Desc, backend=DEVICES[device], vocab=vocab, terms=terms_bits(terms),
+                       logits_dtype=_optional_dtype(dtype, "dtype"),
+                       labels_dtype=_optional_dtype(labels_dtype, "labels_dtype"),
+                       flags=0 if check else _abi.HL_LOSS_UNCHECKED, grad_mode=_grad_mode(grad, "grad"),
+                       grad_dtype=_optional_dtype(grad_dtype, "grad_dtype"),
+                       cu_seqlens_dtype=_optional_dtype(cu_seqlens_dtype, "cu_seqlens_dtype"), **fields)
         if ignore_index is not None:
             d.use_ignore_index, d.ignore_index = 1, ignore_index
-        d.grad_mode = GRAD_MODES[grad]
-        d.grad_dtype = DTYPE_NONE if grad_dtype is None else dtype_code(grad_dtype)
-        d.vocab_start, d.vocab_global, d.ranks = vocab_start, vocab_global, ranks
-        d.dual_clip, d.cispo_weight, d.cispo_eps_high = dual_clip, cispo_weight, cispo_eps_high
-        d.kl_estimator = kl_estimator_code(kl_estimator)
-        d.ratio_level = code_of(LEVELS, "ratio_level", ratio_level)
-        d.rollout_correction = code_of(ROLLOUT_CORRECTIONS, "rollout_correction", rollout_correction)
-        d.rollout_level = code_of(LEVELS, "rollout_level", rollout_level)
-        d.rollout_cap, d.rollout_floor = rollout_cap, rollout_floor
-        if cu_seqlens_dtype is None and (d.ratio_level or d.rollout_level):
-            cu_seqlens_dtype = "int32"
-        d.cu_seqlens_dtype = DTYPE_NONE if cu_seqlens_dtype is None else dtype_code(cu_seqlens_dtype)
-        d.jsd_beta, d.teacher_topk = jsd_beta, teacher_topk
-        d.teacher_topk_ids_dtype = dtype_code(topk_ids_dtype) if teacher_topk else DTYPE_NONE
+        if d.teacher_topk:
+            d.teacher_topk_ids_dtype = dtype_code(topk_ids_dtype, "topk_ids_dtype")
         for k, v in (_linear or {}).items():
             setattr(d, k, v)
-        self.vocab, self.terms, self.desc = vocab, bits, d
+        self.vocab, self.terms, self.desc = vocab, d.terms, d
         self._handle = c_ptr()
         _check(_create(ctypes.byref(d), ctypes.byref(self._handle)))
         self._destroy = _destroy
@@ -243,18 +167,25 @@ class LossPlan:
 
     def workspace_sizes(self, rows: int) -> tuple:
         """(min_bytes, fast_bytes) of the workspace for `rows` rows (hl_loss_plan_get_workspace_sizes)."""
-        lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lo, hi = c_size(0), c_size(0)
         _check(_ws_sizes(self._handle, rows, ctypes.byref(lo), ctypes.byref(hi)))
         return lo.value, hi.value
 
     def __call__(self, logits, labels=None, *, weights=None, teacher_logits=None, advantages=None,
                  old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, cu_seqlens=None,
-                 divisor: float = 0.0, grad_scale: float = 0.0, grad=None, token_outputs: bool = False,
-                 in_place: bool = False, scalars=None, tokens=None, teacher_topk_ids=None,
-                 teacher_topk_logprobs=None) -> LossOutput:
-        """Runs the plan. grad: an existing gradient (written, or accumulated into with
-        grad='accumulate'); in_place writes the gradient over the logits. scalars / tokens
-        (4 arrays: loss, logp, entropy, lse): optional preallocated fp32 outputs."""
+                 divisor: Optional[float] = None, grad_scale: Optional[float] = None, grad=None,
+                 token_outputs: bool = False, in_place: bool = False, scalars=None, tokens=None,
+                 teacher_topk_ids=None, teacher_topk_logprobs=None) -> LossOutput:
+        """Runs the plan on logits [..., vocab] (leading dims flattened to rows; rows may have a
+        stride, the last dimension contiguous). labels and the per-row fp32 inputs (weights,
+        advantages, old / ref / rollout log-probs) have one packed element a row; teacher_logits
+        is [rows, vocab] in the logits' dtype; cu_seqlens [sequences + 1]; a sparse teacher's ids
+        and log-probs [rows, teacher_topk]. divisor: D (default None: the sum of the valid rows'
+        weights); grad_scale: the gradient's factor (default None: 1).
+        grad: an existing gradient [rows, vocab] (written, or accumulated into with
+        grad='accumulate'); in_place writes the gradient over the logits. scalars ([len(SCALARS)])
+        / tokens (4 arrays [rows]: loss, logp, entropy, lse): optional preallocated fp32 outputs.
+        Every array is checked before the call: HeadlossError naming the one at fault."""
         inputs = dict(weights=weights, teacher_logits=teacher_logits, advantages=advantages,
                       old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                       rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens,
@@ -271,21 +202,6 @@ class LossPlan:
         nbytes = self.workspace_bytes(rows) if nbytes is None else nbytes
         return empty(view(like, "like"), ((nbytes + 15) // 16 * 4,), DTYPE_F32) if nbytes else None
 
-    def _topk_dtypes(self) -> dict:
-        """The dtypes a sparse teacher's arrays must have."""
-        return {"teacher_topk_ids": self.desc.teacher_topk_ids_dtype or DTYPE_I64,
-                "teacher_topk_logprobs": DTYPE_F32}
-
-    def _check_topk(self, views: dict, rows: int) -> None:
-        """ValueError for a sparse teacher's array that is not [rows, teacher_topk] (the library
-        reads k entries a row through a bare pointer)."""
-        k = self.desc.teacher_topk
-        for name in ("teacher_topk_ids", "teacher_topk_logprobs"):
-            if views.get(name) is not None:
-                r, c, _ = views[name].rows_view(name)
-                if (r, c) != (rows, k):
-                    raise ValueError(f"{name} is [{r}, {c}]; the plan takes [rows = {rows}, teacher_topk = {k}]")
-
     def _workspace(self, lv, rows, ws=None):
         """(array, pointer, bytes) of the given or a fresh workspace (None, None, 0 if none)."""
         if ws is None:
@@ -293,8 +209,8 @@ class LossPlan:
             if not nbytes:
                 return None, None, 0
             ws = empty(lv, ((nbytes + 15) // 16 * 4,), DTYPE_F32)
-        wv = view(ws, "workspace")
-        return ws, wv.ptr, int(np.prod(wv.shape)) * _ITEMSIZE[wv.dtype]
+        wv, nbytes = _buffer(ws, "workspace", lv)
+        return ws, wv.ptr, nbytes
 
     @property
     def exchanges(self) -> int:
@@ -305,13 +221,13 @@ class LossPlan:
 
     def middle_bytes(self, rows: int) -> int:
         """Bytes of one rank's middle block for `rows` rows (a plan of two exchanges)."""
-        n = ctypes.c_size_t(0)
+        n = c_size(0)
         _check(_middle_size(self._handle, rows, ctypes.byref(n)))
         return n.value
 
     def stats_bytes(self, rows: int) -> int:
         """Bytes of one rank's block of statistics for `rows` rows."""
-        n = ctypes.c_size_t(0)
+        n = c_size(0)
         _check(_stats_size(self._handle, rows, ctypes.byref(n)))
         return n.value
 
@@ -322,28 +238,29 @@ class LossPlan:
         cupy / NCCL, ...)."""
         inputs = dict(teacher_logits=teacher_logits, teacher_topk_ids=teacher_topk_ids,
                       teacher_topk_logprobs=teacher_topk_logprobs)
-        a, lv, _ = self._args(logits, labels, inputs, 0.0, 0.0, None, False, False, None, None,
+        a, lv, _ = self._args(logits, labels, inputs, None, None, None, False, False, None, None,
                               outputs=False)
         return self._stats_call(a, lv, None)
 
     def _stats_call(self, a, lv, workspace):
-        block = empty(lv, (self.stats_bytes(a.rows) // 8,), DTYPE_I64)
-        ws, wp, nbytes = (None, None, 0) if workspace is None else self._workspace(lv, a.rows, workspace)
-        _check(_stats(self._handle, ctypes.byref(a), view(block, "stats").ptr, self.stats_bytes(a.rows),
-                      wp, nbytes, lv.stream))
+        nbytes = self.stats_bytes(a.rows)
+        block = empty(lv, (nbytes // 8,), DTYPE_I64)
+        ws, wp, ws_bytes = (None, None, 0) if workspace is None else self._workspace(lv, a.rows, workspace)
+        _check(_stats(self._handle, ctypes.byref(a), view(block, "stats").ptr, nbytes, wp, ws_bytes,
+                      lv.stream))
         return block
 
     def middle(self, gathered, logits, labels=None, *, teacher_logits=None):
         """Step 2a of a plan of two exchanges: from the gathered blocks, this rank's middle block
         (an int64 array on the logits' device) to all-gather like the first."""
-        a, lv, _ = self._args(logits, labels, dict(teacher_logits=teacher_logits), 0.0, 0.0, None, False,
+        a, lv, _ = self._args(logits, labels, dict(teacher_logits=teacher_logits), None, None, None, False,
                               False, None, None, outputs=False)
         return self._middle_call(a, lv, gathered, None)
 
     def _middle_call(self, a, lv, gathered, workspace):
         mbytes = self.middle_bytes(a.rows)
         block = empty(lv, (mbytes // 8,), DTYPE_I64)
-        gv, gbytes = _blocks(gathered, "gathered")
+        gv, gbytes = _buffer(gathered, "gathered", lv)
         ws, wp, nbytes = self._workspace(lv, a.rows, workspace)
         _check(_middle(self._handle, ctypes.byref(a), gv.ptr, gbytes, view(block, "middle").ptr, mbytes,
                        wp, nbytes, lv.stream))
@@ -359,12 +276,12 @@ class LossPlan:
         return out
 
     def _finish_call(self, a, lv, gathered, gathered_middle, workspace):
-        gv, gbytes = _blocks(gathered, "gathered")
+        gv, gbytes = _buffer(gathered, "gathered", lv)
+        mv, mbytes = (None, 0) if gathered_middle is None else _buffer(gathered_middle, "gathered_middle", lv)
         ws, wp, nbytes = self._workspace(lv, a.rows, workspace)
-        if gathered_middle is None:
+        if mv is None:
             _check(_finish(self._handle, ctypes.byref(a), gv.ptr, gbytes, wp, nbytes, lv.stream))
         else:
-            mv, mbytes = _blocks(gathered_middle, "gathered_middle")
             _check(_finish_with_middle(self._handle, ctypes.byref(a), gv.ptr, gbytes, mv.ptr, mbytes, wp,
                                        nbytes, lv.stream))
 
@@ -379,45 +296,69 @@ class LossPlan:
     def _call_args(self, logits, labels, kwargs):
         kwargs = dict(kwargs)  # the caller's keeps its arrays alive through the call (bare pointers)
         inputs = {k: kwargs.pop(k, None) for k in INPUTS}
-        rest = (kwargs.pop("divisor", 0.0), kwargs.pop("grad_scale", 0.0), kwargs.pop("grad", None),
+        rest = (kwargs.pop("divisor", None), kwargs.pop("grad_scale", None), kwargs.pop("grad", None),
                 kwargs.pop("token_outputs", False), kwargs.pop("in_place", False),
                 kwargs.pop("scalars", None), kwargs.pop("tokens", None))
-        if kwargs:
-            raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
+        _no_more(kwargs)
         return self._args(logits, labels, inputs, *rest)
 
     def _args(self, logits, labels, inputs, divisor, grad_scale, grad, token_outputs, in_place, scalars,
               tokens, outputs=True):
         """The hl_loss_args_t of one call (inputs: the INPUTS given, by name), its logits' view and
         the LossOutput it fills (outputs allocated here unless passed; none for the statistics step)."""
-        lv = view(logits, "logits")
-        rows, cols, ls = lv.rows_view("logits")
-        if cols != self.vocab:
-            raise ValueError(f"logits have {cols} columns; the plan's vocab is {self.vocab}")
-        opt = {k: (None if x is None else view(x, k)) for k, x in dict(inputs, labels=labels).items()}
-        same_place([lv] + [v for v in opt.values()], "loss plan")
         d = self.desc
-        _check_arrays(dict(opt, logits=lv).items(), {"logits": d.logits_dtype, "teacher_logits": d.logits_dtype,
-                                              "labels": d.labels_dtype, "cu_seqlens": d.cu_seqlens_dtype,
-                                              **self._topk_dtypes()})
-        self._check_topk(opt, rows)
-        a = _Args(ctypes.sizeof(_Args), rows, lv.ptr, ls)
-        _set_inputs(a, opt, d)
-        _set_strides(a, opt, (("teacher_logits", "teacher_stride"),) + _TOPK_STRIDES)
-        a.divisor, a.grad_scale = divisor, grad_scale
+        lv = expect(logits, "logits", d.logits_dtype, cols=self.vocab)
+        rows = lv.rows
+        a = descriptor(_Args, rows=rows, logits=lv.ptr, logits_stride=lv.stride, divisor=call_value("divisor", divisor),
+                       grad_scale=call_value("grad_scale", grad_scale))
+        self._set_inputs(a, lv, labels, inputs)
         if not outputs:
             return a, lv, None
         if self.grad_mode:
             if in_place:
                 grad = logits
             elif grad is None:
-                gdt = self.desc.grad_dtype or lv.dtype
-                grad = empty(lv, lv.shape, gdt)
-            gv = view(grad, "grad")
-            _check_arrays([("grad", gv)], {"grad": d.grad_dtype or d.logits_dtype})
-            a.grad, a.grad_stride = gv.ptr, gv.rows_view("grad")[2]
-        toks = _scalar_outputs(a, lv, lv.shape[:-1], token_outputs, scalars, tokens)
+                grad = empty(lv, lv.shape, d.grad_dtype or lv.dtype)
+            gv = expect(grad, "grad", d.grad_dtype or d.logits_dtype, rows=rows, cols=self.vocab, like=lv)
+            a.grad, a.grad_stride = gv.ptr, gv.stride
+        elif grad is not None or in_place:
+            raise HeadlossValueError("grad is given, but the plan forms no gradient (it was made with grad=None)")
+        toks = _scalar_outputs(a, lv, lv.shape[:-1], rows, token_outputs, scalars, tokens)
         return a, lv, LossOutput(toks[0], grad if self.grad_mode else None, *toks[1:])
+
+    def _set_inputs(self, a, like: ArrayView, labels, inputs: dict) -> None:
+        """Checks labels and the optional inputs given against the plan and a.rows, and sets their
+        pointers and strides (and num_seqs) in the hl_loss_args_t a."""
+        d, rows, k = self.desc, a.rows, self.desc.teacher_topk
+        mat = d.weight_dtype or d.logits_dtype  # the teacher's matrices, in the logits' dtype
+        for name, x in dict(inputs, labels=labels).items():
+            if x is None:
+                continue
+            if name in _PER_ROW_F32:
+                v = expect(x, name, DTYPE_F32, size=rows, like=like)
+            elif name == "labels":
+                v = expect(x, name, _given(d.labels_dtype, name, "labels (labels_dtype=None)"), size=rows,
+                           like=like)
+            elif name == "cu_seqlens":
+                v = expect(x, name, _given(d.cu_seqlens_dtype, name, "cu_seqlens_dtype"), shape=(None,),
+                           packed=True, like=like)
+                a.num_seqs = max(v.shape[0] - 1, 0)
+            elif name == "teacher_logits":
+                v = expect(x, name, mat, rows=rows, cols=self.vocab, like=like)
+            elif name == "teacher_hidden":
+                v = expect(x, name, _given(d.teacher_hidden and mat, name, "teacher_hidden"), rows=rows,
+                           cols=d.teacher_hidden, like=like)
+            elif name == "teacher_weight":
+                v = expect(x, name, _given(d.teacher_hidden and mat, name, "teacher_hidden"), rows=self.vocab,
+                           cols=d.teacher_hidden, like=like)
+            elif name == "teacher_topk_ids":
+                v = expect(x, name, _given(d.teacher_topk_ids_dtype, name, "teacher_topk"), rows=rows, cols=k,
+                           like=like)
+            else:  # teacher_topk_logprobs
+                v = expect(x, name, _given(k and DTYPE_F32, name, "teacher_topk"), rows=rows, cols=k, like=like)
+            setattr(a, name, v.ptr)
+            if name in _STRIDES:
+                setattr(a, _STRIDES[name], v.stride)
 
 
 class LinearLossOutput(NamedTuple):
@@ -436,32 +377,37 @@ class LinearLossPlan(LossPlan):
     """The fused linear form of the plan (headloss.h, "The fused linear form"): hidden states
     [rows, hidden] and the head's weight [vocab, hidden] (nn.Linear.weight; a shard's rows under
     tensor parallelism) instead of logits, which exist only a chunk of rows at a time in the
-    workspace. Every term, metric and option of LossPlan applies to the logits hidden @ weight.T.
+    workspace. Every term, metric and option of LossPlan applies to the logits hidden @ weight.T
+    (the same defaults).
 
     dtype: the dtype of hidden and weight (and of the logits between the products on CUDA).
-    grad_hidden / grad_weight: "write", "accumulate" or None; grad_*_dtype: None (the weight's) or
-    "float32". teacher_hidden > 0: distillation from a teacher given as its own hidden states and
-    weight (teacher_hidden= / teacher_weight= at call time) instead of teacher_logits."""
+    grad_hidden / grad_weight: "write" (default), "accumulate" or None; grad_*_dtype: None (the
+    weight's) or "float32". teacher_hidden > 0: distillation from a teacher given as its own
+    hidden states and weight (teacher_hidden= / teacher_weight= at call time) instead of
+    teacher_logits."""
 
     def __init__(self, vocab: int, hidden: int, dtype, *, grad_hidden: Optional[str] = "write",
                  grad_weight: Optional[str] = "write", grad_hidden_dtype=None, grad_weight_dtype=None,
                  teacher_hidden: int = 0, **options):
         for k in ("grad", "grad_dtype"):
             if k in options:
-                raise TypeError(f"{k} is the logits form's; use grad_hidden / grad_weight")
-        code = lambda dt: DTYPE_NONE if dt is None else dtype_code(dt)  # noqa: E731
-        linear = dict(hidden=hidden, weight_dtype=dtype_code(dtype), teacher_hidden=teacher_hidden,
-                      grad_hidden_mode=GRAD_MODES[grad_hidden], grad_hidden_dtype=code(grad_hidden_dtype),
-                      grad_weight_mode=GRAD_MODES[grad_weight], grad_weight_dtype=code(grad_weight_dtype))
+                raise HeadlossTypeError(f"{k} is the logits form's option; use grad_hidden / grad_weight")
+        linear = dict(hidden=hidden, weight_dtype=dtype_code(dtype, "dtype"), teacher_hidden=teacher_hidden,
+                      grad_hidden_mode=_grad_mode(grad_hidden, "grad_hidden"),
+                      grad_hidden_dtype=_optional_dtype(grad_hidden_dtype, "grad_hidden_dtype"),
+                      grad_weight_mode=_grad_mode(grad_weight, "grad_weight"),
+                      grad_weight_dtype=_optional_dtype(grad_weight_dtype, "grad_weight_dtype"))
         super().__init__(vocab, None, grad=None, _linear=linear, **options)
         self.hidden = hidden
 
     def __call__(self, hidden, weight, labels=None, *, grad_hidden=None, grad_weight=None,
                  workspace=None, **kwargs) -> LinearLossOutput:
-        """Runs the plan. grad_hidden / grad_weight: existing arrays to write (or accumulate into);
-        allocated here otherwise. workspace: an array of at least workspace_sizes(rows)[0] bytes
-        (default: a fresh one of fast_bytes). Other keywords as LossPlan.__call__, plus
-        teacher_hidden / teacher_weight."""
+        """Runs the plan on hidden [..., hidden] (leading dims flattened to rows) and weight
+        [vocab, hidden], both in the plan's dtype. grad_hidden [rows, hidden] / grad_weight
+        [vocab, hidden]: existing arrays to write (or accumulate into); allocated here otherwise.
+        workspace: an array of at least workspace_sizes(rows)[0] bytes (default: a fresh one of
+        fast_bytes). Other keywords as LossPlan.__call__, plus teacher_hidden [rows, Ht] /
+        teacher_weight [vocab, Ht]. Every array is checked before the call."""
         a, lv, out = self._linear_args(hidden, weight, labels, kwargs, grad_hidden, grad_weight)
         ws, wp, nbytes = self._workspace(lv, a.rows, workspace)
         _check(_execute(self._handle, ctypes.byref(a), wp, nbytes, lv.stream))
@@ -503,85 +449,70 @@ class LinearLossPlan(LossPlan):
 
     def _linear_args(self, hidden, weight, labels, kwargs, grad_hidden, grad_weight, outputs=True):
         kwargs = dict(kwargs)
-        th, tw = kwargs.pop("teacher_hidden", None), kwargs.pop("teacher_weight", None)
-        opt = {k: kwargs.pop(k, None) for k in INPUTS}
-        divisor, grad_scale = kwargs.pop("divisor", 0.0), kwargs.pop("grad_scale", 0.0)
+        opt = {k: kwargs.pop(k, None) for k in INPUTS + ("teacher_hidden", "teacher_weight")}
+        divisor, grad_scale = kwargs.pop("divisor", None), kwargs.pop("grad_scale", None)
         token_outputs, scalars, tokens = (kwargs.pop("token_outputs", False), kwargs.pop("scalars", None),
                                           kwargs.pop("tokens", None))
-        if kwargs:
-            raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
-        hv, wv = view(hidden, "hidden"), view(weight, "weight")
-        rows, cols, hs = hv.rows_view("hidden")
-        vocab, wcols, ws = wv.rows_view("weight")
-        if cols != self.hidden or wcols != self.hidden:
-            raise ValueError(f"hidden has {cols} and weight {wcols} columns; the plan's hidden is {self.hidden}")
-        if vocab != self.vocab:
-            raise ValueError(f"weight has {vocab} rows; the plan's vocab is {self.vocab}")
-        opt.update(labels=labels, teacher_hidden=th, teacher_weight=tw)
-        views = {k: (None if x is None else view(x, k)) for k, x in opt.items()}
-        same_place([hv, wv] + list(views.values()), "loss plan")
-        d = self.desc
-        wd = d.weight_dtype
-        _check_arrays(dict(views, hidden=hv, weight=wv).items(),
-                       dict(hidden=wd, weight=wd, teacher_hidden=wd, teacher_weight=wd, teacher_logits=wd,
-                            labels=d.labels_dtype, cu_seqlens=d.cu_seqlens_dtype, **self._topk_dtypes()))
-        self._check_topk(views, rows)
-        a = _Args(ctypes.sizeof(_Args), rows)
-        a.hidden, a.hidden_stride, a.weight, a.weight_stride = hv.ptr, hs, wv.ptr, ws
-        _set_inputs(a, views, d)
-        _set_strides(a, views, (("teacher_logits", "teacher_stride"), ("teacher_hidden", "teacher_hidden_stride"),
-                                ("teacher_weight", "teacher_weight_stride")) + _TOPK_STRIDES)
-        a.divisor, a.grad_scale = divisor, grad_scale
+        _no_more(kwargs)
+        d, H = self.desc, self.hidden
+        hv = expect(hidden, "hidden", d.weight_dtype, cols=H)
+        wv = expect(weight, "weight", d.weight_dtype, rows=self.vocab, cols=H, like=hv)
+        rows = hv.rows
+        a = descriptor(_Args, rows=rows, hidden=hv.ptr, hidden_stride=hv.stride, weight=wv.ptr,
+                       weight_stride=wv.stride, divisor=call_value("divisor", divisor), grad_scale=call_value("grad_scale", grad_scale))
+        self._set_inputs(a, hv, labels, opt)
         if not outputs:
             return a, hv, None
         grads = []
-        for mode, dt, given, shape, ptr, stride in (
-                (d.grad_hidden_mode, d.grad_hidden_dtype, grad_hidden, (rows, cols), "grad_hidden", "grad_hidden_stride"),
-                (d.grad_weight_mode, d.grad_weight_dtype, grad_weight, (vocab, cols), "grad_weight", "grad_weight_stride")):
-            g = None
+        for mode, dt, g, n, name in ((d.grad_hidden_mode, d.grad_hidden_dtype, grad_hidden, rows, "grad_hidden"),
+                                     (d.grad_weight_mode, d.grad_weight_dtype, grad_weight, self.vocab, "grad_weight")):
             if mode:
-                g = given if given is not None else empty(hv, shape, dt or wd)
-                gv = view(g, ptr)
-                _check_arrays([(ptr, gv)], {ptr: dt or wd})
-                setattr(a, ptr, gv.ptr)
-                setattr(a, stride, gv.rows_view(ptr)[2])
+                g = empty(hv, (n, H), dt or d.weight_dtype) if g is None else g
+                gv = expect(g, name, dt or d.weight_dtype, rows=n, cols=H, like=hv)
+                setattr(a, name, gv.ptr)
+                setattr(a, name + "_stride", gv.stride)
+            elif g is not None:
+                raise HeadlossValueError(f"{name} is given, but the plan forms no {name} (it was made with "
+                                         f"{name}=None)")
             grads.append(g)
-        toks = _scalar_outputs(a, hv, (rows,), token_outputs, scalars, tokens)
+        toks = _scalar_outputs(a, hv, (rows,), rows, token_outputs, scalars, tokens)
         return a, hv, LinearLossOutput(toks[0], *grads, *toks[1:])
 
 
-def _blocks(x, name):
-    """The view and bytes of a contiguous buffer of gathered blocks."""
-    v = view(x, name)
-    if v.strides != tuple(int(np.prod(v.shape[i + 1:])) for i in range(len(v.shape))):
-        raise ValueError(f"{name} must be contiguous")
-    return v, int(np.prod(v.shape)) * _ITEMSIZE.get(v.dtype, 0)
+LossPlan.__doc__ = LossPlan.__doc__.format(options=describe_options())
+# The row-stride field of each 2-D input.
+_STRIDES = {"teacher_logits": "teacher_stride", "teacher_hidden": "teacher_hidden_stride",
+            "teacher_weight": "teacher_weight_stride", "teacher_topk_ids": "teacher_topk_ids_stride",
+            "teacher_topk_logprobs": "teacher_topk_logprobs_stride"}
 
 
-_TOPK_STRIDES = (("teacher_topk_ids", "teacher_topk_ids_stride"),
-                 ("teacher_topk_logprobs", "teacher_topk_logprobs_stride"))
+def _no_more(kwargs: dict) -> None:
+    if kwargs:
+        raise HeadlossTypeError(f"unexpected arguments: {', '.join(sorted(kwargs))}")
 
 
-def _set_strides(a, views, fields) -> None:
-    """a's row strides of the 2-D inputs passed: (name, stride field) pairs."""
-    for k, field in fields:
-        if views.get(k) is not None:
-            setattr(a, field, views[k].rows_view(k)[2])
+def _buffer(x, name: str, like: ArrayView):
+    """The view and bytes of a contiguous buffer (a workspace, gathered blocks) on like's device."""
+    v = expect(x, name, tuple(ITEMSIZE), packed=True, like=like)
+    return v, math.prod(v.shape) * ITEMSIZE[v.dtype]
 
 
-def _scalar_outputs(a, like, token_shape, token_outputs, scalars, tokens) -> list:
+def _scalar_outputs(a, like, token_shape, rows, token_outputs, scalars, tokens) -> list:
     """[scalars, 4 per-token outputs or None]: the given fp32 arrays, else new ones, set in a."""
     if scalars is None:
         scalars = empty(like, (len(SCALARS),), DTYPE_F32)
-    sv = view(scalars, "scalars")
-    toks = list(tokens) if tokens is not None else [None] * 4
-    if token_outputs and tokens is None:
-        toks = [empty(like, token_shape, DTYPE_F32) for _ in range(4)]
-    tv = [None if t is None else view(t, "token") for t in toks]
-    _check_arrays([("scalars", sv)] + [("token", t) for t in tv])
+    sv = expect(scalars, "scalars", DTYPE_F32, size=len(SCALARS), like=like)
+    if tokens is None:
+        toks = [empty(like, token_shape, DTYPE_F32) if token_outputs else None for _ in TOKEN_OUTPUTS]
+    else:
+        toks = list(tokens)
+        if len(toks) != len(TOKEN_OUTPUTS):
+            raise HeadlossValueError(f"tokens has {len(toks)} arrays; expected {len(TOKEN_OUTPUTS)}: "
+                                     f"{', '.join(TOKEN_OUTPUTS)}")
     a.scalars = sv.ptr
-    if tv[0] is not None:
-        a.token_loss, a.token_logp, a.token_entropy, a.token_lse = (t.ptr for t in tv)
+    for name, t in zip(TOKEN_OUTPUTS, toks):
+        if t is not None:
+            setattr(a, name, expect(t, name, DTYPE_F32, size=rows, like=like).ptr)
     return [scalars] + toks
 
 
@@ -592,18 +523,19 @@ def _cached_plan(vocab, dtype, device, key):
 
 def fused_loss(logits, labels=None, *, terms=("ce",), weights=None, teacher_logits=None,
                advantages=None, old_logprobs=None, ref_logprobs=None, rollout_logprobs=None,
-               cu_seqlens=None, divisor: float = 0.0, grad_scale: float = 0.0,
+               cu_seqlens=None, divisor: Optional[float] = None, grad_scale: Optional[float] = None,
                token_outputs: bool = False, grad: Optional[str] = "write", teacher_topk_ids=None,
                teacher_topk_logprobs=None, **options) -> LossOutput:
     """One call: builds (and caches) the plan for these options and runs it. Returns the scalars
-    (see SCALARS and LossOutput.as_dict), the gradient and, on request, per-token outputs."""
-    lv = view(logits, "logits")
+    (see SCALARS and LossOutput.as_dict), the gradient and, on request, per-token outputs.
+    Options (terms, the weights, ...) and their defaults as LossPlan's; inputs as its call's."""
+    lv = expect(logits, "logits", FLOATS, matrix=True)
     device = "cuda" if lv.backend == BACKEND_CUDA else "cpu"
-    ldt = None if labels is None else view(labels, "labels").dtype
+    labels_dtype = None if labels is None else DTYPE_NAMES[expect(labels, "labels", INTS).dtype]
     if cu_seqlens is not None:
-        options.setdefault("cu_seqlens_dtype", DTYPE_NAMES[view(cu_seqlens, "cu_seqlens").dtype])
-    key = dict(options, terms=tuple(terms) if not isinstance(terms, int) else terms, grad=grad,
-               labels_dtype={None: None, DTYPE_I32: "int32", DTYPE_I64: "int64"}[ldt])
+        options.setdefault("cu_seqlens_dtype", DTYPE_NAMES[expect(cu_seqlens, "cu_seqlens", INTS).dtype])
+    key = dict(options, terms=terms if isinstance(terms, (str, int)) else tuple(terms), grad=grad,
+               labels_dtype=labels_dtype)
     plan = _cached_plan(lv.shape[-1], DTYPE_NAMES[lv.dtype], device, tuple(sorted(key.items())))
     return plan(logits, labels, weights=weights, teacher_logits=teacher_logits,
                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
@@ -622,7 +554,7 @@ def aggregation(labels, cu_seqlens, mode: str = "token_mean", *, constant: Optio
     rank passes the same). Each term is sum_t w_t l_t / D, and each metric the w-weighted mean,
     so the metrics' denominators follow the mode:
 
-    - "token_mean": every valid token alike over the batch (DAPO; the plan's default): (None, 0).
+    - "token_mean": every valid token alike over the batch (DAPO; the plan's default): (None, None).
     - "seq_mean_token_mean": each sequence's token mean, averaged over the sequences (the original
       GRPO): w_t = 1 / (valid tokens of t's sequence), D = the number of sequences (one with no
       valid token counts as a zero, where verl's mean would be NaN).
@@ -632,25 +564,27 @@ def aggregation(labels, cu_seqlens, mode: str = "token_mean", *, constant: Optio
       budget): w = 1, D = constant.
 
     labels [rows] (negative, or ignore_index: not valid, as the plan), cu_seqlens [sequences + 1]
-    (0, the running ends, rows), both NumPy, CuPy or PyTorch arrays; weights come back as fp32 on
+    (0, the running ends, rows), both int32 / int64 NumPy, CuPy or PyTorch arrays on one device
+    (HeadlossError naming the one at fault otherwise); weights come back as fp32 on
     labels' device, without a host synchronisation (check=False skips the one the cu_seqlens check
     costs on a device)."""
     if mode not in AGGREGATIONS:
-        raise ValueError(f"aggregation mode {mode!r}; expected one of {AGGREGATIONS}")
+        raise HeadlossValueError(f"mode is {mode!r}; expected one of {', '.join(AGGREGATIONS)}")
     if mode == "token_sum_norm" and not (constant is not None and constant > 0 and np.isfinite(constant)):
-        raise ValueError(f"token_sum_norm needs a positive constant, got {constant!r}")
-    if labels.ndim != 1 or cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"labels must be [rows] and cu_seqlens [sequences + 1]; got shapes "
-                         f"{tuple(labels.shape)} and {tuple(cu_seqlens.shape)}")
-    rows, sequences = int(labels.shape[0]), int(cu_seqlens.shape[0]) - 1
+        raise HeadlossValueError(f"constant is {constant!r}; token_sum_norm needs a positive constant")
+    lv = expect(labels, "labels", INTS, shape=(None,))
+    cv = expect(cu_seqlens, "cu_seqlens", INTS, shape=(None,), like=lv)
+    if cv.shape[0] < 2:
+        raise HeadlossValueError(f"cu_seqlens has {cv.shape[0]} entries; expected sequences + 1 >= 2")
+    rows, sequences = lv.shape[0], cv.shape[0] - 1
     module = type(labels).__module__.split(".")[0]  # numpy, cupy or torch
     if check:
         cu = (cu_seqlens.cpu().numpy() if module == "torch" else
               cu_seqlens.get() if module == "cupy" else np.asarray(cu_seqlens))
         if cu[0] != 0 or cu[-1] != rows or np.any(np.diff(cu) < 0):
-            raise ValueError(f"cu_seqlens must rise from 0 to rows ({rows}); got {cu.tolist()}")
+            raise HeadlossValueError(f"cu_seqlens is {cu.tolist()}; it must rise from 0 to rows ({rows})")
     if mode == "token_mean":
-        return None, 0.0
+        return None, None
     if mode == "token_sum_norm":
         return None, float(constant)
     if mode == "seq_mean_token_sum":

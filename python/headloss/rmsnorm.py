@@ -4,39 +4,15 @@ from __future__ import annotations
 import ctypes
 from typing import Any, NamedTuple, Optional
 
-from . import _arrays
-from ._arrays import ArrayView, dtype_code, empty, same_place, view
-from ._lib import DTYPE_F32, check, declare
+from . import _abi
+from ._arrays import FLOATS, dtype_code, empty, expect
+from ._lib import DTYPE_F32, HeadlossValueError, check, code_of, declare, descriptor, named
 
-_CAST = {"llama": 0, "gemma": 1, "none": 2}
-c_i64, c_ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-
-
-class _FwdArgs(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("backend", c_int), ("rows", c_i64),
-                ("cols", c_i64), ("cast", c_int), ("eps", c_float), ("offset", c_float),
-                ("x_dtype", c_int), ("x", c_ptr), ("x_stride", c_i64),
-                ("residual", c_ptr), ("residual_stride", c_i64),
-                ("residual_out", c_ptr), ("residual_out_stride", c_i64),
-                ("weight_dtype", c_int), ("weight", c_ptr),
-                ("y_dtype", c_int), ("y", c_ptr), ("y_stride", c_i64), ("rstd", c_ptr)]
-
-
-class _BwdArgs(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("backend", c_int), ("rows", c_i64),
-                ("cols", c_i64), ("cast", c_int), ("eps", c_float), ("offset", c_float),
-                ("x_dtype", c_int), ("x", c_ptr), ("x_stride", c_i64), ("rstd", c_ptr),
-                ("weight_dtype", c_int), ("weight", c_ptr),
-                ("dy_dtype", c_int), ("dy", c_ptr), ("dy_stride", c_i64),
-                ("dresidual_out", c_ptr), ("dresidual_out_stride", c_i64),
-                ("dx", c_ptr), ("dx_stride", c_i64), ("dresidual", c_ptr), ("dresidual_stride", c_i64),
-                ("dw_dtype", c_int), ("dw", c_ptr),
-                ("workspace", c_ptr), ("workspace_bytes", ctypes.c_size_t)]
-
-
-_fwd = declare("rmsnorm_fwd", ctypes.POINTER(_FwdArgs), c_ptr)
-_bwd = declare("rmsnorm_bwd", ctypes.POINTER(_BwdArgs), c_ptr)
-_bwd_ws = declare("rmsnorm_bwd_workspace_size", ctypes.POINTER(_BwdArgs), ctypes.POINTER(ctypes.c_size_t))
+CASTS = named("HL_RMSNORM_CAST_")  # "llama", "gemma", "none"
+_fwd = declare("hl_rmsnorm_fwd", ctypes.POINTER(_abi.hl_rmsnorm_fwd_args_t), ctypes.c_void_p)
+_bwd = declare("hl_rmsnorm_bwd", ctypes.POINTER(_abi.hl_rmsnorm_bwd_args_t), ctypes.c_void_p)
+_bwd_ws = declare("hl_rmsnorm_bwd_workspace_size", ctypes.POINTER(_abi.hl_rmsnorm_bwd_args_t),
+                  ctypes.POINTER(ctypes.c_size_t))
 
 
 class RMSNormOutput(NamedTuple):
@@ -50,14 +26,14 @@ class RMSNormGrads(NamedTuple):
     dw: Optional[Any]            # gradient of the weight, when there is one
 
 
-def _cast_code(cast: str) -> int:
-    if cast not in _CAST:
-        raise ValueError(f"cast must be one of {sorted(_CAST)}, got {cast!r}")
-    return _CAST[cast]
+def cast_code(cast: str) -> int:
+    """HL_RMSNORM_CAST_* of a name in CASTS."""
+    return code_of(CASTS, "cast", cast)
 
 
-def _opt(x, name) -> Optional[ArrayView]:
-    return None if x is None else view(x, name)
+def _lone(given, needs, name: str, needed: str) -> None:
+    if given is not None and needs is None:
+        raise HeadlossValueError(f"{name} is given without {needed}")
 
 
 def rmsnorm_fwd(x, weight=None, *, eps: float = 1e-6, offset: float = 0.0, cast: str = "llama",
@@ -66,33 +42,37 @@ def rmsnorm_fwd(x, weight=None, *, eps: float = 1e-6, offset: float = 0.0, cast:
     """RMSNorm over the last dimension of x.
 
     x: [..., N] float32/float16/bfloat16 array (NumPy runs on the CPU backend; PyTorch, CuPy and
-    JAX device arrays on the CUDA backend, on the array's current stream). weight: optional [N].
-    residual: optional, same shape as x; then s = x + residual is normalised and returned as
-    residual_out. rstd (fp32, one per row) is computed only when return_rstd is true or an rstd
-    buffer is passed. out / residual_out / rstd: optional preallocated outputs.
+    JAX device arrays on the CUDA backend, on the array's current stream). weight: optional [N]
+    (float32/float16/bfloat16). residual: optional, x's shape and dtype; then s = x + residual is
+    normalised and returned as residual_out. eps (default 1e-6; the library adds what it is
+    given), offset (default 0; Gemma: 1), cast: "llama" (default), "gemma" or "none". rstd (fp32,
+    one per row) is computed only when return_rstd is true or an rstd buffer is passed.
+    out ([..., N], out_dtype or x's dtype) / residual_out / rstd: optional preallocated outputs.
+    Every array is checked against x's rows and N (HeadlossError naming it) before the call.
     """
-    xv = view(x, "x")
-    rows, cols, xs = xv.rows_view("x")
-    wv, rv = _opt(weight, "weight"), _opt(residual, "residual")
-    ydt = xv.dtype if out_dtype is None else dtype_code(out_dtype)
-    y = empty(xv, xv.shape, ydt) if out is None else out
-    yv = view(y, "out")
+    xv = expect(x, "x", FLOATS, matrix=True)
+    rows, cols = xv.rows, xv.shape[-1]
+    wv = expect(weight, "weight", FLOATS, shape=(cols,), packed=True, like=xv)
+    rv = expect(residual, "residual", xv.dtype, rows=rows, cols=cols, like=xv)
+    _lone(residual_out, residual, "residual_out", "residual")
+    ydt = None if out_dtype is None else dtype_code(out_dtype, "out_dtype")
+    y = empty(xv, xv.shape, ydt or xv.dtype) if out is None else out
+    yv = expect(y, "out", ydt or FLOATS, rows=rows, cols=cols, like=xv)
     res_out = None
     if rv is not None:
         res_out = empty(xv, xv.shape, xv.dtype) if residual_out is None else residual_out
-    rov = _opt(res_out, "residual_out")
+    rov = expect(res_out, "residual_out", xv.dtype, rows=rows, cols=cols, like=xv)
     if rstd is None and return_rstd:
         rstd = empty(xv, (rows,), DTYPE_F32)
-    sv = _opt(rstd, "rstd")
-    backend = same_place([xv, wv, rv, rov, yv, sv], "rmsnorm_fwd")
-    a = _FwdArgs(ctypes.sizeof(_FwdArgs), backend, rows, cols, _cast_code(cast), eps, offset,
-                 xv.dtype, xv.ptr, xs)
+    sv = expect(rstd, "rstd", DTYPE_F32, size=rows, like=xv)
+    a = descriptor(_abi.hl_rmsnorm_fwd_args_t, backend=xv.backend, rows=rows, cols=cols,
+                   cast=cast_code(cast), eps=eps, offset=offset, x_dtype=xv.dtype, x=xv.ptr,
+                   x_stride=xv.stride, y_dtype=yv.dtype, y=yv.ptr, y_stride=yv.stride)
     if rv is not None:
-        a.residual, a.residual_stride = rv.ptr, rv.rows_view("residual")[2]
-        a.residual_out, a.residual_out_stride = rov.ptr, rov.rows_view("residual_out")[2]
+        a.residual, a.residual_stride = rv.ptr, rv.stride
+        a.residual_out, a.residual_out_stride = rov.ptr, rov.stride
     if wv is not None:
         a.weight_dtype, a.weight = wv.dtype, wv.ptr
-    a.y_dtype, a.y, a.y_stride = yv.dtype, yv.ptr, yv.rows_view("out")[2]
     if sv is not None:
         a.rstd = sv.ptr
     check(_fwd(ctypes.byref(a), xv.stream))
@@ -100,40 +80,48 @@ def rmsnorm_fwd(x, weight=None, *, eps: float = 1e-6, offset: float = 0.0, cast:
 
 
 def rmsnorm(x, weight=None, *, eps: float = 1e-6, offset: float = 0.0, cast: str = "llama"):
-    """y = RMSNorm(x) * (offset + weight); see rmsnorm_fwd for the options."""
+    """y = RMSNorm(x) * (offset + weight); see rmsnorm_fwd for the options and their defaults."""
     return rmsnorm_fwd(x, weight, eps=eps, offset=offset, cast=cast).y
 
 
 def rmsnorm_bwd(dy, x, weight=None, rstd=None, *, eps: float = 1e-6, offset: float = 0.0,
                 cast: str = "llama", dresidual_out=None, dw_dtype=None, dx=None, dw=None) -> RMSNormGrads:
-    """Gradients of rmsnorm_fwd. x is the normalised input s (x + residual when fused);
-    rstd from the forward, or None to recompute it. dresidual_out: gradient flowing into the
-    forward's residual_out, added to dx. dw is reduced over rows deterministically in fp32."""
-    xv, dyv = view(x, "x"), view(dy, "dy")
-    rows, cols, xs = xv.rows_view("x")
-    wv, sv, drv = _opt(weight, "weight"), _opt(rstd, "rstd"), _opt(dresidual_out, "dresidual_out")
+    """Gradients of rmsnorm_fwd. x is the normalised input s (x + residual when fused) [..., N];
+    dy like it (any float dtype); rstd fp32 [rows] from the forward, or None to recompute it with
+    eps (default 1e-6). dresidual_out: gradient flowing into the forward's residual_out (x's
+    shape and dtype), added to dx. dw [N] (dw_dtype: float32 or the weight's, the default) is
+    reduced over rows deterministically in fp32. dx / dw: optional preallocated outputs.
+    Options as rmsnorm_fwd; every array is checked before the call."""
+    xv = expect(x, "x", FLOATS, matrix=True)
+    rows, cols = xv.rows, xv.shape[-1]
+    dyv = expect(dy, "dy", FLOATS, rows=rows, cols=cols, like=xv)
+    wv = expect(weight, "weight", FLOATS, shape=(cols,), packed=True, like=xv)
+    sv = expect(rstd, "rstd", DTYPE_F32, size=rows, like=xv)
+    drv = expect(dresidual_out, "dresidual_out", xv.dtype, rows=rows, cols=cols, like=xv)
     dx = empty(xv, xv.shape, xv.dtype) if dx is None else dx
-    dxv = view(dx, "dx")
+    dxv = expect(dx, "dx", xv.dtype, rows=rows, cols=cols, like=xv)
+    _lone(dw, weight, "dw", "weight")
+    dwdt = None if dw_dtype is None else dtype_code(dw_dtype, "dw_dtype")
     if wv is not None and dw is None:
-        dw = empty(xv, (cols,), wv.dtype if dw_dtype is None else dtype_code(dw_dtype))
-    dwv = _opt(dw, "dw")
-    backend = same_place([xv, dyv, wv, sv, drv, dxv, dwv], "rmsnorm_bwd")
-    a = _BwdArgs(ctypes.sizeof(_BwdArgs), backend, rows, cols, _cast_code(cast), eps, offset,
-                 xv.dtype, xv.ptr, xs)
+        dw = empty(xv, (cols,), dwdt or wv.dtype)
+    dwv = expect(dw, "dw", dwdt or (DTYPE_F32, wv.dtype) if wv is not None else None, shape=(cols,),
+                 packed=True, like=xv)
+    a = descriptor(_abi.hl_rmsnorm_bwd_args_t, backend=xv.backend, rows=rows, cols=cols,
+                   cast=cast_code(cast), eps=eps, offset=offset, x_dtype=xv.dtype, x=xv.ptr,
+                   x_stride=xv.stride, dy_dtype=dyv.dtype, dy=dyv.ptr, dy_stride=dyv.stride,
+                   dx=dxv.ptr, dx_stride=dxv.stride)
     if sv is not None:
         a.rstd = sv.ptr
     if wv is not None:
         a.weight_dtype, a.weight = wv.dtype, wv.ptr
         a.dw_dtype, a.dw = dwv.dtype, dwv.ptr
-    a.dy_dtype, a.dy, a.dy_stride = dyv.dtype, dyv.ptr, dyv.rows_view("dy")[2]
     if drv is not None:
-        a.dresidual_out, a.dresidual_out_stride = drv.ptr, drv.rows_view("dresidual_out")[2]
-    a.dx, a.dx_stride = dxv.ptr, dxv.rows_view("dx")[2]
+        a.dresidual_out, a.dresidual_out_stride = drv.ptr, drv.stride
     nbytes = ctypes.c_size_t(0)
     check(_bwd_ws(ctypes.byref(a), ctypes.byref(nbytes)))
     ws = None
     if nbytes.value:
         ws = empty(xv, ((nbytes.value + 3) // 4,), DTYPE_F32)
-        a.workspace, a.workspace_bytes = view(ws, "workspace").ptr, nbytes.value
+        a.workspace, a.workspace_bytes = expect(ws, "workspace").ptr, nbytes.value
     check(_bwd(ctypes.byref(a), xv.stream))
     return RMSNormGrads(dx, dw)

@@ -6,7 +6,7 @@ uses it in one line:
     loss.backward()
 
     plan = LinearLossPlan(V, H, torch.bfloat16, device="cuda", terms=("ce",), grad_weight_dtype="float32")
-    loss, scalars = LinearLossFunction.apply(hidden, lm_head.weight, labels, plan, 0.0, None)
+    loss, scalars = LinearLossFunction.apply(hidden, lm_head.weight, labels, plan, None, None)
 
 The gradient is formed in the forward pass (one pass over the logits; for the fused linear form,
 grad_hidden and grad_weight in the same call) and handed back in backward, scaled in place by the
@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from ._loss_options import terms_key
 from .loss import SCALARS, LinearLossPlan, LossPlan
 
 _BASE = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
@@ -78,7 +79,7 @@ def linear_workspace(plan: LinearLossPlan, like: torch.Tensor, rows: int,
     return plan.workspace(like, rows, nbytes) if nbytes else None
 
 
-def run_linear(plan: LinearLossPlan, hidden, weight, labels, divisor: float,
+def run_linear(plan: LinearLossPlan, hidden, weight, labels, divisor: Optional[float],
                max_workspace_bytes: Optional[int], inputs: dict):
     """One call of a fused linear plan on [rows, H] hidden states: (scalars, grad_hidden or None,
     grad_weight or None), as the plan's gradient modes say."""
@@ -89,7 +90,7 @@ def run_linear(plan: LinearLossPlan, hidden, weight, labels, divisor: float,
 
 class FusedLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, plan: LossPlan, in_place: bool, divisor: float, *inputs):
+    def forward(ctx, logits, labels, plan: LossPlan, in_place: bool, divisor: Optional[float], *inputs):
         kw = {k: v for k, v in zip(_INPUTS, inputs) if v is not None}
         out = plan(logits, labels, divisor=divisor, in_place=in_place, **kw)
         keep_grads(ctx, out.grad)
@@ -113,7 +114,7 @@ class LinearLossFunction(torch.autograd.Function):
     part, to all-reduce)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, plan: LinearLossPlan, divisor: float,
+    def forward(ctx, hidden, weight, labels, plan: LinearLossPlan, divisor: Optional[float],
                 max_workspace_bytes: Optional[int], *inputs):
         kw = {k: v for k, v in zip(LINEAR_INPUTS, inputs) if v is not None}
         scalars, gh, gw = run_linear(plan, hidden, weight, labels, divisor, max_workspace_bytes, kw)
@@ -136,7 +137,7 @@ class FusedLMHeadLoss(torch.nn.Module):
 
     def __init__(self, terms=("ce",), in_place: bool = False, **options):
         super().__init__()
-        self.terms, self.in_place, self.options = tuple(terms), in_place, options
+        self.terms, self.in_place, self.options = terms_key(terms), in_place, options
         self._plans = {}
 
     def _plan(self, logits, labels, cu_seqlens) -> LossPlan:
@@ -152,7 +153,7 @@ class FusedLMHeadLoss(torch.nn.Module):
 
     def forward(self, logits, labels=None, *, weights=None, teacher_logits=None, advantages=None,
                 old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, cu_seqlens=None,
-                teacher_topk_ids=None, teacher_topk_logprobs=None, divisor: float = 0.0):
+                teacher_topk_ids=None, teacher_topk_logprobs=None, divisor: Optional[float] = None):
         plan = self._plan(logits, labels, cu_seqlens)
         loss, scalars = FusedLossFunction.apply(logits, labels, plan, self.in_place, divisor, weights,
                                                 teacher_logits, advantages, old_logprobs, ref_logprobs,
@@ -164,7 +165,7 @@ class FusedLMHeadLoss(torch.nn.Module):
 def fused_lm_head_loss(logits, labels=None, *, terms=("ce",), in_place: bool = False, **kwargs):
     """Functional form; options and inputs as FusedLMHeadLoss. Returns (loss, metrics dict)."""
     inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in _INPUTS or k == "divisor"}
-    return _module(tuple(terms), in_place, tuple(sorted(kwargs.items())))(logits, labels, **inputs)
+    return _module(terms_key(terms), in_place, tuple(sorted(kwargs.items())))(logits, labels, **inputs)
 
 
 @lru_cache(maxsize=32)

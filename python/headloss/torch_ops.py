@@ -26,7 +26,10 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from ._lib import HeadlossTypeError, HeadlossValueError
+from ._loss_options import call_value, terms_key
 from .loss import SCALARS, LinearLossPlan, LossPlan
+from .rmsnorm import CASTS, cast_code as _cast_code
 from .rmsnorm import rmsnorm_bwd as _hl_rmsnorm_bwd
 from .rmsnorm import rmsnorm_fwd as _hl_rmsnorm_fwd
 from .torch_loss import DEFAULT_MAX_WORKSPACE_BYTES, LINEAR_INPUTS, keep_grads, run_linear, scale_grad, seq_options, take_grads
@@ -34,14 +37,7 @@ from .torch_loss import DEFAULT_MAX_WORKSPACE_BYTES, LINEAR_INPUTS, keep_grads, 
 __all__ = ["RMSNorm", "rmsnorm", "lm_head_loss", "LMHeadLoss", "linear_loss", "LinearLoss",
            "LMHeadLinearLoss"]
 
-_CAST = {"llama": 0, "gemma": 1, "none": 2}
-_CAST_NAMES = {v: k for k, v in _CAST.items()}
-
-
-def _cast_code(cast: str) -> int:
-    if cast not in _CAST:
-        raise ValueError(f"cast must be one of {sorted(_CAST)}, got {cast!r}")
-    return _CAST[cast]
+_CAST_NAMES = {v: k for k, v in CASTS.items()}
 
 
 def _dense(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -209,7 +205,7 @@ def _fused_loss_impl(logits: Tensor, labels: Optional[Tensor], weights: Optional
     out = plan(logits, labels, weights=weights, teacher_logits=teacher_logits,
                advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens, teacher_topk_ids=teacher_topk_ids,
-               teacher_topk_logprobs=teacher_topk_logprobs, divisor=divisor)
+               teacher_topk_logprobs=teacher_topk_logprobs, divisor=divisor or None)
     return out.scalars, (out.grad if need_grad else logits.new_empty(0))
 
 
@@ -285,7 +281,7 @@ def _options_json(key: tuple) -> str:
 
 
 def _options_key(terms, options: dict) -> tuple:
-    return tuple(sorted(options.items())) + (("terms", terms if isinstance(terms, int) else tuple(terms)),)
+    return tuple(sorted(options.items())) + (("terms", terms_key(terms)),)
 
 
 def _metrics(scalars: Tensor) -> dict:
@@ -297,10 +293,13 @@ def lm_head_loss(logits: Tensor, labels: Optional[Tensor] = None, *, terms: Sequ
                  advantages: Optional[Tensor] = None, old_logprobs: Optional[Tensor] = None,
                  ref_logprobs: Optional[Tensor] = None, rollout_logprobs: Optional[Tensor] = None,
                  cu_seqlens: Optional[Tensor] = None, teacher_topk_ids: Optional[Tensor] = None,
-                 teacher_topk_logprobs: Optional[Tensor] = None, divisor: float = 0.0, **options):
+                 teacher_topk_logprobs: Optional[Tensor] = None, divisor: Optional[float] = None,
+                 **options):
     """The fused LM-head loss plan as a torch custom op: (loss, metrics dict of 0-d tensors).
 
-    Options as headloss.LossPlan (ce_weight, z_weight, entropy_weight, distill_weight,
+    terms: a name or names of headloss.TERMS (default "ce"); divisor: D (default None: the sum of
+    the valid rows' weights). Options, each defaulting to None (the library's default, as
+    headloss.LossPlan's docstring lists: z_weight 1e-4, ...), as headloss.LossPlan (ce_weight, z_weight, entropy_weight, distill_weight,
     grpo_weight, kl_ref_beta, label_smoothing, logit_scale, softcap, teacher/student_temperature,
     eps_low, eps_high, dual_clip, cispo_weight, cispo_eps_high, kl_estimator, ratio_level,
     rollout_correction, rollout_level, rollout_cap, rollout_floor, jsd_beta, teacher_topk,
@@ -317,7 +316,7 @@ def lm_head_loss(logits: Tensor, labels: Optional[Tensor] = None, *, terms: Sequ
         logits, labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs,
         rollout_logprobs, cu_seqlens, teacher_topk_ids, teacher_topk_logprobs,
         _options_json(_options_key(terms, seq_options(options, cu_seqlens))),
-        float(divisor), bool(need_grad))
+        call_value("divisor", divisor), bool(need_grad))
     return loss, _metrics(scalars)
 
 
@@ -326,7 +325,7 @@ class LMHeadLoss(torch.nn.Module):
 
     def __init__(self, terms: Sequence[str] = ("ce",), **options):
         super().__init__()
-        self.terms, self.options = tuple(terms), options
+        self.terms, self.options = terms_key(terms), options
 
     def forward(self, logits: Tensor, labels: Optional[Tensor] = None, **inputs):
         return lm_head_loss(logits, labels, terms=self.terms, **inputs, **self.options)
@@ -365,7 +364,7 @@ def _linear_loss_impl(hidden: Tensor, weight: Tensor, labels: Optional[Tensor], 
         inputs = (weights, teacher_logits, advantages, old_logprobs, ref_logprobs, teacher_hidden,
                   teacher_weight, rollout_logprobs, cu_seqlens, teacher_topk_ids,
                   teacher_topk_logprobs)  # LINEAR_INPUTS' order
-        scalars, gh, gw = run_linear(plan, hidden, weight, labels, divisor, max_workspace_bytes,
+        scalars, gh, gw = run_linear(plan, hidden, weight, labels, divisor or None, max_workspace_bytes,
                                      {k: v for k, v in zip(LINEAR_INPUTS, inputs) if v is not None})
     return (scalars, gh if gh is not None else hidden.new_empty(0),
             gw if gw is not None else hidden.new_empty(0))
@@ -422,7 +421,7 @@ def _compute_dtype(hidden: Tensor, others: dict) -> dict:
         return {k: (None if t is None else t.to(dt)) for k, t in mats.items()}
     for k, t in others.items():
         if t is not None and t.dtype != hidden.dtype:
-            raise TypeError(f"linear_loss: {k} is {t.dtype} but hidden is {hidden.dtype}; the plan takes "
+            raise HeadlossTypeError(f"linear_loss: {k} is {t.dtype} but hidden is {hidden.dtype}; the plan takes "
                             "them in one dtype (cast one, or run under torch.autocast)")
     return mats
 
@@ -430,7 +429,7 @@ def _compute_dtype(hidden: Tensor, others: dict) -> dict:
 def _head_weight(weight) -> Tensor:
     if isinstance(weight, torch.nn.Linear):
         if weight.bias is not None:
-            raise ValueError("linear_loss: the nn.Linear has a bias; the fused linear form has none")
+            raise HeadlossValueError("linear_loss: the nn.Linear has a bias; the fused linear form has none")
         return weight.weight
     return weight
 
@@ -441,7 +440,7 @@ def linear_loss(hidden: Tensor, weight, labels: Optional[Tensor] = None, *,
                 old_logprobs: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None,
                 rollout_logprobs: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
                 teacher_topk_ids: Optional[Tensor] = None, teacher_topk_logprobs: Optional[Tensor] = None,
-                divisor: float = 0.0, **options):
+                divisor: Optional[float] = None, **options):
     """The fused linear form of the loss plan as a torch custom op: the loss of the logits
     hidden @ weight.T without forming them (only a chunk of rows at a time exists, in the
     workspace). Returns (loss, metrics dict of 0-d tensors, no gradient).
@@ -482,7 +481,7 @@ def linear_loss(hidden: Tensor, weight, labels: Optional[Tensor] = None, *,
         _per_row(ref_logprobs), _per_row(rollout_logprobs), _per_row(cu_seqlens),
         _matrix(teacher_topk_ids), _matrix(teacher_topk_logprobs),
         _matrix(mats["teacher_hidden"]), _matrix(mats["teacher_weight"]),
-        _options_json(_options_key(terms, seq_options(options, cu_seqlens))), float(divisor),
+        _options_json(_options_key(terms, seq_options(options, cu_seqlens))), call_value("divisor", divisor),
         bool(grad and mats["hidden"].requires_grad), bool(grad and mats["weight"].requires_grad),
         None if max_workspace_bytes is None else int(max_workspace_bytes))
     return loss, _metrics(scalars)
@@ -495,7 +494,7 @@ class LinearLoss(torch.nn.Module):
 
     def __init__(self, terms: Sequence[str] = ("ce",), **options):
         super().__init__()
-        self.terms, self.options = tuple(terms), options
+        self.terms, self.options = terms_key(terms), options
 
     def forward(self, hidden: Tensor, weight, labels: Optional[Tensor] = None, **inputs):
         return linear_loss(hidden, weight, labels, terms=self.terms, **inputs, **self.options)

@@ -56,6 +56,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "headloss.h"
@@ -105,6 +106,15 @@ T Get(const ffi::Dictionary &d, std::string_view name, T def) {
   return v.has_value() ? *v : def;
 }
 
+// Sets *field from attribute `name` (of type A) when present: descriptors start from their
+// defaults (zero: the header's INIT) and take only the options given.
+template <typename A = void, typename F>
+void Take(const ffi::Dictionary &d, std::string_view name, F *field) {
+  using T = std::conditional_t<std::is_void_v<A>, F, A>;
+  if (d.contains(name))
+    if (auto v = d.get<T>(name); v.has_value()) *field = static_cast<F>(*v);
+}
+
 // [rows, cols] of a buffer seen as its leading dims flattened over the last one.
 void RowsCols(const ffi::AnyBuffer &b, int64_t *rows, int64_t *cols) {
   auto dims = b.dimensions();
@@ -150,17 +160,13 @@ struct Workspace {
   if (!ToHl((buf).element_type(), &(out)))                                         \
     return ffi::Error::InvalidArgument(std::string("headloss: unsupported dtype for ") + (what))
 
-// An RMSNorm descriptor (forward or backward) with the fields both take from the attributes.
+// The fields an RMSNorm descriptor (forward or backward, from its INIT) takes from the attributes.
 template <class A>
-A RmsnormArgs(hl_backend_t backend, const ffi::Dictionary &attrs) {
-  A a;
-  std::memset(&a, 0, sizeof a);
-  a.struct_size = sizeof a;
-  a.backend = backend;
-  a.cast = static_cast<hl_rmsnorm_cast_t>(Get<int32_t>(attrs, "cast", 0));
-  a.eps = Get<float>(attrs, "eps", 1e-6f);
-  a.offset = Get<float>(attrs, "offset", 0.0f);
-  return a;
+void RmsnormOptions(hl_backend_t backend, const ffi::Dictionary &attrs, A *a) {
+  a->backend = backend;
+  Take<int32_t>(attrs, "cast", &a->cast);
+  Take(attrs, "eps", &a->eps);
+  Take(attrs, "offset", &a->offset);
 }
 
 ffi::Error RmsnormFwd(hl_backend_t backend, hl_stream_t stream, ffi::RemainingArgs args,
@@ -168,7 +174,8 @@ ffi::Error RmsnormFwd(hl_backend_t backend, hl_stream_t stream, ffi::RemainingAr
   const int has_res = Get<int32_t>(attrs, "has_residual", 0);
   const int has_w = Get<int32_t>(attrs, "has_weight", 0);
   const int want_rstd = Get<int32_t>(attrs, "want_rstd", 0);
-  hl_rmsnorm_fwd_args_t a = RmsnormArgs<hl_rmsnorm_fwd_args_t>(backend, attrs);
+  hl_rmsnorm_fwd_args_t a = HL_RMSNORM_FWD_ARGS_INIT;
+  RmsnormOptions(backend, attrs, &a);
   size_t ai = 0, ri = 0;
   HL_JAX_ARG(x, args, ai++);
   RowsCols(x, &a.rows, &a.cols);
@@ -197,7 +204,8 @@ ffi::Error RmsnormFwd(hl_backend_t backend, hl_stream_t stream, ffi::RemainingAr
 
 ffi::Error RmsnormBwd(hl_backend_t backend, hl_stream_t stream, ffi::ScratchAllocator *scratch,
                       ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  hl_rmsnorm_bwd_args_t a = RmsnormArgs<hl_rmsnorm_bwd_args_t>(backend, attrs);
+  hl_rmsnorm_bwd_args_t a = HL_RMSNORM_BWD_ARGS_INIT;
+  RmsnormOptions(backend, attrs, &a);
   size_t ai = 0, ri = 0;
   HL_JAX_ARG(dy, args, ai++);
   HL_JAX_ARG(x, args, ai++);
@@ -282,7 +290,7 @@ ffi::Error LossOperands(ffi::RemainingArgs args, ffi::Dictionary attrs, LossCall
     RowsCols(logits, &a.rows, &d.vocab);
     HL_JAX_DTYPE(d.logits_dtype, logits, "logits");
     a.logits = logits.untyped_data();
-    d.grad_mode = static_cast<hl_loss_grad_mode_t>(Get<int32_t>(attrs, "grad_mode", 0));
+    Take<int32_t>(attrs, "grad_mode", &d.grad_mode);
     return ffi::Error::Success();
   }
   HL_JAX_ARG(hidden, args, c->ai++);
@@ -296,8 +304,8 @@ ffi::Error LossOperands(ffi::RemainingArgs args, ffi::Dictionary attrs, LossCall
     return Invalid("weight must be [vocab, " + std::to_string(d.hidden) + "] (hidden's last dimension)");
   a.hidden = hidden.untyped_data();
   a.weight = weight.untyped_data();
-  d.grad_hidden_mode = static_cast<hl_loss_grad_mode_t>(Get<int32_t>(attrs, "grad_hidden_mode", 0));
-  d.grad_weight_mode = static_cast<hl_loss_grad_mode_t>(Get<int32_t>(attrs, "grad_weight_mode", 0));
+  Take<int32_t>(attrs, "grad_hidden_mode", &d.grad_hidden_mode);
+  Take<int32_t>(attrs, "grad_weight_mode", &d.grad_weight_mode);
   return ffi::Error::Success();
 }
 
@@ -307,51 +315,52 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
                       LossCall *c) {
   hl_loss_plan_desc_t &d = c->d;
   hl_loss_args_t &a = c->a;
-  std::memset(&d, 0, sizeof d);  // also zeroes the padding: the description is the cache key
+  // Zero (padding too: the description is the cache key) with struct_size, which the header
+  // defines as the same as HL_LOSS_PLAN_DESC_INIT; the macro itself spells out rollout_cap and
+  // jsd_beta, which 0.5.0's plan creation refuses without a rollout correction or JSD.
+  std::memset(&d, 0, sizeof d);
   d.struct_size = sizeof d;
   d.backend = backend;
-  std::memset(&a, 0, sizeof a);
-  a.struct_size = sizeof a;
+  a = HL_LOSS_ARGS_INIT;
   HL_JAX_TRY(LossOperands(args, attrs, c));
-  d.labels_dtype = HL_DTYPE_NONE;
-  d.terms = static_cast<unsigned>(Get<int32_t>(attrs, "terms", HL_LOSS_CE));
-  d.flags = static_cast<unsigned>(Get<int32_t>(attrs, "flags", 0));
-  d.ce_weight = Get<float>(attrs, "ce_weight", 1.0f);
-  d.z_weight = Get<float>(attrs, "z_weight", 1.0f);
-  d.entropy_weight = Get<float>(attrs, "entropy_weight", 1.0f);
-  d.distill_weight = Get<float>(attrs, "distill_weight", 1.0f);
-  d.grpo_weight = Get<float>(attrs, "grpo_weight", 1.0f);
-  d.kl_ref_beta = Get<float>(attrs, "kl_ref_beta", 1.0f);
-  d.label_smoothing = Get<float>(attrs, "label_smoothing", 0.0f);
-  d.logit_scale = Get<float>(attrs, "logit_scale", 0.0f);
-  d.softcap = Get<float>(attrs, "softcap", 0.0f);
-  d.teacher_temperature = Get<float>(attrs, "teacher_temperature", 0.0f);
-  d.student_temperature = Get<float>(attrs, "student_temperature", 0.0f);
-  d.eps_low = Get<float>(attrs, "eps_low", 0.0f);
-  d.eps_high = Get<float>(attrs, "eps_high", 0.0f);
-  d.dual_clip = Get<float>(attrs, "dual_clip", 0.0f);
-  d.cispo_weight = Get<float>(attrs, "cispo_weight", 1.0f);
-  d.cispo_eps_high = Get<float>(attrs, "cispo_eps_high", 0.0f);
-  d.kl_estimator = Get<int32_t>(attrs, "kl_estimator", HL_LOSS_KL_K3);
-  d.ratio_level = Get<int32_t>(attrs, "ratio_level", HL_LOSS_LEVEL_TOKEN);
-  d.rollout_correction = Get<int32_t>(attrs, "rollout_correction", HL_LOSS_ROLLOUT_NONE);
-  d.rollout_level = Get<int32_t>(attrs, "rollout_level", HL_LOSS_LEVEL_TOKEN);
-  d.rollout_cap = Get<float>(attrs, "rollout_cap", 0.0f);
-  d.rollout_floor = Get<float>(attrs, "rollout_floor", 0.0f);
+  // Only the options given: every other field keeps its default (the Python side sends none
+  // of those it was not given).
+  Take<int32_t>(attrs, "terms", &d.terms);
+  Take<int32_t>(attrs, "flags", &d.flags);
+  for (auto [name, field] : {std::pair{"ce_weight", &d.ce_weight}, {"z_weight", &d.z_weight},
+                             {"entropy_weight", &d.entropy_weight}, {"distill_weight", &d.distill_weight},
+                             {"grpo_weight", &d.grpo_weight}, {"kl_ref_beta", &d.kl_ref_beta},
+                             {"label_smoothing", &d.label_smoothing}, {"logit_scale", &d.logit_scale},
+                             {"softcap", &d.softcap}, {"teacher_temperature", &d.teacher_temperature},
+                             {"student_temperature", &d.student_temperature}, {"eps_low", &d.eps_low},
+                             {"eps_high", &d.eps_high}, {"dual_clip", &d.dual_clip},
+                             {"cispo_weight", &d.cispo_weight}, {"cispo_eps_high", &d.cispo_eps_high},
+                             {"rollout_cap", &d.rollout_cap}, {"rollout_floor", &d.rollout_floor},
+                             {"jsd_beta", &d.jsd_beta}})
+    Take(attrs, name, field);
+  for (auto [name, field] : {std::pair{"kl_estimator", &d.kl_estimator}, {"ratio_level", &d.ratio_level},
+                             {"rollout_correction", &d.rollout_correction},
+                             {"rollout_level", &d.rollout_level}, {"use_ignore_index", &d.use_ignore_index},
+                             {"ranks", &d.ranks}})
+    Take(attrs, name, field);
   // An attribute (the statistics step gets no cu_seqlens, and its plan must be the finish's).
-  d.cu_seqlens_dtype = static_cast<hl_dtype_t>(Get<int32_t>(attrs, "cu_seqlens_dtype", HL_DTYPE_NONE));
-  d.jsd_beta = Get<float>(attrs, "jsd_beta", 0.0f);
-  d.use_ignore_index = Get<int32_t>(attrs, "use_ignore_index", 0);
-  d.ignore_index = Get<int64_t>(attrs, "ignore_index", -100);
-  d.vocab_global = Get<int64_t>(attrs, "vocab_global", 0);
-  d.ranks = Get<int32_t>(attrs, "ranks", 0);
-  a.divisor = Get<double>(attrs, "divisor", 0.0);
-  a.grad_scale = Get<float>(attrs, "grad_scale", 0.0f);
-  c->max_ws = Get<int64_t>(attrs, "max_workspace_bytes", -1);
+  Take<int32_t>(attrs, "cu_seqlens_dtype", &d.cu_seqlens_dtype);
+  Take(attrs, "ignore_index", &d.ignore_index);
+  Take(attrs, "vocab_global", &d.vocab_global);
+  Take(attrs, "divisor", &a.divisor);
+  Take(attrs, "grad_scale", &a.grad_scale);
+  Take(attrs, "max_workspace_bytes", &c->max_ws);
   const int inputs = Get<int32_t>(attrs, "inputs", 0);
+  // The library takes bare pointers: a buffer shorter than the rows it reads is refused here.
+  const auto per_row = [&](const ffi::AnyBuffer &b, const char *name) {
+    if (int64_t(b.element_count()) == a.rows) return ffi::Error::Success();
+    return Invalid(std::string(name) + " has " + std::to_string(b.element_count()) + " elements; expected " +
+                   std::to_string(a.rows) + ", one a row");
+  };
   if (inputs & 1) {
     HL_JAX_ARG(b, args, c->ai++);
     HL_JAX_DTYPE(d.labels_dtype, b, "labels");
+    HL_JAX_TRY(per_row(b, "labels"));
     a.labels = b.untyped_data();
   }
   // The teacher's matrices are in the logits' dtype (the linear form: the weight's).
@@ -375,6 +384,11 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
     *opt[bit - 1].ptr = b.untyped_data();
     int64_t rows = 0, cols = 0;
     RowsCols(b, &rows, &cols);
+    constexpr int kPerRow = 2 | 8 | 16 | 32 | 256;  // weights, advantages, old / ref / rollout log-probs
+    if ((1 << bit) & kPerRow) HL_JAX_TRY(per_row(b, opt[bit - 1].name));
+    if (bit == 2 && (rows != a.rows || cols != d.vocab))
+      return Invalid("teacher_logits must be [rows, vocab] as the logits");
+    if (bit == 6 && rows != a.rows) return Invalid("teacher_hidden must have the hidden states' rows");
     if (bit == 6) d.teacher_hidden = cols;
     if (bit == 7 && (rows != d.vocab || cols != d.teacher_hidden))
       return Invalid("teacher_weight must be [vocab, teacher_hidden's last dimension]");

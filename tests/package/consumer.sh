@@ -13,10 +13,13 @@ cmake -S "$src" -B "$work/cmake" -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUIL
 cmake --build "$work/cmake" >/dev/null
 "$work/cmake/consumer"
 
-echo "== pkg-config headloss"
+echo "== pkg-config headloss (the README's two ways to find the library at run time)"
 pc=$(dirname "$(find "$work/prefix" -name headloss.pc)")
 export PKG_CONFIG_PATH=$pc
-libdir=$(pkg-config --variable=libdir headloss)
 # shellcheck disable=SC2046  # the flags are meant to split
-cc -std=c99 "$src/consumer.c" -o "$work/pc_consumer" $(pkg-config --cflags --libs headloss) -lm -Wl,-rpath,"$libdir"
+cc -std=c99 "$src/consumer.c" -o "$work/pc_consumer" $(pkg-config --cflags --libs headloss) -lm \
+  -Wl,-rpath,"$(pkg-config --variable=libdir headloss)"
 "$work/pc_consumer"
+# shellcheck disable=SC2046
+cc -std=c99 "$src/consumer.c" -o "$work/pc_consumer_norpath" $(pkg-config --cflags --libs headloss) -lm
+LD_LIBRARY_PATH="$(pkg-config --variable=libdir headloss)" "$work/pc_consumer_norpath"

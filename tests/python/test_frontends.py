@@ -78,16 +78,17 @@ def test_dlpack_strided_and_int(rng):
     v = _arrays.view(DLPackOnly(a), "a")
     assert v.shape == (4, 7) and v.strides == (10, 1) and v.dtype == DTYPE_F16
     assert _arrays.view(DLPackOnly(np.zeros(3, np.int64)), "i").dtype == DTYPE_I64
-    with pytest.raises(TypeError, match="unsupported DLPack dtype"):
-        _arrays.view(DLPackOnly(np.zeros(3, np.float64)), "d")
+    with pytest.raises(headloss.HeadlossTypeError, match=r"d is DLPack dtype \(code 2, 64 bits, 1 lanes\); "
+                       "expected float32, float16 or bfloat16"):
+        _arrays.expect(DLPackOnly(np.zeros(3, np.float64)), "d", _arrays.FLOATS)
 
 
 def test_dtype_codes():
     assert _arrays.dtype_code(np.dtype("float32")) == DTYPE_F32
     assert _arrays.dtype_code("bf16") == DTYPE_BF16
     assert _arrays.dtype_code(np.float16) == DTYPE_F16
-    with pytest.raises(TypeError, match="unsupported dtype"):
-        _arrays.dtype_code(np.dtype("float64"))
+    with pytest.raises(headloss.HeadlossTypeError, match="out_dtype is float64; expected one of float32"):
+        _arrays.dtype_code(np.dtype("float64"), "out_dtype")
 
 
 def test_unknown_kind_is_a_type_error():
@@ -104,14 +105,16 @@ def test_lazy_stream_is_read_once():
 
 
 def test_place_checks():
-    host = _arrays.ArrayView(None, "numpy", 0, (1,), (1,), DTYPE_F32, BACKEND_CPU, 0)
-    gpu0 = _arrays.ArrayView(None, "torch", 0, (1,), (1,), DTYPE_F32, BACKEND_CUDA, 0, 0)
-    gpu1 = _arrays.ArrayView(None, "torch", 0, (1,), (1,), DTYPE_F32, BACKEND_CUDA, 0, 1)
-    with pytest.raises(ValueError, match="mix host and device"):
-        _arrays.same_place([host, gpu0], "op")
-    with pytest.raises(ValueError, match=r"different GPUs \(cuda:0, cuda:1\)"):
-        _arrays.same_place([gpu0, None, gpu1], "op")
-    assert _arrays.same_place([gpu0, gpu0], "op") == BACKEND_CUDA
+    host = _arrays.ArrayView(None, "numpy", 0, (1,), (1,), DTYPE_F32, BACKEND_CPU, 0, -1, "x")
+    gpu0 = _arrays.ArrayView(None, "torch", 0, (1,), (1,), DTYPE_F32, BACKEND_CUDA, 0, 0, "y")
+    gpu1 = _arrays.ArrayView(None, "torch", 0, (1,), (1,), DTYPE_F32, BACKEND_CUDA, 0, 1, "z")
+    with pytest.raises(headloss.HeadlossTypeError, match="y is in cuda:0 but x is in host memory"):
+        _arrays.expect(gpu0, "y", like=host)
+    with pytest.raises(TypeError, match="z is in cuda:1 but y is in cuda:0"):
+        _arrays.expect(gpu1, "z", like=gpu0)
+    assert _arrays.expect(gpu0, "y", like=gpu0) is gpu0
+    generic = _arrays.ArrayView(None, "cai", 0, (1,), (1,), DTYPE_F32, BACKEND_CUDA, 0, -1, "w")
+    assert _arrays.expect(generic, "w", like=gpu1) is generic  # its device is not known: not refused
 
 
 def test_library_error_carries_message(rng):
@@ -124,11 +127,11 @@ def test_library_error_carries_message(rng):
 
 def test_python_side_errors(rng):
     x, w = draw(rng)
-    with pytest.raises(ValueError, match="cast must be one of"):
+    with pytest.raises(headloss.HeadlossValueError, match="cast is 'llama2'; expected one of 'llama'"):
         headloss.rmsnorm(x, w, cast="llama2")
     with pytest.raises(ValueError, match="last dimension must be contiguous"):
         headloss.rmsnorm(np.asfortranarray(x), w)
-    with pytest.raises(TypeError, match="unsupported dtype"):
+    with pytest.raises(headloss.HeadlossTypeError, match="x is float64; expected float32, float16 or bfloat16"):
         headloss.rmsnorm(x.astype(np.float64), w)
 
 
@@ -235,8 +238,8 @@ def test_jax_gpu_arrays_into_torch_output(rng):
 # ---- the loss plans read bare pointers: arrays of another dtype or layout are refused --------------
 
 @pytest.mark.parametrize("mutate, err, msg", [
-    (lambda a: a.update(logits=a["logits"].astype(np.float16)), TypeError, "logits is float16; the plan expects float32"),
-    (lambda a: a.update(labels=a["labels"].astype(np.int32)), TypeError, "labels is int32; the plan expects int64"),
+    (lambda a: a.update(logits=a["logits"].astype(np.float16)), TypeError, "logits is float16; expected float32"),
+    (lambda a: a.update(labels=a["labels"].astype(np.int32)), TypeError, "labels is int32; expected int64"),
     (lambda a: a.update(labels=np.repeat(a["labels"], 2)[::2]), ValueError, "labels .* must be contiguous"),
     (lambda a: a.update(weights=np.ones(6, np.float16)), TypeError, "weights is float16"),
     (lambda a: a.update(scalars=np.zeros(len(headloss.loss.SCALARS), np.float16)), TypeError, "scalars is float16"),
@@ -250,9 +253,9 @@ def test_loss_plan_refuses_misread_arrays(rng, mutate, err, msg):
 
 
 @pytest.mark.parametrize("name, bad, msg", [
-    ("hidden", np.zeros((6, 8), np.float16), "hidden is float16; the plan expects float32"),
+    ("hidden", np.zeros((6, 8), np.float16), "hidden is float16; expected float32"),
     ("weight", np.zeros((10, 8), np.float16), "weight is float16"),
-    ("grad_weight", np.zeros((10, 8), np.float16), "grad_weight is float16; the plan expects float32"),
+    ("grad_weight", np.zeros((10, 8), np.float16), "grad_weight is float16; expected float32"),
     ("labels", np.arange(12, dtype=np.int64)[::2], "must be contiguous"),
 ])
 def test_linear_loss_plan_refuses_misread_arrays(rng, name, bad, msg):

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import ref_gdn as ref  # noqa: E402
 
 import headloss  # noqa: E402
-from headloss import gdn as hg  # noqa: E402
+from headloss import _abi, gdn as hg  # noqa: E402
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BT = ref.BT
@@ -206,9 +206,10 @@ def _raw_args(**over):
                                                        h=(4 * K * V,), dh=(4 * K * V,), dq=(T * K,),
                                                        dk=(T * K,)).items()}
     g, dg = np.zeros(T, np.float32), np.zeros(T, np.float32)
-    a = hg._Args(ctypes.sizeof(hg._Args), 1, B, T, H, HV, K, V, 0, 2, 2,
+    args_t = _abi.hl_gdn_bwd_dqkwg_args_t
+    a = args_t(ctypes.sizeof(args_t), 1, B, T, H, HV, K, V, 0, 2, 2,
                  *(bufs[n].ctypes.data for n in ("q", "k", "v", "do", "h", "dh")), 0,
-                 bufs["dq"].ctypes.data, bufs["dk"].ctypes.data, 0, hg.GATE_LOG, g.ctypes.data, 0,
+                 bufs["dq"].ctypes.data, bufs["dk"].ctypes.data, 0, _abi.HL_GDN_GATE_LOG, g.ctypes.data, 0,
                  dg.ctypes.data, 0, 1.0)
     for key, val in over.items():
         setattr(a, key, val)

@@ -88,7 +88,7 @@ def shifted_path(be, inp, terms, opts, strided=False):
 
 
 def run_linear(be, inp, terms, opts, *, grad_hidden="write", grad_weight="write", gh_dtype=None,
-               gw_dtype=None, init=None, divisor=0.0, grad_scale=0.0, workspace_bytes=None,
+               gw_dtype=None, init=None, divisor=None, grad_scale=None, workspace_bytes=None,
                strided=False):
     """Runs the plan with poisoned outputs; returns (scalars, tokens, grad_hidden, grad_weight) in
     fp64 NumPy. strided: every matrix is a column slice of a wider one (row stride > columns): 5
@@ -386,7 +386,7 @@ def test_teacher_without_distillation():
 
 
 def test_weight_rows_disagree():
-    _bad_call(lambda a, k: a.update(weight=a["weight"][:39]), "weight has 39 rows")
+    _bad_call(lambda a, k: a.update(weight=a["weight"][:39]), r"weight is \[39, 16\] as rows x columns \(shape \[39, 16\]\); expected \[40, 16\]")
 
 
 def test_logits_form_refuses_linear_args():

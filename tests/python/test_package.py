@@ -2,7 +2,8 @@
 (-Ccmake.define.HL_CUDA=OFF) into a fresh venv, the package imported from outside the checkout
 with the library bundled in it, a loss and an RMSNorm checked against NumPy; with jax present, the
 bundled JAX adapter too. It needs PyPI (scikit-build-core, numpy) and about a minute of build:
-it runs where HL_PIP_TEST=1 (tools/test.sh sets it) and skips elsewhere (the GPU machine is offline)."""
+it runs where HL_PIP_TEST=1 (tools/test.sh sets it) and skips elsewhere (the GPU machine is offline).
+The wheel holds the ABI module the build generates (headloss/_abi.py), once."""
 import os
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def test_pip_wheel_cpu_only_installs_and_runs(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("headloss-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "headloss/libheadloss.so.0" in names and "headloss/__init__.py" in names, names
+    assert names.count("headloss/_abi.py") == 1, names  # generated from the header by the build
     assert ("headloss/libheadloss_jax.so" in names) == with_jax, names
 
     venv = tmp_path / "venv"

@@ -161,7 +161,7 @@ def test_errors_raise_with_the_library_message():
     x = np.ones((2, 4), np.float32)
     with pytest.raises(headloss.HeadlossError, match="eps is -1"):
         headloss.rmsnorm_fwd(x, eps=-1.0)
-    with pytest.raises(ValueError, match="cast must be one of"):
+    with pytest.raises(headloss.HeadlossValueError, match="cast is 'mistral'; expected one of"):
         headloss.rmsnorm(x, cast="mistral")
 
 

@@ -356,7 +356,7 @@ def test_linear_loss_function_own_plan(dev):
     plan = LinearLossPlan(89, 24, torch.bfloat16, device=dev.type, terms=terms, grad_hidden_dtype="float32",
                           grad_weight_dtype="float32", **opts)
     from headloss.torch_loss import LINEAR_INPUTS
-    loss, scalars = LinearLossFunction.apply(x, w, y, plan, 0.0, None, *(kw.get(k) for k in LINEAR_INPUTS))
+    loss, scalars = LinearLossFunction.apply(x, w, y, plan, None, None, *(kw.get(k) for k in LINEAR_INPUTS))
     (0.5 * loss).backward()
     assert x.grad.dtype == torch.bfloat16 and not scalars.requires_grad
     check(be_of(dev), (dict(zip(SCALARS, np64(scalars))), {}, np64(x.grad), np64(w.grad)),

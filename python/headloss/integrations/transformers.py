@@ -30,13 +30,14 @@ there); other versions work where those classes and the causal-LM forward are un
 from __future__ import annotations
 
 import types
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import torch_ops
+from .._lib import HeadlossValueError
 
 __all__ = ["apply_headloss", "remove_headloss", "lm_loss", "NORMS", "LOSS_MODELS"]
 
@@ -75,7 +76,7 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
                              out_dtype=out)
 
 
-def lm_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, *, divisor: float = 0.0,
+def lm_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, *, divisor: Optional[float] = None,
             **options) -> torch.Tensor:
     """The loss of the next-token labels [...] (already shifted; negative ones ignored) from the
     last hidden states [..., H]: the one place that picks the fused linear + loss (the logits never
@@ -113,7 +114,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if ignore_index >= 0:  # negative labels are ignored anyway
         options["ignore_index"] = ignore_index
     loss = lm_loss(hidden, self.lm_head, shift_labels.to(hidden.device).contiguous(),
-                   divisor=0.0 if num_items is None else float(num_items), **options)
+                   divisor=None if num_items is None else float(num_items) or None, **options)
     return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                   hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
@@ -139,7 +140,7 @@ def apply_headloss(model: nn.Module, *, rms_norm: bool = True, loss: bool = True
     if loss:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in LOSS_MODELS or not isinstance(getattr(model, "lm_head", None), nn.Module):
-            raise ValueError(f"headloss: no causal-LM loss for {type(model).__name__} (model type "
+            raise HeadlossValueError(f"headloss: no causal-LM loss for {type(model).__name__} (model type "
                              f"{model_type!r}); supported: {sorted(LOSS_MODELS)}. loss=False swaps the "
                              "norms alone")
         model._headloss_loss_options = {**_logit_options(model), **loss_options}
@@ -152,7 +153,7 @@ def apply_headloss(model: nn.Module, *, rms_norm: bool = True, loss: bool = True
                 m.forward = types.MethodType(_norm_forward, m)
                 patched.append(m)
     if not patched:
-        raise ValueError(f"headloss: nothing to swap in {type(model).__name__} (no RMSNorm of a kind "
+        raise HeadlossValueError(f"headloss: nothing to swap in {type(model).__name__} (no RMSNorm of a kind "
                          f"in headloss.integrations.transformers.NORMS)")
     model._headloss_patched = patched
     return model
