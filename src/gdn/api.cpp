@@ -169,7 +169,7 @@ hl_status_t check_memory(const char *fn, const hl_gdn_bwd_dqkwg_args_t &a, hl_st
 #endif
   (void)stream;
   cu->resize(size_t(a.num_seqs + 1));
-  for (int64_t i = 0; i <= a.num_seqs; ++i) (*cu)[size_t(i)] = int64_t(cpu::load(a.cu_seqlens, a.cu_seqlens_dtype, i));
+  for (int64_t i = 0; i <= a.num_seqs; ++i) (*cu)[size_t(i)] = cpu::load_int(a.cu_seqlens, a.cu_seqlens_dtype, i);
   return check_cu_seqlens(fn, a, *cu);
 }
 

@@ -486,7 +486,7 @@ hl_status_t check_seqlens(const char *fn, const hl_loss_plan_st &p, const hl_los
                           const void *host_cu) {
   int64_t prev = 0;
   for (int64_t s = 0; s <= a.num_seqs; ++s) {
-    const int64_t v = int64_t(cpu::load(host_cu, p.desc.cu_seqlens_dtype, s));
+    const int64_t v = cpu::load_int(host_cu, p.desc.cu_seqlens_dtype, s);
     if (v < prev || v > a.rows || (s == 0 && v != 0) || (s == a.num_seqs && v != a.rows))
       return fail(HL_STATUS_INVALID_VALUE, "%s: cu_seqlens[%lld] is %lld; cu_seqlens must start at 0, "
                   "not decrease, and end at rows = %lld", fn, (long long)s, (long long)v,
@@ -503,7 +503,7 @@ namespace {
 hl_status_t check_host_inputs(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a) {
   if (a.cu_seqlens) HL_TRY(check_seqlens(fn, p, a, a.cu_seqlens));
   for (int64_t i = 0; a.labels && i < a.rows; ++i) {
-    const int64_t y = int64_t(cpu::load(a.labels, p.desc.labels_dtype, i));
+    const int64_t y = cpu::load_int(a.labels, p.desc.labels_dtype, i);
     const bool ignored = y < 0 || (p.desc.use_ignore_index && y == p.desc.ignore_index);
     if (!ignored && y >= p.desc.vocab_global)
       return fail(HL_STATUS_INVALID_VALUE,
@@ -629,7 +629,7 @@ hl_status_t check_topk_row(const char *fn, const hl_loss_plan_st &p, int64_t i, 
                            const float *logprobs) {
   std::vector<int64_t> seen;
   for (int k = 0; k < p.opt.topk; ++k) {
-    const int64_t id = int64_t(cpu::load(ids, p.desc.teacher_topk_ids_dtype, k));
+    const int64_t id = cpu::load_int(ids, p.desc.teacher_topk_ids_dtype, k);
     if (id < 0) continue;  // padding
     if (id >= p.desc.vocab_global)
       return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk_ids[%lld, %d] is %lld, outside [0, vocab "

@@ -377,9 +377,99 @@ static void two_exchanges(void **state) {
   free(b);
 }
 
+/* Labels, a sparse teacher's ids and cu_seqlens are read as integers: values past 2^53 are not
+ * rounded through a double (INT64_MAX passed the range check with loss = inf; a label equal to an
+ * ignore_index of 2^53 + 1 was refused), in every call that reads them. */
+static void integers_are_read_exactly(void **state) {
+  (void)state;
+  const int64_t big = ((int64_t)1 << 53) + 1;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  hl_loss_args_t a = args_for(b);
+  b->labels[2] = INT64_MAX;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "labels[2] is 9223372036854775807, outside [0, vocab = 6)");
+  b->labels[2] = big - 1;
+  d.use_ignore_index = 1, d.ignore_index = big;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "labels[2] is 9007199254740992");
+  /* The label equal to ignore_index is ignored: the scalars of a row labelled -100. */
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  b->labels[2] = -100;
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  float want[HL_LOSS_NUM_SCALARS];
+  memcpy(want, b->scalars, sizeof want);
+  b->labels[2] = big;
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  assert_memory_equal(want, b->scalars, sizeof want);
+  assert_float_equal(b->scalars[HL_LOSS_OUT_VALID_ROWS], N - 2, 0);
+  assert_ok(hl_loss_plan_destroy(p));
+  /* I32 labels, and the split's steps (statistics and finish read the labels). */
+  fill(b);
+  int32_t l32[N] = {0, -100, INT32_MAX, 3};
+  hl_loss_plan_desc_t d32 = desc_ce();
+  d32.labels_dtype = HL_DTYPE_I32;
+  a.labels = l32;
+  execute_fails(d32, a, b, HL_STATUS_INVALID_VALUE, "labels[2] is 2147483647");
+  a = args_for(b);
+  d = desc_ce(), d.vocab_global = V + 3, d.ranks = 2;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  size_t block = 0;
+  assert_ok(hl_loss_plan_get_stats_size(p, N, &block));
+  int64_t *stats = calloc(2 * block / 8, 8);
+  b->labels[3] = INT64_MAX;
+  assert_fails(hl_loss_plan_execute_stats(p, &a, stats, block, NULL), HL_STATUS_INVALID_VALUE, "labels[3]");
+  assert_fails(hl_loss_plan_execute_finish(p, &a, stats, 2 * block, NULL, 0, NULL), HL_STATUS_INVALID_VALUE,
+               "labels[3]");
+  assert_true(untouched(b) && stats[0] == 0);
+  assert_ok(hl_loss_plan_destroy(p));
+  free(stats);
+  b->labels[3] = 3;
+  /* A sparse teacher's id of INT64_MAX (a double made it padding) and past 2^53. */
+  d = desc_ce(), d.terms = HL_LOSS_DISTILL_FWD, d.teacher_topk = 2, d.teacher_topk_ids_dtype = HL_DTYPE_I64;
+  int64_t ids[N * 2] = {0, 5, 1, 2, 3, INT64_MAX, -1, -1};
+  float lp[N * 2] = {-0.5f, -1.5f, -0.25f, -2.0f, -1.0f, -1.0f, 0, 0};
+  a = args_for(b), a.labels = NULL, a.teacher_topk_ids = ids, a.teacher_topk_logprobs = lp;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "teacher_topk_ids[2, 1] is 9223372036854775807");
+  ids[5] = big;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "teacher_topk_ids[2, 1] is 9007199254740993");
+  ids[5] = INT64_MIN; /* padding, of any negative value */
+  assert_ok(hl_loss_plan_create(&d, &p));
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  assert_ok(hl_loss_plan_destroy(p));
+  /* cu_seqlens (GSPO). */
+  fill(b);
+  d = desc_ce(), d.terms = HL_LOSS_GRPO, d.ratio_level = HL_LOSS_LEVEL_SEQ_MEAN, d.cu_seqlens_dtype = HL_DTYPE_I64;
+  int64_t cu[3] = {0, big, N};
+  a = args_for(b), a.advantages = b->adv, a.old_logprobs = b->old, a.cu_seqlens = cu, a.num_seqs = 2;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "cu_seqlens[1] is 9007199254740993");
+  free(b);
+}
+
+/* The fused linear form without rows: grad_weight written whole (zeros), hidden and weight neither
+ * required nor read (the CPU backend read a NULL weight). */
+static void linear_without_rows(void **state) {
+  (void)state;
+  float gw[V * 3];
+  for (int i = 0; i < V * 3; ++i) gw[i] = -7.0f;
+  hl_loss_plan_desc_t d = desc_ce();
+  d.grad_mode = HL_LOSS_GRAD_NONE, d.hidden = 3, d.weight_dtype = HL_DTYPE_F32;
+  d.grad_weight_mode = HL_LOSS_GRAD_WRITE;
+  hl_loss_args_t a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.grad_weight = gw;
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  for (int i = 0; i < V * 3; ++i) assert_true(gw[i] == 0.0f);
+  assert_ok(hl_loss_plan_destroy(p));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(bad_descriptions), cmocka_unit_test(bad_arguments),
                                      cmocka_unit_test(small_exact_case), cmocka_unit_test(split_calls),
-                                     cmocka_unit_test(sparse_teacher), cmocka_unit_test(two_exchanges)};
+                                     cmocka_unit_test(sparse_teacher), cmocka_unit_test(two_exchanges),
+                                     cmocka_unit_test(integers_are_read_exactly), cmocka_unit_test(linear_without_rows)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
