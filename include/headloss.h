@@ -514,12 +514,12 @@ typedef struct {
 } hl_loss_plan_desc_t;
 
 /* The defaults a zero field stands for, spelled out (derived ones stay 0: vocab_global = vocab,
- * ranks 1, cispo_eps_high = eps_high, rollout_floor = 1 / rollout_cap). */
+ * ranks 1, cispo_eps_high = eps_high, rollout_floor = 1 / rollout_cap; so do rollout_cap and
+ * jsd_beta, whose options must be on for them to be set: their defaults are 2 and 0.5). */
 #define HL_LOSS_PLAN_DESC_INIT                                                                      \
   { .struct_size = sizeof(hl_loss_plan_desc_t), .ce_weight = 1.0f, .z_weight = 1e-4f,              \
     .distill_weight = 1.0f, .grpo_weight = 1.0f, .logit_scale = 1.0f, .teacher_temperature = 1.0f, \
-    .student_temperature = 1.0f, .eps_low = 0.2f, .eps_high = 0.2f, .cispo_weight = 1.0f,          \
-    .rollout_cap = 2.0f, .jsd_beta = 0.5f }
+    .student_temperature = 1.0f, .eps_low = 0.2f, .eps_high = 0.2f, .cispo_weight = 1.0f }
 
 /* Indices of hl_loss_args_t.scalars. A metric whose inputs were not passed is 0. */
 typedef enum {

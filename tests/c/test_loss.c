@@ -377,6 +377,18 @@ static void two_exchanges(void **state) {
   free(b);
 }
 
+/* HL_LOSS_PLAN_DESC_INIT's spelled-out defaults make a valid plan (its rollout_cap and jsd_beta
+ * were refused without their options). */
+static void desc_init_is_valid(void **state) {
+  (void)state;
+  hl_loss_plan_desc_t d = HL_LOSS_PLAN_DESC_INIT;
+  d.backend = HL_BACKEND_CPU, d.vocab = V, d.logits_dtype = HL_DTYPE_F32;
+  d.labels_dtype = HL_DTYPE_I64, d.terms = HL_LOSS_CE;
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  assert_ok(hl_loss_plan_destroy(p));
+}
+
 /* Labels, a sparse teacher's ids and cu_seqlens are read as integers: values past 2^53 are not
  * rounded through a double (INT64_MAX passed the range check with loss = inf; a label equal to an
  * ignore_index of 2^53 + 1 was refused), in every call that reads them. */
@@ -470,6 +482,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(bad_descriptions), cmocka_unit_test(bad_arguments),
                                      cmocka_unit_test(small_exact_case), cmocka_unit_test(split_calls),
                                      cmocka_unit_test(sparse_teacher), cmocka_unit_test(two_exchanges),
+                                     cmocka_unit_test(desc_init_is_valid),
                                      cmocka_unit_test(integers_are_read_exactly), cmocka_unit_test(linear_without_rows)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
