@@ -180,8 +180,8 @@ HL_API hl_status_t hl_rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t
  * two tensors. dw is reduced over rows in fp32 in a fixed order (deterministic) and stored in
  * dw_dtype (F32 or the weight's dtype); with rows = 0 it is written as zeros (the empty sum).
  * rstd may be NULL: it is then recomputed from s and eps.
- * In place: dx == dy (dy_dtype then x_dtype) and dx == dresidual_out, with the same stride, give
- * the same bits as separate buffers on both backends.
+ * In place: dx == dy (with dy_dtype = x_dtype) and dx == dresidual_out, each with the same
+ * stride, give the same bits as separate buffers on both backends.
  * The CUDA backend needs a workspace: ask rmsnorm_bwd_workspace_size. On CUDA, cols <= 2^35 (its
  * tiles of 32 columns in one grid dimension); larger is NOT_SUPPORTED.
  */
@@ -740,9 +740,9 @@ HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan);
  * whose reserved 8th header word is not 0, a buffer smaller than ranks blocks, and shards that do
  * not tile [0, vocab_global) (middle and finish_with_middle check both kinds of blocks so). The
  * records themselves are used as given: NaN, infinite or non-positive sums there are not checked
- * and flow into the results; on CUDA it reads the headers with one stream
- * synchronisation (with the label check), which HL_LOSS_UNCHECKED skips. The workspace of
- * middle and finish is as for hl_loss_plan_execute.
+ * and flow into the results. On CUDA finish reads the headers with one stream synchronisation
+ * (with the label check), which HL_LOSS_UNCHECKED skips. The workspace of middle and finish is as
+ * for hl_loss_plan_execute.
  */
 HL_API hl_status_t hl_loss_plan_get_stats_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes);
 HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss_args_t *args,

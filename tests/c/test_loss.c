@@ -401,6 +401,11 @@ static void integers_are_read_exactly(void **state) {
   hl_loss_args_t a = args_for(b);
   b->labels[2] = INT64_MAX;
   execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "labels[2] is 9223372036854775807, outside [0, vocab = 6)");
+  hl_loss_plan_desc_t lin = desc_ce(); /* the fused linear form: the same check */
+  lin.grad_mode = HL_LOSS_GRAD_NONE, lin.hidden = 2, lin.weight_dtype = HL_DTYPE_F32;
+  hl_loss_args_t la = args_for(b);
+  la.logits = NULL, la.grad = NULL, la.hidden = b->logits, la.weight = b->teacher; /* [N, 2], [V, 2] */
+  execute_fails(lin, la, b, HL_STATUS_INVALID_VALUE, "labels[2] is 9223372036854775807");
   b->labels[2] = big - 1;
   d.use_ignore_index = 1, d.ignore_index = big;
   execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "labels[2] is 9007199254740992");
