@@ -27,4 +27,4 @@ device:
 	tools/device.sh
 
 clean:
-	rm -rf $(BUILD) lib/libheadloss.so*
+	rm -rf $(BUILD) build-asan lib/libheadloss.so*

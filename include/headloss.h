@@ -4,8 +4,9 @@
  * One C99 header, usable without the CUDA headers. Conventions shared by every call:
  *
  *  - Every function returns an hl_status_t. On failure nothing has been written to any output, and
- *    hl_get_last_error() returns a message naming the argument and the value at fault (thread-local,
- *    valid until the next call on the same thread). hl_get_error_string() names a status.
+ *    hl_get_last_error() returns a message that starts with the entry point's name ("hl_rmsnorm_fwd:
+ *    ") and names the C field at fault and its value ("x_stride", "labels[3]") (thread-local, valid
+ *    until the next call on the same thread). hl_get_error_string() names a status.
  *  - Arguments travel in descriptors whose first member is struct_size: set it to sizeof(the struct)
  *    so that later versions can add fields without breaking callers compiled against this one.
  *    Start from the descriptor's HL_*_INIT macro (or zero it and set struct_size: the same thing),
@@ -26,6 +27,9 @@
  *    are INVALID_VALUE naming the field; all size arithmetic is overflow-checked.
  *  - Enumerations and flag words are checked as integers: an unknown value or bit is
  *    INVALID_VALUE naming the field.
+ *  - Buffers: no output may overlap another output or an input, except the in-place pairs each op
+ *    lists, and those only exactly (the same pointer, dtype and stride); anything else is
+ *    INVALID_VALUE naming both fields. Inputs may overlap one another.
  *  - Results are deterministic: the same inputs give the same bits on every run.
  */
 #ifndef HEADLOSS_H_
@@ -125,7 +129,8 @@ HL_API int hl_backend_is_available(hl_backend_t backend);
  * Any cols and any alignment are accepted; 16-byte aligned pointers with cols and strides that are
  * multiples of 16 bytes take the vectorised path.
  * rstd (fp32, one per row) is written only when the pointer is non-NULL: inference passes NULL
- * and saves the store. In-place (y == x) is allowed when the dtypes and strides agree.
+ * and saves the store. In place: y == x and residual_out == residual (either or both; each with
+ * its input's dtype and stride) give the same bits as separate buffers on both backends.
  */
 typedef enum {
   HL_RMSNORM_CAST_LLAMA = 0,
@@ -175,7 +180,10 @@ HL_API hl_status_t hl_rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t
  * two tensors. dw is reduced over rows in fp32 in a fixed order (deterministic) and stored in
  * dw_dtype (F32 or the weight's dtype); with rows = 0 it is written as zeros (the empty sum).
  * rstd may be NULL: it is then recomputed from s and eps.
- * The CUDA backend needs a workspace: ask rmsnorm_bwd_workspace_size.
+ * In place: dx == dy (with dy_dtype = x_dtype) and dx == dresidual_out, each with the same
+ * stride, give the same bits as separate buffers on both backends.
+ * The CUDA backend needs a workspace: ask rmsnorm_bwd_workspace_size. On CUDA, cols <= 2^35 (its
+ * tiles of 32 columns in one grid dimension); larger is NOT_SUPPORTED.
  */
 typedef struct {
   size_t struct_size; /* sizeof(hl_rmsnorm_bwd_args_t); no earlier size */
@@ -265,7 +273,9 @@ HL_API hl_status_t hl_rmsnorm_bwd(const hl_rmsnorm_bwd_args_t *args, hl_stream_t
  * K and V: 1..256 each (64, 128 and 256 fastest; other sizes run through zero-padded tiles).
  * reverse_cumsum = 1 writes dg already reverse-cumulated within each chunk (the caller's next
  * step), in fp32. The CUDA backend needs a workspace only for varlen: ask
- * gdn_bwd_dqkwg_workspace_size. Results are deterministic (no atomics).
+ * gdn_bwd_dqkwg_workspace_size. Results are deterministic (no atomics). Nothing is in place: no
+ * output may overlap an input. On CUDA, HV <= 2^31 - 1 and B * num_chunks * H * ceil(K / 64) <=
+ * 2^31 - 1 (one CTA each); larger is NOT_SUPPORTED.
  */
 typedef enum {
   HL_GDN_GATE_NONE = 0,
@@ -414,7 +424,11 @@ HL_API hl_status_t hl_gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stre
  * Logits and teacher logits share a dtype (F32, F16, BF16) and have row strides; labels are I32 or
  * I64; weights, advantages, old / reference log-probs and every per-token output are fp32 [rows].
  * The gradient goes to its own buffer or over the logits in place (grad == logits, same dtype and
- * stride), in the logits' dtype or F32, written or accumulated (old + new in fp32, one rounding).
+ * stride, WRITE: the same bits as separate buffers on both backends), in the logits' dtype or F32,
+ * written or accumulated (old + new in fp32, one rounding). No other output may be in place; in the
+ * fused linear form none is (grad_hidden over hidden would be read after its rows are written).
+ * On CUDA every call and size query takes rows <= 2^31 - 1 (the row kernels' counters); larger is
+ * NOT_SUPPORTED.
  * Labels that are out of [0, vocab) (of vocab_global for a shard) and not ignored are an error
  * (INVALID_VALUE, nothing written);
  * on CUDA the check costs a stream synchronisation: HL_LOSS_UNCHECKED skips it (then such a
@@ -514,12 +528,12 @@ typedef struct {
 } hl_loss_plan_desc_t;
 
 /* The defaults a zero field stands for, spelled out (derived ones stay 0: vocab_global = vocab,
- * ranks 1, cispo_eps_high = eps_high, rollout_floor = 1 / rollout_cap). */
+ * ranks 1, cispo_eps_high = eps_high, rollout_floor = 1 / rollout_cap; so do rollout_cap and
+ * jsd_beta, whose options must be on for them to be set: their defaults are 2 and 0.5). */
 #define HL_LOSS_PLAN_DESC_INIT                                                                      \
   { .struct_size = sizeof(hl_loss_plan_desc_t), .ce_weight = 1.0f, .z_weight = 1e-4f,              \
     .distill_weight = 1.0f, .grpo_weight = 1.0f, .logit_scale = 1.0f, .teacher_temperature = 1.0f, \
-    .student_temperature = 1.0f, .eps_low = 0.2f, .eps_high = 0.2f, .cispo_weight = 1.0f,          \
-    .rollout_cap = 2.0f, .jsd_beta = 0.5f }
+    .student_temperature = 1.0f, .eps_low = 0.2f, .eps_high = 0.2f, .cispo_weight = 1.0f }
 
 /* Indices of hl_loss_args_t.scalars. A metric whose inputs were not passed is 0. */
 typedef enum {
@@ -667,7 +681,9 @@ typedef struct {
  * also loads cuBLASLt here: NOT_SUPPORTED with the reason where it cannot). */
 HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_plan_t *plan);
 /* Workspace bounds for executing on `rows` rows: *min_bytes, the least any execution accepts, and
- * *fast_bytes, the size it runs fastest with (either pointer may be NULL). 0 on the CPU backend.
+ * *fast_bytes, the size it runs fastest with (at most HL_MAX_SPAN_BYTES; either pointer may be
+ * NULL). 0 on the CPU backend; INVALID_VALUE naming rows where min_bytes would pass
+ * HL_MAX_SPAN_BYTES.
  * On CUDA the workspace holds per-row records and, for a plan with ranks > 1, the gathered
  * statistics (dense JSD: and middle blocks) of hl_loss_plan_execute_nccl; the logits form needs
  * one size (min = fast), the fused linear form also its chunks of logits. */
@@ -721,10 +737,12 @@ HL_API hl_status_t hl_loss_plan_destroy(hl_loss_plan_t plan);
  * (hl_loss_plan_get_middle_size) has the same header with tag 0x314d4c48 "HLM1", then the row's
  * two sums (fp64 on the CPU, fp32 on CUDA).
  * finish refuses (INVALID_VALUE, nothing written) blocks that disagree with the plan or the rows,
- * a buffer smaller than ranks blocks, and shards that do not tile [0, vocab_global) (middle and
- * finish_with_middle check both kinds of blocks so); on CUDA it reads the headers with one stream
- * synchronisation (with the label check), which HL_LOSS_UNCHECKED skips. The workspace of
- * middle and finish is as for hl_loss_plan_execute.
+ * whose reserved 8th header word is not 0, a buffer smaller than ranks blocks, and shards that do
+ * not tile [0, vocab_global) (middle and finish_with_middle check both kinds of blocks so). The
+ * records themselves are used as given: NaN, infinite or non-positive sums there are not checked
+ * and flow into the results. On CUDA finish reads the headers with one stream synchronisation
+ * (with the label check), which HL_LOSS_UNCHECKED skips. The workspace of middle and finish is as
+ * for hl_loss_plan_execute.
  */
 HL_API hl_status_t hl_loss_plan_get_stats_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes);
 HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss_args_t *args,

@@ -43,9 +43,10 @@ hl_status_t check_location(const char *fn, const char *arg, const void *p, hl_ba
 }  // namespace hl
 
 extern "C" HL_API int hl_backend_is_available(hl_backend_t backend) {
-  if (backend == HL_BACKEND_CPU) return 1;
+  const int b = hl::enum_int(backend);  // any int may arrive here: not loaded as the enum
+  if (b == HL_BACKEND_CPU) return 1;
 #if HL_HAVE_CUDA
-  if (backend == HL_BACKEND_CUDA) {
+  if (b == HL_BACKEND_CUDA) {
     static const int available = [] {
       int n = 0;
       if (cudaGetDeviceCount(&n) != cudaSuccess) {

@@ -24,6 +24,12 @@ hl_status_t fail(hl_status_t status, const char *fmt, ...) {
   return status;
 }
 
+hl_status_t named_failure(const char *fn, hl_status_t status) {
+  const std::string prefix = std::string(fn) + ": ";
+  if (last_error.compare(0, prefix.size(), prefix) != 0) last_error = prefix + last_error;
+  return status;
+}
+
 hl_status_t succeed() {
   last_error.clear();
   return HL_STATUS_SUCCESS;
@@ -36,7 +42,7 @@ extern "C" {
 HL_API int hl_get_version(void) { return HL_VERSION; }
 
 HL_API const char *hl_get_error_string(hl_status_t status) {
-  switch (status) {
+  switch (hl::enum_int(status)) {  // any int may arrive here: not loaded as the enum
     case HL_STATUS_SUCCESS: return "HL_STATUS_SUCCESS: success";
     case HL_STATUS_INVALID_VALUE: return "HL_STATUS_INVALID_VALUE: invalid value";
     case HL_STATUS_NOT_SUPPORTED: return "HL_STATUS_NOT_SUPPORTED: not supported";

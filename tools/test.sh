@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the library and runs every test: the cmocka C tests through CTest, then pytest.
+# Builds the library and runs every test: the cmocka C tests through CTest (also against an ASan +
+# UBSan build of the CPU backend), then pytest.
 # On a fresh machine it installs cmocka (apt-get, when root) and NumPy + pytest + ml_dtypes + jax
 # (CPU) into a local venv (.venv). GPU tests run when a GPU is visible and skip with a reason
 # otherwise.
@@ -37,6 +38,15 @@ cmake --build "$BUILD" -j "$(nproc)"
 
 echo "== C tests (cmocka)"
 ctest --test-dir "$BUILD" --output-on-failure
+
+# The same C tests against a CPU-only library built with ASan + UBSan (any report fails the test);
+# its library stays in its own build tree, not in lib/ where the Python tests load theirs.
+ASAN_BUILD=${ASAN_BUILD:-build-asan}
+echo "== C tests under ASan + UBSan ($ASAN_BUILD)"
+cmake -S . -B "$ASAN_BUILD" -DCMAKE_BUILD_TYPE=Debug -DHL_CUDA=OFF -DHL_SANITIZE=ON \
+  -DHL_BUILD_EXAMPLES=OFF >/dev/null
+cmake --build "$ASAN_BUILD" -j "$(nproc)"
+ctest --test-dir "$ASAN_BUILD" --output-on-failure
 
 echo "== Python tests (pytest)"
 HEADLOSS_LIBRARY="$PWD/lib/libheadloss.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \

@@ -389,13 +389,11 @@ hl_status_t launch(Params p, int64_t heads_chunks, size_t smem, hl_stream_t stre
   HL_CUDA_TRY(cudaFuncGetAttributes(&fa, kernel));
   const int most = optin - int(fa.sharedSizeBytes);
   if (int64_t(smem) > most)
-    return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: %zu bytes of shared memory needed, %d available",
+    return fail(HL_STATUS_NOT_SUPPORTED, "%zu bytes of shared memory needed, %d available",
                 smem, most);
   HL_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
   p.nsplit = p.KS > 1 && hl::cuda::code_arch() >= 90 ? p.KS : 1;  // one CTA per K slice, in one cluster
-  const int64_t blocks = heads_chunks * p.nsplit;
-  if (blocks > INT32_MAX)
-    return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: %lld CTAs exceed one launch", (long long)blocks);
+  const int64_t blocks = heads_chunks * p.nsplit;  // < 2^31: checked with the arguments (gdn/api.cpp)
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg =
       hl::cuda::cluster_launch(blocks, kThreads, smem, p.nsplit, static_cast<cudaStream_t>(stream), attr);
@@ -494,7 +492,7 @@ hl_status_t cuda_dqkwg_portable(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTab
   const int64_t heads_chunks = chunks * a.H;
   const size_t smem = smem_bytes(a);
   if (smem > 227 * 1024)
-    return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: HV / H = %lld value heads per q/k head is too many",
+    return fail(HL_STATUS_NOT_SUPPORTED, "HV / H = %lld value heads per q/k head is too many",
                 (long long)(a.HV / a.H));
   const bool f32_state = a.h_dtype == HL_DTYPE_F32;
   if (a.dtype == HL_DTYPE_BF16)
@@ -531,7 +529,7 @@ hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64
   if (chunks * a.H == 0) return HL_STATUS_SUCCESS;
   if (sm90_takes(a, chunks)) return cuda_dqkwg_sm90(a, table, chunks, stream);
   if (kernel_forced("sm90"))
-    return fail(HL_STATUS_NOT_SUPPORTED, "gdn_bwd_dqkwg: HEADLOSS_GDN_KERNEL=sm90, but the Hopper kernel does not take "
+    return fail(HL_STATUS_NOT_SUPPORTED, "HEADLOSS_GDN_KERNEL=sm90, but the Hopper kernel does not take "
                 "this call (device, build or inputs)");
   return cuda_dqkwg_portable(a, table, chunks, stream);
 }

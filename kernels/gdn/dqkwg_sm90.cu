@@ -924,7 +924,7 @@ hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
     if (n < 1) (void)cudaGetLastError(), n = 0;
     return n;
   });
-  if (units < 1) return fail(HL_STATUS_CUDA_ERROR, "gdn_bwd_dqkwg: the sm_90a kernel cannot be resident");
+  if (units < 1) return fail(HL_STATUS_CUDA_ERROR, "the sm_90a kernel cannot be resident");
   cudaLaunchAttribute attr;
   const int64_t grid = std::min<int64_t>(units, p.items) * p.nsplit;
   const cudaLaunchConfig_t cfg =

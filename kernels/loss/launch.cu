@@ -270,9 +270,10 @@ static size_t seq_at(int64_t rows) {
 static size_t gathered_at(const hl_loss_plan_st &p, int64_t rows) {
   return seq_at(rows) + (p.sequences ? (size_t(rows) * 2 * sizeof(float) + 15) / 16 * 16 : 0);
 }
-// The gathered middle blocks (a plan of two exchanges), after the gathered blocks.
+// The gathered middle blocks (a plan of two exchanges), after the gathered blocks. Saturated where
+// ranks and rows ask for more than any workspace holds (the entry points refuse that).
 static size_t middle_at(const hl_loss_plan_st &p, int64_t rows) {
-  return gathered_at(p, rows) + size_t(p.desc.ranks) * block_bytes(p, rows);
+  return sat_add(gathered_at(p, rows), sat_mul(size_t(p.desc.ranks), block_bytes(p, rows)));
 }
 
 // The kernel arguments every phase shares, for rows [row0, row0 + a.rows) of a call of `total`
@@ -569,7 +570,8 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
 }
 
 size_t cuda_base_workspace(const hl_loss_plan_st &p, int64_t rows) {
-  return cuda::middle_at(p, rows) + (p.exchanges == 2 ? size_t(p.desc.ranks) * block_bytes(p, rows, true) : 0);
+  const size_t middles = p.exchanges == 2 ? sat_mul(size_t(p.desc.ranks), block_bytes(p, rows, true)) : 0;
+  return sat_add(cuda::middle_at(p, rows), middles);
 }
 
 void cuda_workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes) {

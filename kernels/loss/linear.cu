@@ -48,9 +48,9 @@ Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes) {
   L.ldt = d.teacher_hidden > 0 ? L.ldz : 0;
   const bool shifted = p.cuda.shifted;  // room for its buffers (shifted.h), after the logits
   L.row_bytes = size_t(L.ldz + L.ldt) * elt + (shifted ? shifted_row_bytes(p) : 0);
-  L.gemm = round_up(cuda_base_workspace(p, rows), 256);
-  L.logits = L.gemm + kGemmWorkspace;
-  L.fixed = L.logits + kSlack + (shifted ? kShiftedSlack : 0);
+  L.gemm = round_up(cuda_base_workspace(p, rows), 256);  // saturated sizes stay so (refused)
+  L.logits = sat_add(L.gemm, kGemmWorkspace);
+  L.fixed = sat_add(L.logits, kSlack + (shifted ? kShiftedSlack : 0));
   const int64_t fit = bytes > L.fixed ? int64_t((bytes - L.fixed) / L.row_bytes) : 0;
   L.keep = fit >= rows;
   L.chunk = std::min(rows, fit);
@@ -99,8 +99,8 @@ void linear_workspace(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes,
   const Layout L = layout(p, rows, 0);
   // A split (ranks, or GSPO's statistics first) keeps every row's logits for its finish.
   const int64_t fast_rows = p.desc.ranks > 1 || p.seq_stats ? rows : std::min(rows, kFastRows);
-  *min_bytes = L.fixed + L.row_bytes;  // a chunk of one row
-  *fast_bytes = L.fixed + size_t(fast_rows) * L.row_bytes;
+  *min_bytes = sat_add(L.fixed, L.row_bytes);  // a chunk of one row
+  *fast_bytes = sat_add(L.fixed, sat_mul(size_t(fast_rows), L.row_bytes));
 }
 
 hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,

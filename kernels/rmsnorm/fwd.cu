@@ -11,7 +11,7 @@ hl_status_t cuda_fwd(const hl_rmsnorm_fwd_args_t &a, hl_stream_t stream) {
                     a.cast != HL_RMSNORM_CAST_GEMMA, a.cast == HL_RMSNORM_CAST_NONE, false, 0};
   hl_status_t st = HL_STATUS_INTERNAL_ERROR;
   dispatch_float(a.x_dtype, [&](auto tx) { st = fwd_x<typename decltype(tx)::type>(p, a.y_dtype, stream); });
-  return st == HL_STATUS_INTERNAL_ERROR ? fail(st, "rmsnorm_fwd: no kernel for this case") : st;
+  return st == HL_STATUS_INTERNAL_ERROR ? fail(st, "no kernel for this case") : st;
 }
 
 }  // namespace hl::rmsnorm

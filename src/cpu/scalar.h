@@ -1,5 +1,6 @@
 // Host-side element access for the CPU reference backend: every float dtype read as double and
-// written with one rounding (round-to-nearest-even), so the backend is dtype-agnostic.
+// written with one rounding (round-to-nearest-even), so the backend is dtype-agnostic; integer
+// data read exactly.
 #pragma once
 
 #include <cmath>
@@ -59,10 +60,14 @@ inline double load(const void *p, hl_dtype_t dt, int64_t i) {
     case HL_DTYPE_F32: return static_cast<const float *>(p)[i];
     case HL_DTYPE_F16: return f16_to_float(static_cast<const uint16_t *>(p)[i]);
     case HL_DTYPE_BF16: return bf16_to_float(static_cast<const uint16_t *>(p)[i]);
-    case HL_DTYPE_I32: return static_cast<const int32_t *>(p)[i];
-    case HL_DTYPE_I64: return double(static_cast<const int64_t *>(p)[i]);
     default: return NAN;
   }
+}
+
+// An integer datum (I32 or I64: labels, ids, cu_seqlens) exactly: never through a double, which
+// rounds values past 2^53.
+inline int64_t load_int(const void *p, hl_dtype_t dt, int64_t i) {
+  return dt == HL_DTYPE_I64 ? static_cast<const int64_t *>(p)[i] : static_cast<const int32_t *>(p)[i];
 }
 
 inline void store(void *p, hl_dtype_t dt, int64_t i, double v) {

@@ -19,6 +19,9 @@ constexpr unsigned kAllTerms = HL_LOSS_CE | HL_LOSS_Z | HL_LOSS_ENTROPY | HL_LOS
                                HL_LOSS_CISPO | HL_LOSS_DISTILL_JSD;
 constexpr unsigned kDistillTerms = HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV | HL_LOSS_DISTILL_JSD;
 constexpr unsigned kLabelTerms = HL_LOSS_CE | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF | HL_LOSS_CISPO;
+// struct_size of earlier headers' descriptors (headloss.h lists them).
+constexpr std::initializer_list<size_t> kEarlierDescSizes = {128, 136, 176, 192};
+constexpr std::initializer_list<size_t> kEarlierArgsSizes = {160, 256};
 
 hl_status_t check_finite(const char *fn, const char *arg, float v) {
   if (!std::isfinite(v)) return fail(HL_STATUS_INVALID_VALUE, "%s: %s is not finite", fn, arg);
@@ -32,13 +35,6 @@ hl_status_t positive_or_default(const char *fn, const char *arg, float v, float 
     return fail(HL_STATUS_INVALID_VALUE, "%s: %s is %g; must be > 0 (or 0 for the default %g)", fn,
                 arg, double(v), double(def));
   *out = v == 0.0f ? def : v;
-  return HL_STATUS_SUCCESS;
-}
-
-hl_status_t check_grad_mode(const char *fn, const char *arg, hl_loss_grad_mode_t m) {
-  if (m != HL_LOSS_GRAD_NONE && m != HL_LOSS_GRAD_WRITE && m != HL_LOSS_GRAD_ACCUMULATE)
-    return fail(HL_STATUS_INVALID_VALUE, "%s: %s is %d; use HL_LOSS_GRAD_NONE, _WRITE or "
-                "_ACCUMULATE", fn, arg, int(m));
   return HL_STATUS_SUCCESS;
 }
 
@@ -84,9 +80,6 @@ hl_status_t resolve_weights(const char *fn, hl_loss_plan_desc_t &d) {
 // The fused linear form's fields (hidden > 0), or their absence; resolves logits_dtype to
 // weight_dtype (the logits' dtype between the products).
 hl_status_t validate_linear_desc(const char *fn, hl_loss_plan_desc_t &d) {
-  if (d.hidden < 0)
-    return fail(HL_STATUS_INVALID_VALUE, "%s: hidden is %lld; must be >= 0 (0: the logits form)",
-                fn, (long long)d.hidden);
   if (d.hidden == 0) {
     if (d.weight_dtype || d.teacher_hidden || d.grad_hidden_mode || d.grad_hidden_dtype ||
         d.grad_weight_mode || d.grad_weight_dtype)
@@ -104,13 +97,8 @@ hl_status_t validate_linear_desc(const char *fn, hl_loss_plan_desc_t &d) {
   if (d.grad_mode != HL_LOSS_GRAD_NONE || d.grad_dtype != HL_DTYPE_NONE)
     return fail(HL_STATUS_INVALID_VALUE, "%s: grad_mode / grad_dtype are the logits form's; the "
                 "fused linear form has grad_hidden_mode and grad_weight_mode", fn);
-  HL_TRY(check_grad_mode(fn, "grad_hidden_mode", d.grad_hidden_mode));
-  HL_TRY(check_grad_mode(fn, "grad_weight_mode", d.grad_weight_mode));
   HL_TRY(resolve_grad_dtype(fn, "grad_hidden_dtype", d.grad_hidden_mode, d.weight_dtype, d.grad_hidden_dtype));
   HL_TRY(resolve_grad_dtype(fn, "grad_weight_dtype", d.grad_weight_mode, d.weight_dtype, d.grad_weight_dtype));
-  if (d.teacher_hidden < 0)
-    return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_hidden is %lld; must be >= 0 (0: teacher "
-                "logits)", fn, (long long)d.teacher_hidden);
   if (d.teacher_hidden > 0 && !(d.terms & kDistillTerms))
     return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_hidden is %lld but the plan has no "
                 "distillation term", fn, (long long)d.teacher_hidden);
@@ -182,7 +170,7 @@ hl_status_t validate_distill_desc(const char *fn, const hl_loss_plan_desc_t &d, 
       return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk_ids_dtype is %s but teacher_topk is 0 "
                   "(a dense teacher)", fn, dtype_name(d.teacher_topk_ids_dtype));
   } else {
-    if (d.teacher_topk < 0 || d.teacher_topk > kMaxTopk || d.teacher_topk > d.vocab_global)
+    if (d.teacher_topk > kMaxTopk || d.teacher_topk > d.vocab_global)
       return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk is %d; must be in [1, min(%d, "
                   "vocab_global = %lld)] (0: a dense teacher)", fn, d.teacher_topk, kMaxTopk,
                   (long long)d.vocab_global);
@@ -203,6 +191,19 @@ hl_status_t validate_distill_desc(const char *fn, const hl_loss_plan_desc_t &d, 
 }
 
 hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
+  HL_TRY(check_extents(fn, {{"vocab", d.vocab}, {"vocab_start", d.vocab_start},
+                            {"vocab_global", d.vocab_global}, {"hidden", d.hidden},
+                            {"teacher_hidden", d.teacher_hidden}, {"ranks", d.ranks},
+                            {"teacher_topk", d.teacher_topk}}));
+  HL_TRY(check_enums(fn, {enum_field("backend", d.backend), enum_field("logits_dtype", d.logits_dtype),
+                          enum_field("labels_dtype", d.labels_dtype), enum_field("grad_mode", d.grad_mode),
+                          enum_field("grad_dtype", d.grad_dtype), enum_field("weight_dtype", d.weight_dtype),
+                          enum_field("grad_hidden_mode", d.grad_hidden_mode),
+                          enum_field("grad_hidden_dtype", d.grad_hidden_dtype),
+                          enum_field("grad_weight_mode", d.grad_weight_mode),
+                          enum_field("grad_weight_dtype", d.grad_weight_dtype),
+                          enum_field("cu_seqlens_dtype", d.cu_seqlens_dtype),
+                          enum_field("teacher_topk_ids_dtype", d.teacher_topk_ids_dtype)}));
   HL_TRY(check_backend(fn, d.backend));
   HL_TRY(validate_linear_desc(fn, d));
   if (!d.terms && (d.grad_mode || d.grad_hidden_mode || d.grad_weight_mode))
@@ -264,7 +265,6 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   if (d.softcap < 0.0f)
     return fail(HL_STATUS_INVALID_VALUE, "%s: softcap is %g; must be >= 0 (0: no cap)", fn,
                 double(d.softcap));
-  HL_TRY(check_grad_mode(fn, "grad_mode", d.grad_mode));
   HL_TRY(resolve_grad_dtype(fn, "grad_dtype", d.grad_mode, d.logits_dtype, d.grad_dtype));
   if (d.vocab_global == 0 && d.vocab_start == 0) d.vocab_global = d.vocab;  // not sharded
   if (d.vocab_start < 0 || d.vocab_global < d.vocab || d.vocab_start > d.vocab_global - d.vocab)
@@ -272,7 +272,7 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
                 "%s: the shard [vocab_start, vocab_start + vocab) = [%lld, %lld) is not inside "
                 "[0, vocab_global = %lld)", fn, (long long)d.vocab_start,
                 (long long)(d.vocab_start + d.vocab), (long long)d.vocab_global);
-  if (d.ranks < 0 || d.ranks > d.vocab_global)
+  if (d.ranks > d.vocab_global)
     return fail(HL_STATUS_INVALID_VALUE, "%s: ranks is %d; must be in [0, vocab_global = %lld] (0 "
                 "means 1)", fn, d.ranks, (long long)d.vocab_global);
   if (d.ranks == 0) d.ranks = 1;
@@ -313,36 +313,43 @@ hl_status_t require(const char *fn, const char *name, const void *p, const char 
   return HL_STATUS_SUCCESS;
 }
 
-// Every matrix a call passes (strides resolved), for the pointer and aliasing checks.
+// Every matrix and vector a call passes (strides resolved), for the pointer and aliasing checks.
+// Without rows only grad_weight (written whole), the scalars and cu_seqlens are used.
 std::vector<Buffer> arg_buffers(const hl_loss_plan_st &p, const hl_loss_args_t &a) {
   const hl_loss_plan_desc_t &d = p.desc;
   const int64_t V = d.vocab, H = d.hidden, Ht = d.teacher_hidden, N = a.rows, K = d.teacher_topk;
   const hl_dtype_t wd = d.weight_dtype, f32 = HL_DTYPE_F32;
-  return {
-      {"logits", a.logits, N, V, a.logits_stride, d.logits_dtype, false},
-      {"hidden", a.hidden, N, H, a.hidden_stride, wd, false},
-      {"weight", a.weight, V, H, a.weight_stride, wd, false},
+  std::vector<Buffer> used = {
+      {"grad_weight", a.grad_weight, V, H, a.grad_weight_stride, d.grad_weight_dtype, true, "grad_weight_stride"},
+      {"scalars", a.scalars, 1, p.opt.scalars, p.opt.scalars, f32, true},
+      {"cu_seqlens", a.cu_seqlens, a.num_seqs + 1, 1, 1, d.cu_seqlens_dtype, false},
+  };
+  if (N == 0) return used;
+  used.insert(used.end(), {
+      {"logits", a.logits, N, V, a.logits_stride, d.logits_dtype, false, "logits_stride"},
+      {"hidden", a.hidden, N, H, a.hidden_stride, wd, false, "hidden_stride"},
+      {"weight", a.weight, V, H, a.weight_stride, wd, false, "weight_stride"},
       {"labels", a.labels, N, 1, 1, d.labels_dtype, false},
       {"weights", a.weights, N, 1, 1, f32, false},
-      {"teacher_logits", a.teacher_logits, N, V, a.teacher_stride, d.logits_dtype, false},
-      {"teacher_hidden", a.teacher_hidden, N, Ht, a.teacher_hidden_stride, wd, false},
-      {"teacher_weight", a.teacher_weight, V, Ht, a.teacher_weight_stride, wd, false},
+      {"teacher_logits", a.teacher_logits, N, V, a.teacher_stride, d.logits_dtype, false, "teacher_stride"},
+      {"teacher_hidden", a.teacher_hidden, N, Ht, a.teacher_hidden_stride, wd, false, "teacher_hidden_stride"},
+      {"teacher_weight", a.teacher_weight, V, Ht, a.teacher_weight_stride, wd, false, "teacher_weight_stride"},
       {"advantages", a.advantages, N, 1, 1, f32, false},
       {"old_logprobs", a.old_logprobs, N, 1, 1, f32, false},
       {"ref_logprobs", a.ref_logprobs, N, 1, 1, f32, false},
       {"rollout_logprobs", a.rollout_logprobs, N, 1, 1, f32, false},
-      {"cu_seqlens", a.cu_seqlens, a.num_seqs + 1, 1, 1, d.cu_seqlens_dtype, false},
-      {"teacher_topk_ids", a.teacher_topk_ids, N, K, a.teacher_topk_ids_stride, d.teacher_topk_ids_dtype, false},
-      {"teacher_topk_logprobs", a.teacher_topk_logprobs, N, K, a.teacher_topk_logprobs_stride, f32, false},
-      {"grad", a.grad, N, V, a.grad_stride, d.grad_dtype, true},
-      {"grad_hidden", a.grad_hidden, N, H, a.grad_hidden_stride, d.grad_hidden_dtype, true},
-      {"grad_weight", a.grad_weight, V, H, a.grad_weight_stride, d.grad_weight_dtype, true},
-      {"scalars", a.scalars, 1, p.opt.scalars, p.opt.scalars, f32, true},
+      {"teacher_topk_ids", a.teacher_topk_ids, N, K, a.teacher_topk_ids_stride, d.teacher_topk_ids_dtype, false,
+       "teacher_topk_ids_stride"},
+      {"teacher_topk_logprobs", a.teacher_topk_logprobs, N, K, a.teacher_topk_logprobs_stride, f32, false,
+       "teacher_topk_logprobs_stride"},
+      {"grad", a.grad, N, V, a.grad_stride, d.grad_dtype, true, "grad_stride"},
+      {"grad_hidden", a.grad_hidden, N, H, a.grad_hidden_stride, d.grad_hidden_dtype, true, "grad_hidden_stride"},
       {"token_loss", a.token_loss, N, 1, 1, f32, true},
       {"token_logp", a.token_logp, N, 1, 1, f32, true},
       {"token_entropy", a.token_entropy, N, 1, 1, f32, true},
       {"token_lse", a.token_lse, N, 1, 1, f32, true},
-  };
+  });
+  return used;
 }
 
 // Pointers of the form the plan does not take must be NULL.
@@ -383,10 +390,76 @@ hl_status_t check_output(const char *fn, const char *name, const void *ptr, int6
   return HL_STATUS_SUCCESS;
 }
 
-hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args_t &a, Phase phase) {
+// The rows of a call (or a size query): in range, and on CUDA within the row kernels' 32-bit row
+// counters.
+hl_status_t check_rows(const char *fn, const hl_loss_plan_st &p, int64_t rows) {
+  HL_TRY(check_extents(fn, {{"rows", rows}}));
+  if (p.desc.backend == HL_BACKEND_CUDA && rows > INT32_MAX)
+    return fail(HL_STATUS_NOT_SUPPORTED, "%s: rows is %lld; the CUDA backend takes rows <= 2^31 - 1", fn,
+                (long long)rows);
+  return HL_STATUS_SUCCESS;
+}
+
+// The arguments of a call with rows: what its terms and form require, row strides resolved.
+hl_status_t check_row_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args_t &a, Phase phase) {
   const hl_loss_plan_desc_t &d = p.desc;
-  const hl_backend_t be = d.backend;
-  HL_TRY(check_positive(fn, "rows", a.rows));
+  const int64_t V = d.vocab, H = d.hidden, Ht = d.teacher_hidden, K = p.opt.topk;
+  const bool distill = p.opt.distill != kDistillNone, fused_teacher = p.linear && Ht > 0;
+  if (p.linear) {
+    HL_TRY(require(fn, "hidden", a.hidden, "the fused linear form"));
+    HL_TRY(require(fn, "weight", a.weight, "the fused linear form"));
+    HL_TRY(resolve_stride(fn, "hidden_stride", a.hidden_stride, H, &a.hidden_stride));
+    HL_TRY(resolve_stride(fn, "weight_stride", a.weight_stride, H, &a.weight_stride));
+    if (a.grad_hidden) HL_TRY(resolve_stride(fn, "grad_hidden_stride", a.grad_hidden_stride, H, &a.grad_hidden_stride));
+  } else {
+    HL_TRY(check_not_null(fn, "logits", a.logits));
+    HL_TRY(resolve_stride(fn, "logits_stride", a.logits_stride, V, &a.logits_stride));
+    if (a.grad) HL_TRY(resolve_stride(fn, "grad_stride", a.grad_stride, V, &a.grad_stride));
+  }
+  if (p.needs_labels) HL_TRY(require(fn, "labels", a.labels, "CE, GRPO, CISPO or GRPO_KL_REF"));
+  if (distill && fused_teacher) {
+    HL_TRY(require(fn, "teacher_hidden", a.teacher_hidden, "distillation from a fused teacher"));
+    HL_TRY(require(fn, "teacher_weight", a.teacher_weight, "distillation from a fused teacher"));
+    HL_TRY(resolve_stride(fn, "teacher_hidden_stride", a.teacher_hidden_stride, Ht, &a.teacher_hidden_stride));
+    HL_TRY(resolve_stride(fn, "teacher_weight_stride", a.teacher_weight_stride, Ht, &a.teacher_weight_stride));
+  } else if (distill && K) {
+    HL_TRY(require(fn, "teacher_topk_ids", a.teacher_topk_ids, "a sparse teacher"));
+    HL_TRY(require(fn, "teacher_topk_logprobs", a.teacher_topk_logprobs, "a sparse teacher"));
+    HL_TRY(resolve_stride(fn, "teacher_topk_ids_stride", a.teacher_topk_ids_stride, K, &a.teacher_topk_ids_stride));
+    HL_TRY(resolve_stride(fn, "teacher_topk_logprobs_stride", a.teacher_topk_logprobs_stride, K,
+                          &a.teacher_topk_logprobs_stride));
+  } else if (distill) {
+    HL_TRY(require(fn, "teacher_logits", a.teacher_logits, "distillation"));
+    HL_TRY(resolve_stride(fn, "teacher_stride", a.teacher_stride, V, &a.teacher_stride));
+  }
+  if (!writes_outputs(phase)) return HL_STATUS_SUCCESS;
+  const std::pair<unsigned, const char *> policy_terms[] = {{HL_LOSS_GRPO, "GRPO"}, {HL_LOSS_CISPO, "CISPO"}};
+  for (const auto &[bit, term] : policy_terms)
+    if (d.terms & bit) {
+      HL_TRY(require(fn, "advantages", a.advantages, term));
+      HL_TRY(require(fn, "old_logprobs", a.old_logprobs, term));
+    }
+  if (d.terms & HL_LOSS_GRPO_KL_REF) HL_TRY(require(fn, "ref_logprobs", a.ref_logprobs, "GRPO_KL_REF"));
+  if (p.opt.rollout != HL_LOSS_ROLLOUT_NONE) {
+    HL_TRY(require(fn, "rollout_logprobs", a.rollout_logprobs, "a rollout correction"));
+    HL_TRY(require(fn, "old_logprobs", a.old_logprobs, "a rollout correction"));
+  }
+  return HL_STATUS_SUCCESS;
+}
+
+// A call's arguments against its plan and phase, sizes and strides first; strides resolved in a.
+// *bufs: every buffer the call passes, each checked (check_buffers) but not yet for overlaps.
+hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args_t &a, Phase phase,
+                          std::vector<Buffer> *bufs) {
+  const hl_loss_plan_desc_t &d = p.desc;
+  HL_TRY(check_rows(fn, p, a.rows));
+  HL_TRY(check_extents(fn, {{"logits_stride", a.logits_stride}, {"teacher_stride", a.teacher_stride},
+                            {"grad_stride", a.grad_stride}, {"hidden_stride", a.hidden_stride},
+                            {"weight_stride", a.weight_stride}, {"teacher_hidden_stride", a.teacher_hidden_stride},
+                            {"teacher_weight_stride", a.teacher_weight_stride},
+                            {"grad_hidden_stride", a.grad_hidden_stride}, {"grad_weight_stride", a.grad_weight_stride},
+                            {"num_seqs", a.num_seqs}, {"teacher_topk_ids_stride", a.teacher_topk_ids_stride},
+                            {"teacher_topk_logprobs_stride", a.teacher_topk_logprobs_stride}}));
   if (!std::isfinite(a.divisor) || a.divisor < 0)
     return fail(HL_STATUS_INVALID_VALUE, "%s: divisor is %g; must be finite and >= 0 (0: the sum "
                 "of valid weights)", fn, a.divisor);
@@ -401,12 +474,6 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
     if (a.num_seqs < 1 && a.rows > 0)
       return fail(HL_STATUS_INVALID_VALUE, "%s: num_seqs is %lld; %lld rows need >= 1 sequence", fn,
                   (long long)a.num_seqs, (long long)a.rows);
-  }
-  if (a.num_seqs < 0)
-    return fail(HL_STATUS_INVALID_VALUE, "%s: num_seqs is %lld; must be >= 0", fn, (long long)a.num_seqs);
-  if (p.opt.rollout != HL_LOSS_ROLLOUT_NONE && writes_outputs(phase) && a.rows > 0) {
-    HL_TRY(require(fn, "rollout_logprobs", a.rollout_logprobs, "a rollout correction"));
-    HL_TRY(require(fn, "old_logprobs", a.old_logprobs, "a rollout correction"));
   }
   const bool dense_teacher = a.teacher_logits || a.teacher_hidden || a.teacher_weight;
   const bool sparse_teacher = a.teacher_topk_ids || a.teacher_topk_logprobs;
@@ -425,59 +492,14 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
   HL_TRY(check_output(fn, "grad_hidden", a.grad_hidden, a.rows, d.grad_hidden_mode, "grad_hidden_mode", phase));
   // grad_weight has vocab rows whatever the call's rows (zeros for none: the empty sum).
   HL_TRY(check_output(fn, "grad_weight", a.grad_weight, d.vocab, d.grad_weight_mode, "grad_weight_mode", phase));
-  const int64_t V = d.vocab, H = d.hidden, Ht = d.teacher_hidden, N = a.rows, K = p.opt.topk;
-  if (a.grad_weight) {
-    HL_TRY(resolve_stride(fn, "grad_weight", a.grad_weight_stride, H, &a.grad_weight_stride));
-    HL_TRY(check_pointer(fn, be, "grad_weight", a.grad_weight, d.grad_weight_dtype));
-  }
-  if (N == 0) return HL_STATUS_SUCCESS;
-  const bool distill = p.opt.distill != kDistillNone, fused_teacher = p.linear && Ht > 0;
-  if (p.linear) {
-    HL_TRY(require(fn, "hidden", a.hidden, "the fused linear form"));
-    HL_TRY(require(fn, "weight", a.weight, "the fused linear form"));
-    HL_TRY(resolve_stride(fn, "hidden", a.hidden_stride, H, &a.hidden_stride));
-    HL_TRY(resolve_stride(fn, "weight", a.weight_stride, H, &a.weight_stride));
-    if (a.grad_hidden) HL_TRY(resolve_stride(fn, "grad_hidden", a.grad_hidden_stride, H, &a.grad_hidden_stride));
-  } else {
-    HL_TRY(check_not_null(fn, "logits", a.logits));
-    HL_TRY(resolve_stride(fn, "logits", a.logits_stride, V, &a.logits_stride));
-    if (a.grad) HL_TRY(resolve_stride(fn, "grad", a.grad_stride, V, &a.grad_stride));
-  }
-  if (p.needs_labels) HL_TRY(require(fn, "labels", a.labels, "CE, GRPO, CISPO or GRPO_KL_REF"));
-  if (distill && fused_teacher) {
-    HL_TRY(require(fn, "teacher_hidden", a.teacher_hidden, "distillation from a fused teacher"));
-    HL_TRY(require(fn, "teacher_weight", a.teacher_weight, "distillation from a fused teacher"));
-    HL_TRY(resolve_stride(fn, "teacher_hidden", a.teacher_hidden_stride, Ht, &a.teacher_hidden_stride));
-    HL_TRY(resolve_stride(fn, "teacher_weight", a.teacher_weight_stride, Ht, &a.teacher_weight_stride));
-  } else if (distill && K) {
-    HL_TRY(require(fn, "teacher_topk_ids", a.teacher_topk_ids, "a sparse teacher"));
-    HL_TRY(require(fn, "teacher_topk_logprobs", a.teacher_topk_logprobs, "a sparse teacher"));
-    HL_TRY(resolve_stride(fn, "teacher_topk_ids", a.teacher_topk_ids_stride, K, &a.teacher_topk_ids_stride));
-    HL_TRY(resolve_stride(fn, "teacher_topk_logprobs", a.teacher_topk_logprobs_stride, K,
-                          &a.teacher_topk_logprobs_stride));
-  } else if (distill) {
-    HL_TRY(require(fn, "teacher_logits", a.teacher_logits, "distillation"));
-    HL_TRY(resolve_stride(fn, "teacher_logits", a.teacher_stride, V, &a.teacher_stride));
-  }
-  const std::pair<unsigned, const char *> policy_terms[] = {{HL_LOSS_GRPO, "GRPO"}, {HL_LOSS_CISPO, "CISPO"}};
-  for (const auto &[bit, term] : policy_terms)
-    if ((d.terms & bit) && writes_outputs(phase)) {
-      HL_TRY(require(fn, "advantages", a.advantages, term));
-      HL_TRY(require(fn, "old_logprobs", a.old_logprobs, term));
-    }
-  if ((d.terms & HL_LOSS_GRPO_KL_REF) && writes_outputs(phase))
-    HL_TRY(require(fn, "ref_logprobs", a.ref_logprobs, "GRPO_KL_REF"));
-  if (a.grad && a.grad == a.logits) {
-    if (d.grad_dtype != d.logits_dtype || a.grad_stride != a.logits_stride)
-      return fail(HL_STATUS_INVALID_VALUE, "%s: grad is the logits (in place) but its dtype or "
-                  "stride differs from theirs", fn);
-    if (d.grad_mode == HL_LOSS_GRAD_ACCUMULATE)
-      return fail(HL_STATUS_INVALID_VALUE, "%s: grad is the logits (in place): it cannot be "
-                  "accumulated into; use HL_LOSS_GRAD_WRITE", fn);
-  }
-  const std::vector<Buffer> bufs = arg_buffers(p, a);
-  for (const Buffer &b : bufs) HL_TRY(check_pointer(fn, be, b.name, b.ptr, b.dtype));
-  return check_aliasing(fn, bufs.data(), int(bufs.size()));
+  if (a.grad_weight)
+    HL_TRY(resolve_stride(fn, "grad_weight_stride", a.grad_weight_stride, d.hidden, &a.grad_weight_stride));
+  if (a.rows > 0) HL_TRY(check_row_args(fn, p, a, phase));
+  if (a.grad && a.grad == a.logits && d.grad_mode == HL_LOSS_GRAD_ACCUMULATE)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: grad is the logits (in place): it cannot be "
+                "accumulated into; use HL_LOSS_GRAD_WRITE", fn);
+  *bufs = arg_buffers(p, a);
+  return check_buffers(fn, d.backend, bufs->data(), int(bufs->size()));
 }
 
 }  // namespace
@@ -486,7 +508,7 @@ hl_status_t check_seqlens(const char *fn, const hl_loss_plan_st &p, const hl_los
                           const void *host_cu) {
   int64_t prev = 0;
   for (int64_t s = 0; s <= a.num_seqs; ++s) {
-    const int64_t v = int64_t(cpu::load(host_cu, p.desc.cu_seqlens_dtype, s));
+    const int64_t v = cpu::load_int(host_cu, p.desc.cu_seqlens_dtype, s);
     if (v < prev || v > a.rows || (s == 0 && v != 0) || (s == a.num_seqs && v != a.rows))
       return fail(HL_STATUS_INVALID_VALUE, "%s: cu_seqlens[%lld] is %lld; cu_seqlens must start at 0, "
                   "not decrease, and end at rows = %lld", fn, (long long)s, (long long)v,
@@ -503,7 +525,7 @@ namespace {
 hl_status_t check_host_inputs(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a) {
   if (a.cu_seqlens) HL_TRY(check_seqlens(fn, p, a, a.cu_seqlens));
   for (int64_t i = 0; a.labels && i < a.rows; ++i) {
-    const int64_t y = int64_t(cpu::load(a.labels, p.desc.labels_dtype, i));
+    const int64_t y = cpu::load_int(a.labels, p.desc.labels_dtype, i);
     const bool ignored = y < 0 || (p.desc.use_ignore_index && y == p.desc.ignore_index);
     if (!ignored && y >= p.desc.vocab_global)
       return fail(HL_STATUS_INVALID_VALUE,
@@ -518,32 +540,59 @@ hl_status_t check_host_inputs(const char *fn, const hl_loss_plan_st &p, const hl
   return HL_STATUS_SUCCESS;
 }
 
-void workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes) {
+// The workspace bounds for `rows` rows (0 on the CPU): the least refused past HL_MAX_SPAN_BYTES,
+// the fastest capped there (no buffer is larger).
+hl_status_t workspace_sizes(const char *fn, const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes,
+                            size_t *fast_bytes) {
   *min_bytes = *fast_bytes = 0;
 #if HL_HAVE_CUDA
   if (p.desc.backend == HL_BACKEND_CUDA) cuda_workspace_sizes(p, rows, min_bytes, fast_bytes);
 #endif
+  *fast_bytes = std::min(*fast_bytes, size_t(HL_MAX_SPAN_BYTES));
+  return check_bytes(fn, *min_bytes, "the workspace for these rows");
 }
 
-// The workspace of a call: large enough, aligned, in the backend's memory.
-hl_status_t check_workspace(const char *fn, const hl_loss_plan_st &p, int64_t rows, void *ws,
-                            size_t bytes) {
+// The workspace of a call (large enough, aligned, in the backend's memory) added to its buffers.
+hl_status_t add_workspace(const char *fn, const hl_loss_plan_st &p, int64_t rows, void *ws, size_t bytes,
+                          std::vector<Buffer> &bufs) {
   size_t need = 0, fast = 0;
-  workspace_sizes(p, rows, &need, &fast);
-  if (bytes < need)
-    return fail(HL_STATUS_INSUFFICIENT_WORKSPACE, "%s: workspace_bytes is %zu; %lld rows need %zu "
-                "(hl_loss_plan_get_workspace_sizes)", fn, bytes, (long long)rows, need);
-  if (!need) return HL_STATUS_SUCCESS;
-  HL_TRY(check_not_null(fn, "workspace", ws));
-  if (reinterpret_cast<uintptr_t>(ws) % 16)
-    return fail(HL_STATUS_MISALIGNED, "%s: workspace (%p) must be 16-byte aligned", fn, ws);
-  return check_location(fn, "workspace", ws, p.desc.backend);
+  HL_TRY(workspace_sizes(fn, p, rows, &need, &fast));
+  bufs.emplace_back();
+  return check_workspace(fn, p.desc.backend, ws, bytes, need, 16, &bufs.back());
 }
 
-// The arguments of a split call (statistics, middle or finish): the plan, the arguments, host
-// labels. exchanges: the steps' count of exchanges this call belongs to (0: either).
+// A buffer of `ranks` blocks of `rows` rows (MIDDLE: of the middle step) named `name`: present,
+// large enough, 8-byte aligned, in the backend's memory; added to the call's buffers.
+hl_status_t add_blocks(const char *fn, const char *name, const void *buf, size_t bytes, int ranks,
+                       int64_t rows, const hl_loss_plan_st &p, bool middle, bool output,
+                       std::vector<Buffer> &bufs) {
+  HL_TRY(check_not_null(fn, name, buf));
+  const uint64_t need = sat_mul(uint64_t(ranks), block_bytes(p, rows, middle));
+  HL_TRY(check_bytes(fn, need, "the blocks of these rows and ranks"));
+  if (bytes < need)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: %s_bytes is %zu; %d block(s) of %lld rows need %llu",
+                fn, name, bytes, ranks, (long long)rows, (unsigned long long)need);
+  if (reinterpret_cast<uintptr_t>(buf) % 8)
+    return fail(HL_STATUS_MISALIGNED, "%s: %s (%p) must be 8-byte aligned", fn, name, buf);
+  HL_TRY(check_location(fn, name, buf, p.desc.backend));
+  bufs.push_back({name, buf, 1, int64_t(need), int64_t(need), kBytes, output});
+  return HL_STATUS_SUCCESS;
+}
+
+// The last checks of a call, once every size is: its buffers clear of each other but for the
+// gradient over the logits (its kernels read a logit before the thread that reads it stores its
+// gradient: the row kernel's passes, the split's finish after its statistics step), then on the
+// CPU backend the host data (cu_seqlens, labels, a sparse teacher's ids).
+hl_status_t check_call(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                       const std::vector<Buffer> &bufs) {
+  HL_TRY(check_aliasing(fn, bufs.data(), int(bufs.size()), {{"grad", "logits"}}));
+  return p.desc.backend == HL_BACKEND_CPU ? check_host_inputs(fn, p, a) : HL_STATUS_SUCCESS;
+}
+
+// The arguments of a split call (statistics, middle or finish), validated (validate_args) with
+// the plan. exchanges: the steps' count of exchanges this call belongs to (0: either).
 hl_status_t split_args(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t *args, Phase phase,
-                       int exchanges, hl_loss_args_t *a) {
+                       int exchanges, hl_loss_args_t *a, std::vector<Buffer> *bufs) {
   HL_TRY(check_not_null(fn, "plan", plan));
   if (exchanges == 1 && plan->exchanges == 2)
     return fail(HL_STATUS_INVALID_VALUE, "%s: the plan (dense DISTILL_JSD) needs two exchanges: "
@@ -552,44 +601,8 @@ hl_status_t split_args(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t
   if (exchanges == 2 && plan->exchanges == 1)
     return fail(HL_STATUS_INVALID_VALUE, "%s: the plan needs one exchange and has no middle step "
                 "(hl_loss_plan_get_exchanges): finish with hl_loss_plan_execute_finish", fn);
-  HL_TRY(read_descriptor(fn, args, a));
-  HL_TRY(validate_args(fn, *plan, *a, phase));
-  return plan->desc.backend == HL_BACKEND_CPU ? check_host_inputs(fn, *plan, *a) : HL_STATUS_SUCCESS;
-}
-
-// A buffer of `ranks` blocks (MIDDLE: of the middle step): present, large enough, 8-byte aligned,
-// in the backend's memory, clear of the call's other arguments.
-hl_status_t check_block_buffer(const char *fn, const char *name, const void *buf, size_t bytes,
-                               int ranks, const hl_loss_args_t &a, const hl_loss_plan_st &p,
-                               bool middle = false) {
-  HL_TRY(check_not_null(fn, name, buf));
-  const size_t need = size_t(ranks) * block_bytes(p, a.rows, middle);
-  if (bytes < need)
-    return fail(HL_STATUS_INVALID_VALUE, "%s: %s_bytes is %zu; %d block(s) of %lld rows need %zu",
-                fn, name, bytes, ranks, (long long)a.rows, need);
-  if (reinterpret_cast<uintptr_t>(buf) % 8)
-    return fail(HL_STATUS_MISALIGNED, "%s: %s (%p) must be 8-byte aligned", fn, name, buf);
-  HL_TRY(check_location(fn, name, buf, p.desc.backend));
-  for (const Buffer &b : arg_buffers(p, a))
-    if (overlaps(buf, need, b.ptr, span_bytes(b.rows, b.cols, b.stride, b.dtype)))
-      return fail(HL_STATUS_INVALID_VALUE, "%s: %s overlaps %s", fn, name, b.name);
-  return HL_STATUS_SUCCESS;
-}
-
-// The buffers of the middle step and finish: the gathered blocks, then `n` middle blocks named
-// `name` (the middle step's output, or finish_with_middle's gathered ones; n = 0: none) and the
-// workspace, each checked, and clear of each other.
-hl_status_t check_split_buffers(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                                const void *gathered, size_t gathered_bytes, const char *name,
-                                const void *mid, size_t mid_bytes, int n, void *ws, size_t ws_bytes) {
-  HL_TRY(check_block_buffer(fn, "gathered", gathered, gathered_bytes, p.desc.ranks, a, p));
-  if (n) HL_TRY(check_block_buffer(fn, name, mid, mid_bytes, n, a, p, true));
-  HL_TRY(check_workspace(fn, p, a.rows, ws, ws_bytes));
-  if (overlaps(mid, mid_bytes, gathered, gathered_bytes))
-    return fail(HL_STATUS_INVALID_VALUE, "%s: %s overlaps gathered", fn, name);
-  if (overlaps(ws, ws_bytes, gathered, gathered_bytes) || overlaps(ws, ws_bytes, mid, mid_bytes))
-    return fail(HL_STATUS_INVALID_VALUE, "%s: workspace overlaps gathered or %s", fn, name);
-  return HL_STATUS_SUCCESS;
+  HL_TRY(read_descriptor(fn, args, a, kEarlierArgsSizes));
+  return validate_args(fn, *plan, *a, phase, bufs);
 }
 
 // The CPU backend: the headers of `gathered`'s blocks checked (MIDDLE: the middle step's), the
@@ -629,7 +642,7 @@ hl_status_t check_topk_row(const char *fn, const hl_loss_plan_st &p, int64_t i, 
                            const float *logprobs) {
   std::vector<int64_t> seen;
   for (int k = 0; k < p.opt.topk; ++k) {
-    const int64_t id = int64_t(cpu::load(ids, p.desc.teacher_topk_ids_dtype, k));
+    const int64_t id = cpu::load_int(ids, p.desc.teacher_topk_ids_dtype, k);
     if (id < 0) continue;  // padding
     if (id >= p.desc.vocab_global)
       return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk_ids[%lld, %d] is %lld, outside [0, vocab "
@@ -673,6 +686,7 @@ BlockHeader make_header(const hl_loss_plan_st &p, int64_t rows, bool middle) {
 hl_status_t check_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows,
                          const BlockHeader *headers, bool middle) {
   const hl_loss_plan_desc_t &d = p.desc;
+  const char *name = middle ? "gathered_middle" : "gathered";  // the buffer's C name
   std::vector<std::pair<int64_t, int64_t>> shards;  // (vocab_start, vocab)
   bool mine = false;
   const size_t rb = middle ? middle_record_bytes(p) : record_bytes(p);
@@ -680,17 +694,25 @@ hl_status_t check_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows,
     const BlockHeader &h = headers[r];
     if (h.tag != (middle ? kMiddleTag : kBlockTag))
       return fail(HL_STATUS_INVALID_VALUE, "%s: %s block %d is not a block of %s (bad header)", fn,
-                  middle ? "middle" : "gathered", r, middle ? "middle sums from hl_loss_plan_execute_middle"
+                  name, r, middle ? "middle sums from hl_loss_plan_execute_middle"
                   : "statistics from hl_loss_plan_execute_stats");
     if (h.record_bytes != int64_t(rb))
-      return fail(HL_STATUS_INVALID_VALUE, "%s: block %d has %lld-byte records; this plan's are %zu "
-                  "(ranks on different backends?)", fn, r, (long long)h.record_bytes, rb);
+      return fail(HL_STATUS_INVALID_VALUE, "%s: %s block %d has %lld-byte records; this plan's are %zu "
+                  "(ranks on different backends?)", fn, name, r, (long long)h.record_bytes, rb);
     if (h.rows != rows)
-      return fail(HL_STATUS_INVALID_VALUE, "%s: block %d has %lld rows; this call has %lld (the "
-                  "ranks disagree on N)", fn, r, (long long)h.rows, (long long)rows);
+      return fail(HL_STATUS_INVALID_VALUE, "%s: %s block %d has %lld rows; this call has %lld (the "
+                  "ranks disagree on N)", fn, name, r, (long long)h.rows, (long long)rows);
     if (h.fingerprint != p.fingerprint || h.vocab_global != d.vocab_global)
-      return fail(HL_STATUS_INVALID_VALUE, "%s: block %d comes from a different plan (the ranks "
-                  "disagree on the terms, options, ranks or vocab_global)", fn, r);
+      return fail(HL_STATUS_INVALID_VALUE, "%s: %s block %d comes from a different plan (the ranks "
+                  "disagree on the terms, options, ranks or vocab_global)", fn, name, r);
+    if (h.zero != 0)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: %s block %d's header holds %lld in its reserved 8th "
+                  "word; it must be 0", fn, name, r, (long long)h.zero);
+    // Checked before any sum of the two: a header is the caller's data.
+    if (h.vocab_start < 0 || h.vocab < 1 || h.vocab_start > d.vocab_global - h.vocab)
+      return fail(HL_STATUS_INVALID_VALUE, "%s: %s block %d's shard (vocab_start %lld, vocab %lld) is "
+                  "not inside [0, vocab_global = %lld)", fn, name, r, (long long)h.vocab_start,
+                  (long long)h.vocab, (long long)d.vocab_global);
     shards.emplace_back(h.vocab_start, h.vocab);
     mine |= h.vocab_start == d.vocab_start && h.vocab == d.vocab;
   }
@@ -698,17 +720,17 @@ hl_status_t check_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows,
   int64_t next = 0;
   for (const auto &s : shards) {
     if (s.first != next)
-      return fail(HL_STATUS_INVALID_VALUE, "%s: the shards do not tile [0, %lld): column %lld is "
-                  "%s", fn, (long long)d.vocab_global, (long long)std::min(next, s.first),
+      return fail(HL_STATUS_INVALID_VALUE, "%s: the shards of %s do not tile [0, %lld): column %lld is "
+                  "%s", fn, name, (long long)d.vocab_global, (long long)std::min(next, s.first),
                   s.first > next ? "owned by no shard" : "owned by two shards");
     next = s.first + s.second;
   }
   if (next != d.vocab_global)
-    return fail(HL_STATUS_INVALID_VALUE, "%s: the shards do not tile [0, %lld): columns from %lld "
-                "are owned by no shard", fn, (long long)d.vocab_global, (long long)next);
+    return fail(HL_STATUS_INVALID_VALUE, "%s: the shards of %s do not tile [0, %lld): columns from %lld "
+                "are owned by no shard", fn, name, (long long)d.vocab_global, (long long)next);
   if (!mine)
     return fail(HL_STATUS_INVALID_VALUE, "%s: this plan's shard [%lld, %lld) is not among the "
-                "gathered blocks", fn, (long long)d.vocab_start, (long long)(d.vocab_start + d.vocab));
+                "blocks of %s", fn, (long long)d.vocab_start, (long long)(d.vocab_start + d.vocab), name);
   return HL_STATUS_SUCCESS;
 }
 
@@ -717,6 +739,84 @@ hl_status_t check_blocks(const char *fn, const hl_loss_plan_st &p, int64_t rows,
 using namespace hl;
 using namespace hl::loss;
 
+namespace {
+
+// hl_loss_plan_get_workspace_sizes under the name of the entry point asked.
+hl_status_t workspace_query(const char *fn, hl_loss_plan_t plan, int64_t rows, size_t *min_bytes,
+                            size_t *fast_bytes) {
+  HL_TRY(check_not_null(fn, "plan", plan));
+  HL_TRY(check_rows(fn, *plan, rows));
+  size_t lo = 0, hi = 0;
+  HL_TRY(workspace_sizes(fn, *plan, rows, &lo, &hi));
+  if (min_bytes) *min_bytes = lo;
+  if (fast_bytes) *fast_bytes = hi;
+  return HL_STATUS_SUCCESS;
+}
+
+// The bytes of one block of statistics (MIDDLE: of middle sums) for `rows` rows.
+hl_status_t block_query(const char *fn, hl_loss_plan_t plan, int64_t rows, size_t *bytes, bool middle) {
+  HL_TRY(check_not_null(fn, "plan", plan));
+  HL_TRY(check_not_null(fn, "bytes", bytes));
+  HL_TRY(check_rows(fn, *plan, rows));
+  if (middle && plan->exchanges != 2)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: the plan needs one exchange and has no middle step", fn);
+  *bytes = block_bytes(*plan, rows, middle);
+  return HL_STATUS_SUCCESS;
+}
+
+// The statistics step, with a workspace or without.
+hl_status_t stats_step(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t *args, void *stats,
+                       size_t stats_bytes, void *workspace, size_t workspace_bytes, hl_stream_t stream) {
+  hl_loss_args_t a;
+  std::vector<Buffer> bufs;
+  HL_TRY(split_args(fn, plan, args, kStats, 0, &a, &bufs));
+  const hl_loss_plan_st &p = *plan;
+  HL_TRY(add_blocks(fn, "stats", stats, stats_bytes, 1, a.rows, p, false, true, bufs));
+  if (p.linear && p.desc.backend == HL_BACKEND_CUDA) {
+    if (!workspace && a.rows)
+      return fail(HL_STATUS_INSUFFICIENT_WORKSPACE, "%s: the fused linear form forms its logits in a "
+                  "workspace: use hl_loss_plan_execute_stats_ws", fn);
+    HL_TRY(add_workspace(fn, p, a.rows, workspace, workspace_bytes, bufs));
+  }
+  HL_TRY(check_call(fn, p, a, bufs));
+#if HL_HAVE_CUDA
+  if (p.desc.backend == HL_BACKEND_CUDA) return cuda_stats(fn, p, a, stats, workspace, workspace_bytes, stream);
+#endif
+  (void)stream, (void)workspace, (void)workspace_bytes;
+  const BlockHeader h = make_header(p, a.rows);
+  std::memcpy(stats, &h, sizeof h);
+  cpu_stats(p, a, static_cast<char *>(stats) + sizeof h);
+  return HL_STATUS_SUCCESS;
+}
+
+// hl_loss_plan_execute_finish (exchanges 1) and _finish_with_middle (2: gathered_middle, the middle
+// step's blocks).
+hl_status_t finish(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t *args, int exchanges,
+                   const void *gathered, size_t gathered_bytes, const void *gathered_middle,
+                   size_t gathered_middle_bytes, void *workspace, size_t workspace_bytes,
+                   hl_stream_t stream) {
+  hl_loss_args_t a;
+  std::vector<Buffer> bufs;
+  HL_TRY(split_args(fn, plan, args, kFinish, exchanges, &a, &bufs));
+  const hl_loss_plan_st &p = *plan;
+  const int ranks = p.desc.ranks;
+  HL_TRY(add_blocks(fn, "gathered", gathered, gathered_bytes, ranks, a.rows, p, false, false, bufs));
+  if (exchanges == 2)
+    HL_TRY(add_blocks(fn, "gathered_middle", gathered_middle, gathered_middle_bytes, ranks, a.rows, p, true,
+                      false, bufs));
+  HL_TRY(add_workspace(fn, p, a.rows, workspace, workspace_bytes, bufs));
+  HL_TRY(check_call(fn, p, a, bufs));
+#if HL_HAVE_CUDA
+  if (p.desc.backend == HL_BACKEND_CUDA)
+    return cuda_finish(fn, p, a, gathered, gathered_middle, workspace, workspace_bytes, stream);
+#endif
+  (void)stream;
+  return cpu_merge_finish(fn, p, a, static_cast<const char *>(gathered),
+                          static_cast<const char *>(gathered_middle));
+}
+
+}  // namespace
+
 extern "C" {
 
 HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_plan_t *plan) {
@@ -724,7 +824,7 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
   return guarded(fn, [&]() -> hl_status_t {
     HL_TRY(check_not_null(fn, "plan", plan));
     hl_loss_plan_desc_t d;
-    HL_TRY(read_descriptor(fn, desc, &d));
+    HL_TRY(read_descriptor(fn, desc, &d, kEarlierDescSizes));
     Options o{};
     HL_TRY(validate_desc(fn, d, o));
     auto p = std::make_unique<hl_loss_plan_st>();
@@ -749,20 +849,15 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
 HL_API hl_status_t hl_loss_plan_get_workspace_sizes(hl_loss_plan_t plan, int64_t rows,
                                                     size_t *min_bytes, size_t *fast_bytes) {
   static const char *fn = "hl_loss_plan_get_workspace_sizes";
-  return guarded(fn, [&]() -> hl_status_t {
-    HL_TRY(check_not_null(fn, "plan", plan));
-    HL_TRY(check_positive(fn, "rows", rows));
-    size_t lo = 0, hi = 0;
-    workspace_sizes(*plan, rows, &lo, &hi);
-    if (min_bytes) *min_bytes = lo;
-    if (fast_bytes) *fast_bytes = hi;
-    return HL_STATUS_SUCCESS;
-  });
+  return guarded(fn, [&]() { return workspace_query(fn, plan, rows, min_bytes, fast_bytes); });
 }
 
 HL_API hl_status_t hl_loss_plan_get_workspace_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes) {
-  HL_TRY(check_not_null("hl_loss_plan_get_workspace_size", "bytes", bytes));
-  return hl_loss_plan_get_workspace_sizes(plan, rows, nullptr, bytes);
+  static const char *fn = "hl_loss_plan_get_workspace_size";
+  return guarded(fn, [&]() -> hl_status_t {
+    HL_TRY(check_not_null(fn, "bytes", bytes));
+    return workspace_query(fn, plan, rows, nullptr, bytes);
+  });
 }
 
 HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_t *args,
@@ -771,66 +866,42 @@ HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_
   return guarded(fn, [&]() -> hl_status_t {
     HL_TRY(check_not_null(fn, "plan", plan));
     hl_loss_args_t a;
-    HL_TRY(read_descriptor(fn, args, &a));
+    HL_TRY(read_descriptor(fn, args, &a, kEarlierArgsSizes));
     if (plan->desc.ranks > 1)
       return fail(HL_STATUS_INVALID_VALUE, "%s: the plan is a vocabulary shard; run it with "
                   "hl_loss_plan_execute_stats, a gather, and hl_loss_plan_execute_finish (or "
                   "hl_loss_plan_execute_nccl)", fn);
-    HL_TRY(validate_args(fn, *plan, a, kWhole));
-    HL_TRY(check_workspace(fn, *plan, a.rows, workspace, workspace_bytes));
+    std::vector<Buffer> bufs;
+    HL_TRY(validate_args(fn, *plan, a, kWhole, &bufs));
+    HL_TRY(add_workspace(fn, *plan, a.rows, workspace, workspace_bytes, bufs));
+    HL_TRY(check_call(fn, *plan, a, bufs));
 #if HL_HAVE_CUDA
     if (plan->desc.backend == HL_BACKEND_CUDA)
       return cuda_execute(fn, *plan, a, workspace, workspace_bytes, stream);
 #endif
     (void)stream;
-    HL_TRY(check_host_inputs(fn, *plan, a));
     return cpu_execute(*plan, a);
   });
 }
 
 HL_API hl_status_t hl_loss_plan_get_stats_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes) {
   static const char *fn = "hl_loss_plan_get_stats_size";
-  return guarded(fn, [&]() -> hl_status_t {
-    HL_TRY(check_not_null(fn, "plan", plan));
-    HL_TRY(check_not_null(fn, "bytes", bytes));
-    HL_TRY(check_positive(fn, "rows", rows));
-    *bytes = block_bytes(*plan, rows);
-    return HL_STATUS_SUCCESS;
-  });
+  return guarded(fn, [&]() { return block_query(fn, plan, rows, bytes, false); });
 }
 
 HL_API hl_status_t hl_loss_plan_execute_stats_ws(hl_loss_plan_t plan, const hl_loss_args_t *args,
                                                  void *stats, size_t stats_bytes, void *workspace,
                                                  size_t workspace_bytes, hl_stream_t stream) {
-  static const char *fn = "hl_loss_plan_execute_stats";
-  return guarded(fn, [&]() -> hl_status_t {
-    hl_loss_args_t a;
-    HL_TRY(split_args(fn, plan, args, kStats, 0, &a));
-    HL_TRY(check_block_buffer(fn, "stats", stats, stats_bytes, 1, a, *plan));
-#if HL_HAVE_CUDA
-    if (plan->desc.backend == HL_BACKEND_CUDA) {
-      if (plan->linear) {
-        if (!workspace && a.rows)
-          return fail(HL_STATUS_INSUFFICIENT_WORKSPACE, "%s: the fused linear form forms its logits "
-                      "in a workspace: use hl_loss_plan_execute_stats_ws", fn);
-        HL_TRY(check_workspace(fn, *plan, a.rows, workspace, workspace_bytes));
-        if (overlaps(workspace, workspace_bytes, stats, stats_bytes))
-          return fail(HL_STATUS_INVALID_VALUE, "%s: workspace overlaps stats", fn);
-      }
-      return cuda_stats(fn, *plan, a, stats, workspace, workspace_bytes, stream);
-    }
-#endif
-    (void)stream, (void)workspace, (void)workspace_bytes;
-    const BlockHeader h = make_header(*plan, a.rows);
-    std::memcpy(stats, &h, sizeof h);
-    cpu_stats(*plan, a, static_cast<char *>(stats) + sizeof h);
-    return HL_STATUS_SUCCESS;
+  static const char *fn = "hl_loss_plan_execute_stats_ws";
+  return guarded(fn, [&]() {
+    return stats_step(fn, plan, args, stats, stats_bytes, workspace, workspace_bytes, stream);
   });
 }
 
 HL_API hl_status_t hl_loss_plan_execute_stats(hl_loss_plan_t plan, const hl_loss_args_t *args,
                                               void *stats, size_t stats_bytes, hl_stream_t stream) {
-  return hl_loss_plan_execute_stats_ws(plan, args, stats, stats_bytes, nullptr, 0, stream);
+  static const char *fn = "hl_loss_plan_execute_stats";
+  return guarded(fn, [&]() { return stats_step(fn, plan, args, stats, stats_bytes, nullptr, 0, stream); });
 }
 
 HL_API hl_status_t hl_loss_plan_get_exchanges(hl_loss_plan_t plan, int *exchanges) {
@@ -845,15 +916,7 @@ HL_API hl_status_t hl_loss_plan_get_exchanges(hl_loss_plan_t plan, int *exchange
 
 HL_API hl_status_t hl_loss_plan_get_middle_size(hl_loss_plan_t plan, int64_t rows, size_t *bytes) {
   static const char *fn = "hl_loss_plan_get_middle_size";
-  return guarded(fn, [&]() -> hl_status_t {
-    HL_TRY(check_not_null(fn, "plan", plan));
-    HL_TRY(check_not_null(fn, "bytes", bytes));
-    HL_TRY(check_positive(fn, "rows", rows));
-    if (plan->exchanges != 2)
-      return fail(HL_STATUS_INVALID_VALUE, "%s: the plan needs one exchange and has no middle step", fn);
-    *bytes = block_bytes(*plan, rows, true);
-    return HL_STATUS_SUCCESS;
-  });
+  return guarded(fn, [&]() { return block_query(fn, plan, rows, bytes, true); });
 }
 
 HL_API hl_status_t hl_loss_plan_execute_middle(hl_loss_plan_t plan, const hl_loss_args_t *args,
@@ -863,54 +926,34 @@ HL_API hl_status_t hl_loss_plan_execute_middle(hl_loss_plan_t plan, const hl_los
   static const char *fn = "hl_loss_plan_execute_middle";
   return guarded(fn, [&]() -> hl_status_t {
     hl_loss_args_t a;
-    HL_TRY(split_args(fn, plan, args, kMiddle, 2, &a));
-    HL_TRY(check_split_buffers(fn, *plan, a, gathered, gathered_bytes, "middle", middle, middle_bytes, 1,
-                               workspace, workspace_bytes));
+    std::vector<Buffer> bufs;
+    HL_TRY(split_args(fn, plan, args, kMiddle, 2, &a, &bufs));
+    const hl_loss_plan_st &p = *plan;
+    HL_TRY(add_blocks(fn, "gathered", gathered, gathered_bytes, p.desc.ranks, a.rows, p, false, false, bufs));
+    HL_TRY(add_blocks(fn, "middle", middle, middle_bytes, 1, a.rows, p, true, true, bufs));
+    HL_TRY(add_workspace(fn, p, a.rows, workspace, workspace_bytes, bufs));
+    HL_TRY(check_call(fn, p, a, bufs));
 #if HL_HAVE_CUDA
-    if (plan->desc.backend == HL_BACKEND_CUDA)
-      return cuda_middle(fn, *plan, a, gathered, middle, workspace, workspace_bytes, stream);
+    if (p.desc.backend == HL_BACKEND_CUDA)
+      return cuda_middle(fn, p, a, gathered, middle, workspace, workspace_bytes, stream);
 #endif
     (void)stream;
-    HL_TRY(cpu_blocks(fn, *plan, a.rows, static_cast<const char *>(gathered)));
+    HL_TRY(cpu_blocks(fn, p, a.rows, static_cast<const char *>(gathered)));
     std::vector<MidSums<double>> mid(size_t(a.rows));
-    cpu_middle(*plan, a, cpu_merged(*plan, a.rows, static_cast<const char *>(gathered)).data(), mid.data());
-    const BlockHeader h = make_header(*plan, a.rows, true);
+    cpu_middle(p, a, cpu_merged(p, a.rows, static_cast<const char *>(gathered)).data(), mid.data());
+    const BlockHeader h = make_header(p, a.rows, true);
     std::memcpy(middle, &h, sizeof h);
     if (a.rows) std::memcpy(static_cast<char *>(middle) + sizeof h, mid.data(), mid.size() * sizeof mid[0]);
     return HL_STATUS_SUCCESS;
   });
 }
 
-namespace {
-
-// hl_loss_plan_execute_finish (exchanges 1) and _finish_with_middle (2: gathered_middle, the middle
-// step's blocks).
-hl_status_t finish(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t *args, int exchanges,
-                   const void *gathered, size_t gathered_bytes, const void *gathered_middle,
-                   size_t gathered_middle_bytes, void *workspace, size_t workspace_bytes,
-                   hl_stream_t stream) {
-  hl_loss_args_t a;
-  HL_TRY(split_args(fn, plan, args, kFinish, exchanges, &a));
-  HL_TRY(check_split_buffers(fn, *plan, a, gathered, gathered_bytes, "gathered_middle", gathered_middle,
-                             gathered_middle_bytes, exchanges == 2 ? plan->desc.ranks : 0, workspace,
-                             workspace_bytes));
-#if HL_HAVE_CUDA
-  if (plan->desc.backend == HL_BACKEND_CUDA)
-    return cuda_finish(fn, *plan, a, gathered, gathered_middle, workspace, workspace_bytes, stream);
-#endif
-  (void)stream;
-  return cpu_merge_finish(fn, *plan, a, static_cast<const char *>(gathered),
-                          static_cast<const char *>(gathered_middle));
-}
-
-}  // namespace
-
 HL_API hl_status_t hl_loss_plan_execute_finish(hl_loss_plan_t plan, const hl_loss_args_t *args,
                                                const void *gathered, size_t gathered_bytes,
                                                void *workspace, size_t workspace_bytes,
                                                hl_stream_t stream) {
   static const char *fn = "hl_loss_plan_execute_finish";
-  return guarded(fn, [&]() -> hl_status_t {
+  return guarded(fn, [&]() {
     return finish(fn, plan, args, 1, gathered, gathered_bytes, nullptr, 0, workspace, workspace_bytes, stream);
   });
 }
@@ -923,7 +966,7 @@ HL_API hl_status_t hl_loss_plan_execute_finish_with_middle(hl_loss_plan_t plan,
                                                            void *workspace, size_t workspace_bytes,
                                                            hl_stream_t stream) {
   static const char *fn = "hl_loss_plan_execute_finish_with_middle";
-  return guarded(fn, [&]() -> hl_status_t {
+  return guarded(fn, [&]() {
     return finish(fn, plan, args, 2, gathered, gathered_bytes, gathered_middle, gathered_middle_bytes,
                   workspace, workspace_bytes, stream);
   });
@@ -935,7 +978,8 @@ HL_API hl_status_t hl_loss_plan_execute_nccl(hl_loss_plan_t plan, const hl_loss_
   static const char *fn = "hl_loss_plan_execute_nccl";
   return guarded(fn, [&]() -> hl_status_t {
     hl_loss_args_t a;
-    HL_TRY(split_args(fn, plan, args, kFinish, 0, &a));
+    std::vector<Buffer> bufs;
+    HL_TRY(split_args(fn, plan, args, kFinish, 0, &a, &bufs));
     HL_TRY(check_not_null(fn, "nccl_comm", nccl_comm));
     if (plan->desc.backend != HL_BACKEND_CUDA)
       return fail(HL_STATUS_NOT_SUPPORTED, "%s: NCCL needs a CUDA plan; on the CPU backend use "
@@ -944,7 +988,8 @@ HL_API hl_status_t hl_loss_plan_execute_nccl(hl_loss_plan_t plan, const hl_loss_
       return fail(HL_STATUS_INVALID_VALUE, "%s: grad_hidden_stride is %lld; the all-reduce of "
                   "grad_hidden needs it packed (%lld)", fn, (long long)a.grad_hidden_stride,
                   (long long)plan->desc.hidden);
-    HL_TRY(check_workspace(fn, *plan, a.rows, workspace, workspace_bytes));
+    HL_TRY(add_workspace(fn, *plan, a.rows, workspace, workspace_bytes, bufs));
+    HL_TRY(check_call(fn, *plan, a, bufs));
 #if HL_HAVE_CUDA
     return nccl_execute(fn, *plan, a, nccl_comm, workspace, workspace_bytes, stream);
 #else

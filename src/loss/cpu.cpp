@@ -54,11 +54,12 @@ class Rows {
     const hl_loss_plan_desc_t &d = p.desc;
     const int64_t V = d.vocab;
     if (!p.linear) return;
+    if (grads && a.grad_weight) dw_.assign(size_t(V * d.hidden), 0.0);
+    if (a.rows == 0) return;  // weights neither read nor required: grad_weight is the empty sum
     const hl_dtype_t wd = d.weight_dtype;
     w_ = to_f64({a.weight, a.weight_stride, wd}, V, d.hidden);
     if (d.teacher_hidden && a.teacher_weight)
       wt_ = to_f64({a.teacher_weight, a.teacher_weight_stride, wd}, V, d.teacher_hidden);
-    if (grads && a.grad_weight) dw_.assign(size_t(V * d.hidden), 0.0);
   }
 
   void load_row(int64_t i, std::vector<double> &z, std::vector<double> &v) {
@@ -179,7 +180,7 @@ void seq_values_of_rows(const hl_loss_plan_st &p, const hl_loss_args_t &a, const
   const bool want_lr = p.seq_stats && a.old_logprobs;
   const bool want_roll = p.opt.rollout_level != HL_LOSS_LEVEL_TOKEN && a.old_logprobs && a.rollout_logprobs;
   const RowSource src = row_source(p, a, nullptr, nullptr);
-  const auto bound = [&](int64_t s) { return int64_t(cpu::load(a.cu_seqlens, p.desc.cu_seqlens_dtype, s)); };
+  const auto bound = [&](int64_t s) { return cpu::load_int(a.cu_seqlens, p.desc.cu_seqlens_dtype, s); };
   for (int64_t s = 0; s < a.num_seqs; ++s) {
     const int64_t b = bound(s), e = bound(s + 1);
     SeqSums<double> sum{0.0, 0.0, 0.0};
@@ -201,7 +202,14 @@ bool has_teacher(const hl_loss_args_t &a) { return a.teacher_logits || a.teacher
 // Entry k of row i of a sparse teacher: its id (< 0: padding) and log-prob.
 int64_t topk_id(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i, int k, double *lq) {
   *lq = a.teacher_topk_logprobs[i * a.teacher_topk_logprobs_stride + k];
-  return int64_t(load(a.teacher_topk_ids, p.desc.teacher_topk_ids_dtype, i * a.teacher_topk_ids_stride + k));
+  return cpu::load_int(a.teacher_topk_ids, p.desc.teacher_topk_ids_dtype, i * a.teacher_topk_ids_stride + k);
+}
+
+// The column in this shard of entry k of row i of a sparse teacher (-1: padding or another
+// shard's id; no subtraction from an id of any value), and its log-prob.
+int64_t topk_col(const hl_loss_plan_st &p, const hl_loss_args_t &a, int64_t i, int k, double *lq) {
+  const int64_t id = topk_id(p, a, i, k, lq), first = p.desc.vocab_start;
+  return id >= first && id - first < p.desc.vocab ? id - first : -1;
 }
 
 // A sparse teacher's z_hat at entry k of a record (after its CpuStats).
@@ -257,8 +265,8 @@ void cpu_stats(const hl_loss_plan_st &p, const hl_loss_args_t &a, char *out) {
     std::memcpy(rec, &st, sizeof st);
     for (int k = 0; k < p.opt.topk; ++k) {  // the z_hat of the ids in this shard
       double lq;
-      const int64_t j = topk_id(p, a, i, k, &lq) - first;
-      const double zk = j >= 0 && j < V ? z[size_t(j)] : topk_absent<double>();
+      const int64_t j = topk_col(p, a, i, k, &lq);
+      const double zk = j >= 0 ? z[size_t(j)] : topk_absent<double>();
       std::memcpy(rec + sizeof st + size_t(k) * sizeof zk, &zk, sizeof zk);
     }
   }
@@ -353,8 +361,8 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
       }
       for (int k = 0; k < o.topk; ++k) {  // a sparse teacher's ids in this shard: their own a_k
         double lq;
-        const int64_t j = topk_id(p, a, i, k, &lq) - first;  // padding (< 0) too: j < 0
-        if (j >= 0 && j < int64_t(z.size()))
+        const int64_t j = topk_col(p, a, i, k, &lq);
+        if (j >= 0)
           g[size_t(j)] += topk_correction(r, o, z[size_t(j)], lq) * chain(o, z[size_t(j)]);
       }
       rows.put_grad(i, g);

@@ -7,34 +7,54 @@
 namespace hl::rmsnorm {
 namespace {
 
-hl_status_t check_common(const char *fn, hl_backend_t backend, int64_t rows, int64_t cols,
-                         hl_rmsnorm_cast_t cast, float offset, hl_dtype_t x_dtype,
-                         const void *weight, hl_dtype_t weight_dtype) {
-  HL_TRY(check_backend(fn, backend));
-  HL_TRY(check_positive(fn, "rows", rows));
-  HL_TRY(check_positive(fn, "cols", cols));
-  if (cast != HL_RMSNORM_CAST_LLAMA && cast != HL_RMSNORM_CAST_GEMMA && cast != HL_RMSNORM_CAST_NONE)
-    return fail(HL_STATUS_INVALID_VALUE,
-                "%s: cast is %d; use HL_RMSNORM_CAST_LLAMA, _GEMMA or _NONE", fn, int(cast));
-  if (!std::isfinite(offset)) return fail(HL_STATUS_INVALID_VALUE, "%s: offset is not finite", fn);
-  HL_TRY(check_float_dtype(fn, "x_dtype", x_dtype));
+// In-place pairs (headloss.h). Every kernel (CPU; CUDA's register, cluster, row-by-row and tiled
+// ones) reads an element of these inputs in the thread that stores the output's element at the
+// same place, before that store, and nothing reads it after.
+constexpr std::initializer_list<InPlace> kFwdInPlace = {{"y", "x"}, {"residual_out", "residual"}};
+constexpr std::initializer_list<InPlace> kBwdInPlace = {{"dx", "dy"}, {"dx", "dresidual_out"}};
+
+// The backward's tiles of 32 columns (and its dw sum's) in one grid dimension on CUDA.
+constexpr int64_t kMaxCudaBwdCols = int64_t(1) << 35;
+
+// The fields both directions share, before anything else: sizes, strides and enumerations as
+// integers, then the options.
+template <class Args>
+hl_status_t check_common(const char *fn, const Args &a, std::initializer_list<Extent> strides,
+                         std::initializer_list<EnumField> dtypes) {
+  HL_TRY(check_extents(fn, {{"rows", a.rows}, {"cols", a.cols}}));
+  HL_TRY(check_extents(fn, strides));
+  HL_TRY(check_enums(fn, {enum_field("backend", a.backend), enum_field("cast", a.cast),
+                          enum_field("x_dtype", a.x_dtype), enum_field("weight_dtype", a.weight_dtype)}));
+  HL_TRY(check_enums(fn, dtypes));
+  HL_TRY(check_backend(fn, a.backend));
+  if (!std::isfinite(a.offset)) return fail(HL_STATUS_INVALID_VALUE, "%s: offset is not finite", fn);
+  HL_TRY(check_float_dtype(fn, "x_dtype", a.x_dtype));
   // Without a weight the offset is ignored (y = s * rstd), as in HF's and Liger's norms.
-  if (weight) return check_float_dtype(fn, "weight_dtype", weight_dtype);
+  if (a.weight) return check_float_dtype(fn, "weight_dtype", a.weight_dtype);
   return HL_STATUS_SUCCESS;
 }
 
-// Pointer checks for one optional matrix argument; resolves its stride.
-hl_status_t check_matrix(const char *fn, hl_backend_t backend, const char *name, const void *p,
-                         hl_dtype_t dt, int64_t cols, int64_t *stride) {
-  if (!p) return HL_STATUS_SUCCESS;
-  HL_TRY(resolve_stride(fn, name, *stride, cols, stride));
-  return check_pointer(fn, backend, name, p, dt);
+hl_status_t check_fwd_fields(const char *fn, const hl_rmsnorm_fwd_args_t &a) {
+  HL_TRY(check_common(fn, a, {{"x_stride", a.x_stride}, {"residual_stride", a.residual_stride},
+                              {"residual_out_stride", a.residual_out_stride}, {"y_stride", a.y_stride}},
+                      {enum_field("y_dtype", a.y_dtype)}));
+  return check_float_dtype(fn, "y_dtype", a.y_dtype);
+}
+
+hl_status_t check_bwd_fields(const char *fn, const hl_rmsnorm_bwd_args_t &a) {
+  HL_TRY(check_common(fn, a, {{"x_stride", a.x_stride}, {"dy_stride", a.dy_stride},
+                              {"dresidual_out_stride", a.dresidual_out_stride}, {"dx_stride", a.dx_stride},
+                              {"dresidual_stride", a.dresidual_stride}},
+                      {enum_field("dy_dtype", a.dy_dtype), enum_field("dw_dtype", a.dw_dtype)}));
+  HL_TRY(check_float_dtype(fn, "dy_dtype", a.dy_dtype));
+  if (a.backend == HL_BACKEND_CUDA && a.cols > kMaxCudaBwdCols)
+    return fail(HL_STATUS_NOT_SUPPORTED, "%s: cols is %lld; the CUDA backend takes cols <= 2^35", fn,
+                (long long)a.cols);
+  return HL_STATUS_SUCCESS;
 }
 
 hl_status_t validate_fwd(const char *fn, hl_rmsnorm_fwd_args_t &a) {
-  HL_TRY(check_common(fn, a.backend, a.rows, a.cols, a.cast, a.offset, a.x_dtype, a.weight,
-                      a.weight_dtype));
-  HL_TRY(check_float_dtype(fn, "y_dtype", a.y_dtype));
+  HL_TRY(check_fwd_fields(fn, a));
   if (!(a.eps >= 0.0f) || !std::isfinite(a.eps))
     return fail(HL_STATUS_INVALID_VALUE, "%s: eps is %g; must be finite and >= 0", fn,
                 double(a.eps));
@@ -44,28 +64,31 @@ hl_status_t validate_fwd(const char *fn, hl_rmsnorm_fwd_args_t &a) {
   HL_TRY(check_not_null(fn, "x", a.x));
   HL_TRY(check_not_null(fn, "y", a.y));
   if (a.residual) HL_TRY(check_not_null(fn, "residual_out (required with residual)", a.residual_out));
-  HL_TRY(check_matrix(fn, a.backend, "x", a.x, a.x_dtype, a.cols, &a.x_stride));
-  HL_TRY(check_matrix(fn, a.backend, "residual", a.residual, a.x_dtype, a.cols, &a.residual_stride));
-  HL_TRY(check_matrix(fn, a.backend, "residual_out", a.residual_out, a.x_dtype, a.cols,
-                      &a.residual_out_stride));
-  HL_TRY(check_matrix(fn, a.backend, "y", a.y, a.y_dtype, a.cols, &a.y_stride));
-  HL_TRY(check_pointer(fn, a.backend, "weight", a.weight, a.weight_dtype));
-  HL_TRY(check_pointer(fn, a.backend, "rstd", a.rstd, HL_DTYPE_F32));
-  const Buffer bufs[] = {
-      {"x", a.x, a.rows, a.cols, a.x_stride, a.x_dtype, false},
-      {"residual", a.residual, a.rows, a.cols, a.residual_stride, a.x_dtype, false},
-      {"weight", a.weight, 1, a.cols, a.cols, a.weight_dtype, false},
-      {"residual_out", a.residual_out, a.rows, a.cols, a.residual_out_stride, a.x_dtype, true},
-      {"y", a.y, a.rows, a.cols, a.y_stride, a.y_dtype, true},
-      {"rstd", a.rstd, a.rows, 1, 1, HL_DTYPE_F32, true},
-  };
-  return check_aliasing(fn, bufs, int(sizeof bufs / sizeof bufs[0]));
+  const int64_t N = a.rows, C = a.cols;
+  Buffer bufs[6];
+  HL_TRY(matrix(fn, {"x", a.x, N, C, a.x_stride, a.x_dtype, false, "x_stride"}, &a.x_stride, &bufs[0]));
+  HL_TRY(matrix(fn, {"residual", a.residual, N, C, a.residual_stride, a.x_dtype, false, "residual_stride"},
+                &a.residual_stride, &bufs[1]));
+  HL_TRY(matrix(fn, {"residual_out", a.residual_out, N, C, a.residual_out_stride, a.x_dtype, true,
+                     "residual_out_stride"}, &a.residual_out_stride, &bufs[2]));
+  HL_TRY(matrix(fn, {"y", a.y, N, C, a.y_stride, a.y_dtype, true, "y_stride"}, &a.y_stride, &bufs[3]));
+  bufs[4] = {"weight", a.weight, 1, C, C, a.weight_dtype, false};
+  bufs[5] = {"rstd", a.rstd, N, 1, 1, HL_DTYPE_F32, true};
+  HL_TRY(check_buffers(fn, a.backend, bufs, 6));
+  return check_aliasing(fn, bufs, 6, kFwdInPlace);
+}
+
+// The backward's workspace: what the backend needs (0 on the CPU).
+size_t bwd_workspace(const hl_rmsnorm_bwd_args_t &a) {
+#if HL_HAVE_CUDA
+  if (a.backend == HL_BACKEND_CUDA && a.cols) return cuda_bwd_workspace_bytes(a);
+#endif
+  (void)a;
+  return 0;
 }
 
 hl_status_t validate_bwd(const char *fn, hl_rmsnorm_bwd_args_t &a) {
-  HL_TRY(check_common(fn, a.backend, a.rows, a.cols, a.cast, a.offset, a.x_dtype, a.weight,
-                      a.weight_dtype));
-  HL_TRY(check_float_dtype(fn, "dy_dtype", a.dy_dtype));
+  HL_TRY(check_bwd_fields(fn, a));
   if (!a.rstd && (!(a.eps >= 0.0f) || !std::isfinite(a.eps)))
     return fail(HL_STATUS_INVALID_VALUE, "%s: rstd is NULL and eps is %g; eps must be finite and >= 0",
                 fn, double(a.eps));
@@ -78,47 +101,28 @@ hl_status_t validate_bwd(const char *fn, hl_rmsnorm_bwd_args_t &a) {
     return fail(HL_STATUS_INVALID_VALUE, "%s: dw is set but there is no weight", fn);
   }
   if (a.cols == 0) return HL_STATUS_SUCCESS;
+  const int64_t N = a.rows, C = a.cols;
+  const Buffer dw{"dw", a.dw, 1, C, C, a.dw_dtype, true};
   // No rows: dw is still the (zero) sum over rows, so it is checked and written.
-  if (a.rows == 0) return check_pointer(fn, a.backend, "dw", a.dw, a.dw_dtype);
+  if (N == 0) return check_buffers(fn, a.backend, &dw, 1);
   HL_TRY(check_not_null(fn, "x", a.x));
   HL_TRY(check_not_null(fn, "dy", a.dy));
   HL_TRY(check_not_null(fn, "dx", a.dx));
-  HL_TRY(check_matrix(fn, a.backend, "x", a.x, a.x_dtype, a.cols, &a.x_stride));
-  HL_TRY(check_matrix(fn, a.backend, "dy", a.dy, a.dy_dtype, a.cols, &a.dy_stride));
-  HL_TRY(check_matrix(fn, a.backend, "dresidual_out", a.dresidual_out, a.x_dtype, a.cols,
-                      &a.dresidual_out_stride));
-  HL_TRY(check_matrix(fn, a.backend, "dx", a.dx, a.x_dtype, a.cols, &a.dx_stride));
-  HL_TRY(check_matrix(fn, a.backend, "dresidual", a.dresidual, a.x_dtype, a.cols,
-                      &a.dresidual_stride));
-  HL_TRY(check_pointer(fn, a.backend, "rstd", a.rstd, HL_DTYPE_F32));
-  HL_TRY(check_pointer(fn, a.backend, "weight", a.weight, a.weight_dtype));
-  HL_TRY(check_pointer(fn, a.backend, "dw", a.dw, a.dw_dtype));
-  size_t need = 0;
-#if HL_HAVE_CUDA
-  if (a.backend == HL_BACKEND_CUDA) need = cuda_bwd_workspace_bytes(a);
-#endif
-  if (a.workspace_bytes < need)
-    return fail(HL_STATUS_INSUFFICIENT_WORKSPACE, "%s: workspace_bytes is %zu; this call needs %zu",
-                fn, a.workspace_bytes, need);
-  if (need) {
-    HL_TRY(check_not_null(fn, "workspace", a.workspace));
-    HL_TRY(check_pointer(fn, a.backend, "workspace", a.workspace, HL_DTYPE_F32));
-    if (reinterpret_cast<uintptr_t>(a.workspace) % 16)
-      return fail(HL_STATUS_MISALIGNED, "%s: workspace (%p) must be 16-byte aligned", fn, a.workspace);
-  }
-  const int64_t ws_floats = int64_t(need / 4);
-  const Buffer bufs[] = {
-      {"x", a.x, a.rows, a.cols, a.x_stride, a.x_dtype, false},
-      {"dy", a.dy, a.rows, a.cols, a.dy_stride, a.dy_dtype, false},
-      {"dresidual_out", a.dresidual_out, a.rows, a.cols, a.dresidual_out_stride, a.x_dtype, false},
-      {"rstd", a.rstd, a.rows, 1, 1, HL_DTYPE_F32, false},
-      {"weight", a.weight, 1, a.cols, a.cols, a.weight_dtype, false},
-      {"dx", a.dx, a.rows, a.cols, a.dx_stride, a.x_dtype, true},
-      {"dresidual", a.dresidual, a.rows, a.cols, a.dresidual_stride, a.x_dtype, true},
-      {"dw", a.dw, 1, a.cols, a.cols, a.dw_dtype, true},
-      {"workspace", need ? a.workspace : nullptr, 1, ws_floats, ws_floats, HL_DTYPE_F32, true},
-  };
-  return check_aliasing(fn, bufs, int(sizeof bufs / sizeof bufs[0]));
+  Buffer bufs[9];
+  HL_TRY(matrix(fn, {"x", a.x, N, C, a.x_stride, a.x_dtype, false, "x_stride"}, &a.x_stride, &bufs[0]));
+  HL_TRY(matrix(fn, {"dy", a.dy, N, C, a.dy_stride, a.dy_dtype, false, "dy_stride"}, &a.dy_stride, &bufs[1]));
+  HL_TRY(matrix(fn, {"dresidual_out", a.dresidual_out, N, C, a.dresidual_out_stride, a.x_dtype, false,
+                     "dresidual_out_stride"}, &a.dresidual_out_stride, &bufs[2]));
+  HL_TRY(matrix(fn, {"dx", a.dx, N, C, a.dx_stride, a.x_dtype, true, "dx_stride"}, &a.dx_stride, &bufs[3]));
+  HL_TRY(matrix(fn, {"dresidual", a.dresidual, N, C, a.dresidual_stride, a.x_dtype, true, "dresidual_stride"},
+                &a.dresidual_stride, &bufs[4]));
+  bufs[5] = {"rstd", a.rstd, N, 1, 1, HL_DTYPE_F32, false};
+  bufs[6] = {"weight", a.weight, 1, C, C, a.weight_dtype, false};
+  bufs[7] = dw;
+  HL_TRY(check_buffers(fn, a.backend, bufs, 8));
+  const size_t need = bwd_workspace(a);
+  HL_TRY(check_workspace(fn, a.backend, a.workspace, a.workspace_bytes, need, 16, &bufs[8]));
+  return check_aliasing(fn, bufs, 9, kBwdInPlace);
 }
 
 }  // namespace
@@ -150,13 +154,8 @@ HL_API hl_status_t hl_rmsnorm_bwd_workspace_size(const hl_rmsnorm_bwd_args_t *ar
     HL_TRY(check_not_null(fn, "bytes", bytes));
     hl_rmsnorm_bwd_args_t a;
     HL_TRY(read_descriptor(fn, args, &a));
-    HL_TRY(check_backend(fn, a.backend));
-    HL_TRY(check_positive(fn, "rows", a.rows));
-    HL_TRY(check_positive(fn, "cols", a.cols));
-    *bytes = 0;
-#if HL_HAVE_CUDA
-    if (a.backend == HL_BACKEND_CUDA && a.cols) *bytes = cuda_bwd_workspace_bytes(a);
-#endif
+    HL_TRY(check_bwd_fields(fn, a));
+    *bytes = bwd_workspace(a);
     return HL_STATUS_SUCCESS;
   });
 }

@@ -51,8 +51,16 @@ static void struct_size_is_checked(void **state) {
   float x[2] = {1, 2}, y[2] = {-7, -7};
   hl_rmsnorm_fwd_args_t a = tiny_fwd(x, y);
   assert_fails(hl_rmsnorm_fwd(NULL, NULL), HL_STATUS_INVALID_VALUE, "descriptor pointer is NULL");
-  a.struct_size = 0;
-  assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "struct_size is 0");
+  /* Too small (a truncated one was refused as whichever field it cut off), between sizes, too
+   * large (SIZE_MAX was scanned byte by byte): named struct_size, with the size expected. */
+  const size_t bad[] = {0, 3, 64, sizeof a - 8, HL_MAX_STRUCT_SIZE + 1, SIZE_MAX};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
+    char needle[96];
+    snprintf(needle, sizeof needle, "struct_size is %zu; set it to sizeof the descriptor (%zu here)", bad[i],
+             sizeof a);
+    a.struct_size = bad[i];
+    assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, needle);
+  }
   assert_true(y[0] == -7 && y[1] == -7);
 
   /* A newer caller's larger descriptor: fine while the unknown tail is zero. */
@@ -72,6 +80,16 @@ static void struct_size_is_checked(void **state) {
 
 static void backend_is_checked(void **state) {
   (void)state;
+  /* Any int reaches these two: read as integers, never loaded as the enum type. */
+  const int odd[] = {0, 99, -1, 12345};
+  for (int i = 0; i < 4; ++i) {
+    hl_backend_t be;
+    hl_status_t st;
+    memcpy(&be, &odd[i], sizeof be);
+    memcpy(&st, &odd[i], sizeof st);
+    assert_int_equal(hl_backend_is_available(be), 0);
+    if (odd[i]) assert_string_equal(hl_get_error_string(st), "unknown hl_status_t value");
+  }
   float x[2] = {1, 2}, y[2];
   hl_rmsnorm_fwd_args_t a = tiny_fwd(x, y);
   a.backend = (hl_backend_t)0;

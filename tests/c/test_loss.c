@@ -189,7 +189,7 @@ static void bad_arguments(void **state) {
   f.grad_dtype = HL_DTYPE_F32;
   f.logits_dtype = HL_DTYPE_BF16;
   a = args_for(b), a.grad = b->logits;
-  execute_fails(f, a, b, HL_STATUS_INVALID_VALUE, "dtype or stride differs");
+  execute_fails(f, a, b, HL_STATUS_INVALID_VALUE, "grad overlaps logits; in place, grad must be logits exactly");
   assert_fails(hl_loss_plan_execute(NULL, &a, NULL, 0, NULL), HL_STATUS_INVALID_VALUE, "plan is NULL");
   free(b);
 }
@@ -369,7 +369,7 @@ static void two_exchanges(void **state) {
   assert_fails(hl_loss_plan_execute_finish_with_middle(p, &a, stats, 2 * block, NULL, 2 * mid, NULL, 0, NULL),
                HL_STATUS_INVALID_VALUE, "gathered_middle is NULL");
   assert_fails(hl_loss_plan_execute_finish_with_middle(p, &a, stats, 2 * block, stats, 2 * mid, NULL, 0, NULL),
-               HL_STATUS_INVALID_VALUE, "gathered_middle overlaps gathered");
+               HL_STATUS_INVALID_VALUE, "block 1 is not a block of statistics");
   assert_true(untouched(b));
   assert_ok(hl_loss_plan_destroy(p));
   free(stats);
@@ -377,9 +377,324 @@ static void two_exchanges(void **state) {
   free(b);
 }
 
+/* HL_LOSS_PLAN_DESC_INIT's spelled-out defaults make a valid plan (its rollout_cap and jsd_beta
+ * were refused without their options). */
+static void desc_init_is_valid(void **state) {
+  (void)state;
+  hl_loss_plan_desc_t d = HL_LOSS_PLAN_DESC_INIT;
+  d.backend = HL_BACKEND_CPU, d.vocab = V, d.logits_dtype = HL_DTYPE_F32;
+  d.labels_dtype = HL_DTYPE_I64, d.terms = HL_LOSS_CE;
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  assert_ok(hl_loss_plan_destroy(p));
+}
+
+/* Labels, a sparse teacher's ids and cu_seqlens are read as integers: values past 2^53 are not
+ * rounded through a double (INT64_MAX passed the range check with loss = inf; a label equal to an
+ * ignore_index of 2^53 + 1 was refused), in every call that reads them. */
+static void integers_are_read_exactly(void **state) {
+  (void)state;
+  const int64_t big = ((int64_t)1 << 53) + 1;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  hl_loss_args_t a = args_for(b);
+  b->labels[2] = INT64_MAX;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "labels[2] is 9223372036854775807, outside [0, vocab = 6)");
+  hl_loss_plan_desc_t lin = desc_ce(); /* the fused linear form: the same check */
+  lin.grad_mode = HL_LOSS_GRAD_NONE, lin.hidden = 2, lin.weight_dtype = HL_DTYPE_F32;
+  hl_loss_args_t la = args_for(b);
+  la.logits = NULL, la.grad = NULL, la.hidden = b->logits, la.weight = b->teacher; /* [N, 2], [V, 2] */
+  execute_fails(lin, la, b, HL_STATUS_INVALID_VALUE, "labels[2] is 9223372036854775807");
+  b->labels[2] = big - 1;
+  d.use_ignore_index = 1, d.ignore_index = big;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "labels[2] is 9007199254740992");
+  /* The label equal to ignore_index is ignored: the scalars of a row labelled -100. */
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  b->labels[2] = -100;
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  float want[HL_LOSS_NUM_SCALARS];
+  memcpy(want, b->scalars, sizeof want);
+  b->labels[2] = big;
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  assert_memory_equal(want, b->scalars, sizeof want);
+  assert_float_equal(b->scalars[HL_LOSS_OUT_VALID_ROWS], N - 2, 0);
+  assert_ok(hl_loss_plan_destroy(p));
+  /* I32 labels, and the split's steps (statistics and finish read the labels). */
+  fill(b);
+  int32_t l32[N] = {0, -100, INT32_MAX, 3};
+  hl_loss_plan_desc_t d32 = desc_ce();
+  d32.labels_dtype = HL_DTYPE_I32;
+  a.labels = l32;
+  execute_fails(d32, a, b, HL_STATUS_INVALID_VALUE, "labels[2] is 2147483647");
+  a = args_for(b);
+  d = desc_ce(), d.vocab_global = V + 3, d.ranks = 2;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  size_t block = 0;
+  assert_ok(hl_loss_plan_get_stats_size(p, N, &block));
+  int64_t *stats = calloc(2 * block / 8, 8);
+  b->labels[3] = INT64_MAX;
+  assert_fails(hl_loss_plan_execute_stats(p, &a, stats, block, NULL), HL_STATUS_INVALID_VALUE, "labels[3]");
+  assert_fails(hl_loss_plan_execute_finish(p, &a, stats, 2 * block, NULL, 0, NULL), HL_STATUS_INVALID_VALUE,
+               "labels[3]");
+  assert_true(untouched(b) && stats[0] == 0);
+  assert_ok(hl_loss_plan_destroy(p));
+  free(stats);
+  b->labels[3] = 3;
+  /* A sparse teacher's id of INT64_MAX (a double made it padding) and past 2^53. */
+  d = desc_ce(), d.terms = HL_LOSS_DISTILL_FWD, d.teacher_topk = 2, d.teacher_topk_ids_dtype = HL_DTYPE_I64;
+  int64_t ids[N * 2] = {0, 5, 1, 2, 3, INT64_MAX, -1, -1};
+  float lp[N * 2] = {-0.5f, -1.5f, -0.25f, -2.0f, -1.0f, -1.0f, 0, 0};
+  a = args_for(b), a.labels = NULL, a.teacher_topk_ids = ids, a.teacher_topk_logprobs = lp;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "teacher_topk_ids[2, 1] is 9223372036854775807");
+  ids[5] = big;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "teacher_topk_ids[2, 1] is 9007199254740993");
+  ids[5] = INT64_MIN; /* padding, of any negative value */
+  assert_ok(hl_loss_plan_create(&d, &p));
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  assert_ok(hl_loss_plan_destroy(p));
+  /* cu_seqlens (GSPO). */
+  fill(b);
+  d = desc_ce(), d.terms = HL_LOSS_GRPO, d.ratio_level = HL_LOSS_LEVEL_SEQ_MEAN, d.cu_seqlens_dtype = HL_DTYPE_I64;
+  int64_t cu[3] = {0, big, N};
+  a = args_for(b), a.advantages = b->adv, a.old_logprobs = b->old, a.cu_seqlens = cu, a.num_seqs = 2;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "cu_seqlens[1] is 9007199254740993");
+  free(b);
+}
+
+/* In place only as the header allows: in the fused linear form nothing (grad_hidden over hidden
+ * gave a wrong grad_weight behind SUCCESS), and no per-token output over an input. */
+static void only_the_allowed_alias(void **state) {
+  (void)state;
+  enum { H = 3 };
+  float hidden[N * H], weight[V * H], gw[V * H];
+  for (int i = 0; i < N * H; ++i) hidden[i] = (float)(i % 7) * 0.25f;
+  for (int i = 0; i < V * H; ++i) weight[i] = (float)(i % 5) * 0.5f - 1.0f, gw[i] = -7.0f;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  d.grad_mode = HL_LOSS_GRAD_NONE, d.hidden = H, d.weight_dtype = HL_DTYPE_F32;
+  d.grad_hidden_mode = d.grad_weight_mode = HL_LOSS_GRAD_WRITE;
+  hl_loss_args_t a = args_for(b);
+  a.logits = NULL, a.grad = NULL, a.hidden = hidden, a.weight = weight, a.grad_weight = gw;
+  a.grad_hidden = hidden;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "grad_hidden overlaps hidden; an output may share memory with "
+                "an input only in place, as grad = logits");
+  a.grad_hidden = b->grad, a.grad_weight = weight;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "grad_weight overlaps weight");
+  a.grad_weight = gw, a.grad_weight_stride = INT64_MAX; /* it wrote before grad_weight */
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "grad_weight_stride is 9223372036854775807");
+  for (int i = 0; i < V * H; ++i) assert_true(gw[i] == -7.0f);
+  a = args_for(b), a.token_loss = b->weights, a.weights = b->weights;
+  execute_fails(desc_ce(), a, b, HL_STATUS_INVALID_VALUE, "token_loss overlaps weights");
+  free(b);
+}
+
+/* The fused linear form without rows: grad_weight written whole (zeros), hidden and weight neither
+ * required nor read (the CPU backend read a NULL weight). */
+static void linear_without_rows(void **state) {
+  (void)state;
+  float gw[V * 3];
+  for (int i = 0; i < V * 3; ++i) gw[i] = -7.0f;
+  hl_loss_plan_desc_t d = desc_ce();
+  d.grad_mode = HL_LOSS_GRAD_NONE, d.hidden = 3, d.weight_dtype = HL_DTYPE_F32;
+  d.grad_weight_mode = HL_LOSS_GRAD_WRITE;
+  hl_loss_args_t a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.grad_weight = gw;
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  for (int i = 0; i < V * 3; ++i) assert_true(gw[i] == 0.0f);
+  assert_ok(hl_loss_plan_destroy(p));
+}
+
+#define ARG(f) HL_FIELD(hl_loss_args_t, f)
+#define DESC(f) HL_FIELD(hl_loss_plan_desc_t, f)
+
+/* A plan and the buffers of its calls. */
+typedef struct {
+  hl_loss_plan_t p;
+  Bufs *b;
+} Call;
+static int call_untouched(void *c) { return untouched(((Call *)c)->b); }
+static hl_status_t execute_with(void *ctx, HlField f, int64_t v) {
+  Call *c = ctx;
+  hl_loss_args_t a = args_for(c->b);
+  hl_set_field(&a, f, v);
+  return hl_loss_plan_execute(c->p, &a, NULL, 0, NULL);
+}
+static hl_status_t create_with(void *ctx, HlField f, int64_t v) {
+  Call *c = ctx;
+  hl_loss_plan_desc_t d = desc_ce();
+  hl_set_field(&d, f, v);
+  c->p = NULL;
+  return hl_loss_plan_create(&d, &c->p);
+}
+static int no_plan(void *ctx) { return ((Call *)ctx)->p == NULL; }
+
+/* Every size, count and stride out of range, and every enumeration out of its type (as an
+ * integer, never loaded as the enum), refused naming the field before any other use; spans
+ * past HL_MAX_SPAN_BYTES too. Nothing written. */
+static void sizes_and_enums(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  Call c = {NULL, b};
+  assert_ok(hl_loss_plan_create(&d, &c.p));
+  const HlField args[] = {
+      ARG(rows), ARG(logits_stride), ARG(teacher_stride), ARG(grad_stride), ARG(hidden_stride), ARG(weight_stride),
+      ARG(teacher_hidden_stride), ARG(teacher_weight_stride), ARG(grad_hidden_stride), ARG(grad_weight_stride),
+      ARG(num_seqs), ARG(teacher_topk_ids_stride), ARG(teacher_topk_logprobs_stride)};
+  hl_check_bad_fields("hl_loss_plan_execute", args, sizeof args / sizeof args[0], &c, execute_with, call_untouched);
+  assert_ok(hl_loss_plan_destroy(c.p));
+  const HlField desc[] = {
+      DESC(vocab), DESC(vocab_start), DESC(vocab_global), DESC(hidden), DESC(teacher_hidden), DESC(backend),
+      DESC(logits_dtype), DESC(labels_dtype), DESC(grad_mode), DESC(grad_dtype), DESC(weight_dtype),
+      DESC(grad_hidden_mode), DESC(grad_hidden_dtype), DESC(grad_weight_mode), DESC(grad_weight_dtype),
+      DESC(cu_seqlens_dtype), DESC(teacher_topk_ids_dtype)};
+  hl_check_bad_fields("hl_loss_plan_create", desc, sizeof desc / sizeof desc[0], &c, create_with, no_plan);
+  hl_loss_args_t a = args_for(b);
+  a.rows = (int64_t)1 << 40, a.logits_stride = (int64_t)1 << 30;
+  execute_fails(desc_ce(), a, b, HL_STATUS_INVALID_VALUE, "logits spans more than HL_MAX_SPAN_BYTES");
+  /* Sizes each in range whose matrix is not. */
+  d = desc_ce();
+  d.grad_mode = HL_LOSS_GRAD_NONE, d.hidden = (int64_t)1 << 40, d.vocab = (int64_t)1 << 30;
+  d.weight_dtype = HL_DTYPE_F32;
+  a = args_for(b), a.logits = NULL, a.grad = NULL, a.hidden = b->logits, a.weight = b->teacher;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "weight spans more than HL_MAX_SPAN_BYTES");
+  /* The stride's own name (teacher_stride was reported as teacher_logits_stride). */
+  d = desc_ce(), d.terms = HL_LOSS_DISTILL_FWD;
+  a = args_for(b), a.teacher_logits = b->teacher, a.teacher_stride = V - 1;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "teacher_stride is 5, smaller than cols");
+  free(b);
+}
+
+/* Size queries: rows in range (2^60 and 2^61 wrapped to small answers), the answer at the largest
+ * rows accepted, and errors under the name of the query asked. */
+static void size_queries(void **state) {
+  (void)state;
+  hl_loss_plan_desc_t d = desc_ce();
+  d.terms = HL_LOSS_DISTILL_JSD, d.labels_dtype = HL_DTYPE_NONE, d.vocab_global = V + 3, d.ranks = 2;
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  size_t bytes = 7, lo = 7;
+  const int64_t big[] = {(int64_t)1 << 60, (int64_t)1 << 61, INT64_MAX, -1};
+  for (int i = 0; i < 4; ++i) {
+    assert_fails(hl_loss_plan_get_middle_size(p, big[i], &bytes), HL_STATUS_INVALID_VALUE, "rows is");
+    assert_fails(hl_loss_plan_get_stats_size(p, big[i], &bytes), HL_STATUS_INVALID_VALUE, "rows is");
+    assert_fails(hl_loss_plan_get_workspace_sizes(p, big[i], &lo, &bytes), HL_STATUS_INVALID_VALUE, "rows is");
+    assert_fails(hl_loss_plan_get_workspace_size(p, big[i], &bytes), HL_STATUS_INVALID_VALUE, "rows is");
+  }
+  assert_true(bytes == 7 && lo == 7);
+  assert_ok(hl_loss_plan_get_stats_size(p, HL_MAX_EXTENT, &bytes));
+  assert_true(bytes == 64 + (size_t)HL_MAX_EXTENT * 104);
+  assert_ok(hl_loss_plan_get_middle_size(p, HL_MAX_EXTENT, &bytes));
+  assert_true(bytes == 64 + (size_t)HL_MAX_EXTENT * 16);
+  assert_fails(hl_loss_plan_get_workspace_size(p, 4, NULL), HL_STATUS_INVALID_VALUE, "bytes is NULL");
+  assert_ok(hl_loss_plan_destroy(p));
+}
+
+/* struct_size: this header's, an earlier one's (each descriptor's list), or a later one's up to
+ * HL_MAX_STRUCT_SIZE with a zero tail; else INVALID_VALUE naming struct_size and the sizes. */
+static void struct_sizes(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  const size_t earlier[] = {128, 136, 176, 192}, bad[] = {0, 3, 100, 150, 200, 231, 4097, SIZE_MAX};
+  hl_loss_plan_t p;
+  for (size_t i = 0; i < sizeof earlier / sizeof earlier[0]; ++i) {
+    hl_loss_plan_desc_t d = desc_ce();
+    d.struct_size = earlier[i];
+    assert_ok(hl_loss_plan_create(&d, &p));
+    assert_ok(hl_loss_plan_destroy(p));
+  }
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
+    char needle[160];
+    hl_loss_plan_desc_t d = desc_ce();
+    d.struct_size = bad[i];
+    snprintf(needle, sizeof needle, "struct_size is %zu; set it to sizeof the descriptor (%zu here; earlier "
+             "headers': 128, 136, 176, 192)", bad[i], sizeof d);
+    create_fails(d, HL_STATUS_INVALID_VALUE, needle);
+    hl_loss_args_t a = args_for(b);
+    a.struct_size = bad[i];
+    snprintf(needle, sizeof needle, "struct_size is %zu; set it to sizeof the descriptor (%zu here; earlier "
+             "headers': 160, 256)", bad[i], sizeof a);
+    execute_fails(desc_ce(), a, b, HL_STATUS_INVALID_VALUE, needle);
+  }
+  union {
+    hl_loss_args_t a;
+    unsigned char bytes[HL_MAX_STRUCT_SIZE];
+  } later;
+  memset(&later, 0, sizeof later);
+  later.a = args_for(b);
+  later.a.struct_size = HL_MAX_STRUCT_SIZE;
+  hl_loss_plan_desc_t d = desc_ce();
+  assert_ok(hl_loss_plan_create(&d, &p));
+  later.a.struct_size = 160; /* 0.1's arguments */
+  assert_ok(hl_loss_plan_execute(p, &later.a, NULL, 0, NULL));
+  fill(b);
+  later.a.struct_size = HL_MAX_STRUCT_SIZE;
+  assert_ok(hl_loss_plan_execute(p, &later.a, NULL, 0, NULL));
+  fill(b);
+  later.bytes[HL_MAX_STRUCT_SIZE - 1] = 1;
+  assert_fails(hl_loss_plan_execute(p, &later.a, NULL, 0, NULL), HL_STATUS_NOT_SUPPORTED, "does not know");
+  assert_true(untouched(b));
+  assert_ok(hl_loss_plan_destroy(p));
+  free(b);
+}
+
+/* Gathered blocks are the caller's data: a nonzero reserved header word, and shard fields whose
+ * sum overflowed, are refused naming the buffer; the records themselves are used as given. */
+static void gathered_headers(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  d.vocab_global = V + 3, d.ranks = 2;
+  hl_loss_plan_t p0, p1;
+  assert_ok(hl_loss_plan_create(&d, &p0));
+  d.vocab = 3, d.vocab_start = V;
+  assert_ok(hl_loss_plan_create(&d, &p1));
+  size_t b0 = 0, b1 = 0;
+  assert_ok(hl_loss_plan_get_stats_size(p0, N, &b0));
+  assert_ok(hl_loss_plan_get_stats_size(p1, N, &b1));
+  assert_int_equal(b0, b1);
+  int64_t *g = calloc(2 * b0 / 8, 8);
+  hl_loss_args_t a = args_for(b);
+  assert_ok(hl_loss_plan_execute_stats(p0, &a, g, b0, NULL));
+  float other[N * 3];
+  for (int i = 0; i < N * 3; ++i) other[i] = (float)(i % 4);
+  hl_loss_args_t a1 = args_for(b);
+  a1.logits = other, a1.grad = NULL, a1.token_loss = NULL, a1.scalars = NULL;
+  assert_ok(hl_loss_plan_execute_stats(p1, &a1, g + b0 / 8, b0, NULL));
+  int64_t *h1 = g + b0 / 8;
+  h1[7] = 1;
+  assert_fails(hl_loss_plan_execute_finish(p0, &a, g, 2 * b0, NULL, 0, NULL), HL_STATUS_INVALID_VALUE,
+               "gathered block 1's header holds 1 in its reserved 8th word");
+  h1[7] = 0, h1[3] = INT64_MAX; /* vocab_start */
+  assert_fails(hl_loss_plan_execute_finish(p0, &a, g, 2 * b0, NULL, 0, NULL), HL_STATUS_INVALID_VALUE,
+               "gathered block 1's shard (vocab_start 9223372036854775807");
+  assert_true(untouched(b));
+  h1[3] = V;
+  assert_ok(hl_loss_plan_execute_finish(p0, &a, g, 2 * b0, NULL, 0, NULL));
+  assert_ok(hl_loss_plan_destroy(p0));
+  assert_ok(hl_loss_plan_destroy(p1));
+  free(g);
+  free(b);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(bad_descriptions), cmocka_unit_test(bad_arguments),
                                      cmocka_unit_test(small_exact_case), cmocka_unit_test(split_calls),
-                                     cmocka_unit_test(sparse_teacher), cmocka_unit_test(two_exchanges)};
+                                     cmocka_unit_test(sparse_teacher), cmocka_unit_test(two_exchanges),
+                                     cmocka_unit_test(desc_init_is_valid),
+                                     cmocka_unit_test(integers_are_read_exactly), cmocka_unit_test(linear_without_rows),
+                                     cmocka_unit_test(only_the_allowed_alias), cmocka_unit_test(sizes_and_enums),
+                                     cmocka_unit_test(size_queries), cmocka_unit_test(struct_sizes),
+                                     cmocka_unit_test(gathered_headers)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -169,7 +169,7 @@ static void forward_rejects_bad_arguments(void **state) {
       {"residual_out (required with residual) is NULL", HL_STATUS_INVALID_VALUE},
       {"x (", HL_STATUS_MISALIGNED},
       {"y overlaps rstd; outputs must not share memory", HL_STATUS_INVALID_VALUE},
-      {"y overlaps x; an output may only alias an input exactly", HL_STATUS_INVALID_VALUE},
+      {"y overlaps x; in place, y must be x exactly", HL_STATUS_INVALID_VALUE},
   };
   const int n = (int)(sizeof expect / sizeof expect[0]);
   static float xbuf[9];
@@ -257,6 +257,133 @@ static void backward_rejects_bad_arguments(void **state) {
   }
 }
 
+/* Outputs of the calls below, poisoned before each. */
+typedef struct {
+  float y[4], rstd[1], s[4], dx[4], dw[4];
+} Outs;
+static int outs_untouched(void *ctx) {
+  const Outs *o = ctx;
+  const float *f = o->y;
+  for (size_t i = 0; i < sizeof *o / sizeof *f; ++i)
+    if (f[i] != POISON) return 0;
+  return 1;
+}
+static void poison(Outs *o) { fill(o->y, (int)(sizeof *o / sizeof(float))); }
+static hl_status_t fwd_with(void *ctx, HlField f, int64_t v) {
+  Outs *o = ctx;
+  poison(o);
+  hl_rmsnorm_fwd_args_t a = fwd_args(o->y, o->rstd);
+  a.residual = X, a.residual_out = o->s; /* every stride in use */
+  hl_set_field(&a, f, v);
+  return hl_rmsnorm_fwd(&a, NULL);
+}
+static hl_status_t bwd_with(void *ctx, HlField f, int64_t v) {
+  Outs *o = ctx;
+  poison(o);
+  hl_rmsnorm_bwd_args_t a = bwd_args(o->dx, o->dw);
+  hl_set_field(&a, f, v);
+  size_t ws = 7;
+  hl_check_query_refused("hl_rmsnorm_bwd_workspace_size", hl_rmsnorm_bwd_workspace_size(&a, &ws), ws, f, v);
+  return hl_rmsnorm_bwd(&a, NULL);
+}
+
+/* Every size and stride, then every enum, out of range: INVALID_VALUE naming the field, before any
+ * other use of it (a stride of INT64_MAX read wrapped addresses, rows of INT64_MAX crashed, cols
+ * of INT64_MAX threw, enums were loaded as their type); nothing written. */
+static void sizes_and_enums_are_checked_first(void **state) {
+  (void)state;
+  const HlField fwd[] = {HL_FIELD(hl_rmsnorm_fwd_args_t, rows), HL_FIELD(hl_rmsnorm_fwd_args_t, cols),
+                         HL_FIELD(hl_rmsnorm_fwd_args_t, x_stride), HL_FIELD(hl_rmsnorm_fwd_args_t, residual_stride),
+                         HL_FIELD(hl_rmsnorm_fwd_args_t, residual_out_stride),
+                         HL_FIELD(hl_rmsnorm_fwd_args_t, y_stride), HL_FIELD(hl_rmsnorm_fwd_args_t, backend),
+                         HL_FIELD(hl_rmsnorm_fwd_args_t, cast), HL_FIELD(hl_rmsnorm_fwd_args_t, x_dtype),
+                         HL_FIELD(hl_rmsnorm_fwd_args_t, weight_dtype), HL_FIELD(hl_rmsnorm_fwd_args_t, y_dtype)};
+  const HlField bwd[] = {HL_FIELD(hl_rmsnorm_bwd_args_t, rows), HL_FIELD(hl_rmsnorm_bwd_args_t, cols),
+                         HL_FIELD(hl_rmsnorm_bwd_args_t, x_stride), HL_FIELD(hl_rmsnorm_bwd_args_t, dy_stride),
+                         HL_FIELD(hl_rmsnorm_bwd_args_t, dresidual_out_stride),
+                         HL_FIELD(hl_rmsnorm_bwd_args_t, dx_stride), HL_FIELD(hl_rmsnorm_bwd_args_t, dresidual_stride),
+                         HL_FIELD(hl_rmsnorm_bwd_args_t, backend), HL_FIELD(hl_rmsnorm_bwd_args_t, cast),
+                         HL_FIELD(hl_rmsnorm_bwd_args_t, x_dtype), HL_FIELD(hl_rmsnorm_bwd_args_t, weight_dtype),
+                         HL_FIELD(hl_rmsnorm_bwd_args_t, dy_dtype), HL_FIELD(hl_rmsnorm_bwd_args_t, dw_dtype)};
+  Outs o;
+  hl_check_bad_fields("hl_rmsnorm_fwd", fwd, sizeof fwd / sizeof fwd[0], &o, fwd_with, outs_untouched);
+  hl_check_bad_fields("hl_rmsnorm_bwd", bwd, sizeof bwd / sizeof bwd[0], &o, bwd_with, outs_untouched);
+}
+
+/* Sizes in range whose spans are not: refused naming the size, never as an overlap (cols = 2^61
+ * was reported as "rstd overlaps weight"); a span that wraps the address space; nothing read. */
+static void spans_are_checked(void **state) {
+  (void)state;
+  float y[4], rstd[1];
+  fill(y, 4);
+  hl_rmsnorm_fwd_args_t a = fwd_args(y, rstd);
+  a.rows = 1 << 20, a.x_stride = (int64_t)1 << 45; /* 2^67 bytes */
+  assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "x spans more than HL_MAX_SPAN_BYTES");
+  a = fwd_args(y, rstd);
+  a.rows = (int64_t)1 << 40, a.cols = (int64_t)1 << 30; /* 2^72 bytes */
+  assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "x spans more than HL_MAX_SPAN_BYTES");
+  a = fwd_args(y, rstd);
+  a.x = (const void *)(UINTPTR_MAX - 11); /* 4-byte aligned; its 16 bytes would wrap */
+  assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "x (");
+  assert_non_null(strstr(hl_get_last_error(), "wraps around the address space"));
+  assert_untouched(y, 4);
+  float dx[4], dw[4];
+  hl_rmsnorm_bwd_args_t b = bwd_args(dx, dw);
+  b.cols = (int64_t)1 << 47, b.rows = 1 << 20;
+  assert_fails(hl_rmsnorm_bwd(&b, NULL), HL_STATUS_INVALID_VALUE, "x spans more than HL_MAX_SPAN_BYTES");
+  /* The largest sizes accepted: the workspace query answers (0 on the CPU). */
+  b.rows = b.cols = HL_MAX_EXTENT;
+  size_t ws = 7;
+  assert_ok(hl_rmsnorm_bwd_workspace_size(&b, &ws));
+  assert_int_equal(ws, 0);
+}
+
+/* Outputs over inputs: y = x, residual_out = residual (alone or together), dx = dy and dx =
+ * dresidual_out give separate buffers' bits; any other overlap is refused naming both fields, as
+ * is a partial one of an allowed pair. */
+static void in_place_pairs(void **state) {
+  (void)state;
+  const float res[8] = {-1, 0, 1, 2, 0.5f, 3, -2, 1};
+  float x8[8], y[8], s[8], buf_x[8], buf_r[8];
+  for (int i = 0; i < 8; ++i) x8[i] = (float)(i % 5) - 1.5f;
+  hl_rmsnorm_fwd_args_t a = fwd_args(y, NULL);
+  a.rows = 2, a.x = x8, a.residual = res, a.residual_out = s;
+  assert_ok(hl_rmsnorm_fwd(&a, NULL));
+  memcpy(buf_x, x8, sizeof buf_x), memcpy(buf_r, res, sizeof buf_r);
+  a.x = a.y = buf_x, a.residual = a.residual_out = buf_r;
+  assert_ok(hl_rmsnorm_fwd(&a, NULL));
+  assert_memory_equal(buf_x, y, sizeof y);
+  assert_memory_equal(buf_r, s, sizeof s);
+  a.y = buf_r; /* y over the residual: not a pair */
+  assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "residual_out overlaps y");
+  a.y = y, a.residual_out = buf_x;
+  assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE, "residual_out overlaps x");
+  a.residual_out = buf_r + 1;
+  assert_fails(hl_rmsnorm_fwd(&a, NULL), HL_STATUS_INVALID_VALUE,
+               "residual_out overlaps residual; in place, residual_out must be residual exactly");
+
+  const float dro[8] = {0.25f, -1, 2, 0, 1, 1, -0.5f, 3};
+  float dx[8], dw[4], dx2[8], dw2[4], buf[8];
+  hl_rmsnorm_bwd_args_t b = bwd_args(dx, dw);
+  b.rows = 2, b.x = x8, b.dy = res;
+  assert_ok(hl_rmsnorm_bwd(&b, NULL));
+  memcpy(buf, res, sizeof buf);
+  b.dy = b.dx = buf, b.dw = dw2;
+  assert_ok(hl_rmsnorm_bwd(&b, NULL));
+  assert_memory_equal(buf, dx, sizeof dx);
+  assert_memory_equal(dw2, dw, sizeof dw);
+  b = bwd_args(dx, dw), b.rows = 2, b.x = x8, b.dy = res, b.dresidual_out = dro;
+  assert_ok(hl_rmsnorm_bwd(&b, NULL));
+  memcpy(buf, dro, sizeof buf);
+  b.dresidual_out = b.dx = buf, b.dw = dw2;
+  assert_ok(hl_rmsnorm_bwd(&b, NULL));
+  assert_memory_equal(buf, dx, sizeof dx);
+  b.dx = dx2, b.dresidual = buf; /* the copy of dx over an input: not a pair */
+  assert_fails(hl_rmsnorm_bwd(&b, NULL), HL_STATUS_INVALID_VALUE, "dresidual overlaps dresidual_out");
+  b.dresidual = NULL, b.dx = (float *)x8;
+  assert_fails(hl_rmsnorm_bwd(&b, NULL), HL_STATUS_INVALID_VALUE, "dx overlaps x");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(cpu_forward_matches_hand_values),
@@ -267,6 +394,9 @@ int main(void) {
       cmocka_unit_test(forward_rejects_bad_arguments),
       cmocka_unit_test(forward_allows_exact_in_place),
       cmocka_unit_test(backward_rejects_bad_arguments),
+      cmocka_unit_test(sizes_and_enums_are_checked_first),
+      cmocka_unit_test(spans_are_checked),
+      cmocka_unit_test(in_place_pairs),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
