@@ -315,9 +315,8 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
                       LossCall *c) {
   hl_loss_plan_desc_t &d = c->d;
   hl_loss_args_t &a = c->a;
-  // Zero (padding too: the description is the cache key) with struct_size, which the header
-  // defines as the same as HL_LOSS_PLAN_DESC_INIT; the macro itself spells out rollout_cap and
-  // jsd_beta, which 0.5.0's plan creation refuses without a rollout correction or JSD.
+  // Zero with struct_size, which means what HL_LOSS_PLAN_DESC_INIT spells out; zeroed bytes (the
+  // padding too) because the description is the plan cache's key.
   std::memset(&d, 0, sizeof d);
   d.struct_size = sizeof d;
   d.backend = backend;

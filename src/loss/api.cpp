@@ -298,12 +298,24 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   return HL_STATUS_SUCCESS;
 }
 
-// FNV-1a of the description with the shard's own fields cleared: equal on every rank of one plan.
-uint64_t fingerprint(hl_loss_plan_desc_t d) {
-  d.vocab_start = d.vocab = 0;
-  const unsigned char *b = reinterpret_cast<const unsigned char *>(&d);
+// FNV-1a of what the ranks of one sharded plan must share: the resolved options (so that a default
+// spelled as 0 or as its value, and a weight of a term that is off, agree) and the fields outside
+// them, value by value (never the caller's padding bytes); not the shard's own vocab_start, vocab.
+uint64_t fingerprint(const hl_loss_plan_desc_t &d, const Options &o) {
   uint64_t h = 1469598103934665603ull;
-  for (size_t i = 0; i < sizeof d; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  const auto add = [&h](const auto &v) {
+    const unsigned char *b = reinterpret_cast<const unsigned char *>(&v);
+    for (size_t i = 0; i < sizeof v; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  };
+  Options c;
+  std::memcpy(&c, &o, sizeof c);  // o is value-initialised at creation: its padding is zero
+  c.scalars = 0;                  // the caller's header version, not the plan
+  add(c);
+  for (int64_t v : {int64_t(d.backend), int64_t(d.logits_dtype), int64_t(d.labels_dtype),
+                    int64_t(d.use_ignore_index), d.use_ignore_index ? d.ignore_index : 0, d.vocab_global,
+                    int64_t(d.ranks), d.hidden, int64_t(d.weight_dtype), d.teacher_hidden,
+                    int64_t(d.cu_seqlens_dtype), int64_t(d.teacher_topk_ids_dtype)})
+    add(v);
   return h;
 }
 
@@ -837,7 +849,7 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
     p->sequences = d.cu_seqlens_dtype != HL_DTYPE_NONE;
     p->seq_stats = o.seq_ratio;
     p->exchanges = o.distill == kDistillJsd ? 2 : 1;
-    p->fingerprint = fingerprint(d);
+    p->fingerprint = fingerprint(d, o);
 #if HL_HAVE_CUDA
     if (d.backend == HL_BACKEND_CUDA) HL_TRY(cuda_plan(fn, *p));
 #endif

@@ -338,6 +338,42 @@ static void split_calls(void **state) {
   free(b);
 }
 
+/* The stats block's plan fingerprint of d (the shard [0, 6) of 9 columns). */
+static int64_t fingerprint_of(hl_loss_plan_desc_t d, Bufs *b) {
+  d.vocab_start = 0, d.vocab_global = V + 3, d.ranks = 2;
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  size_t block = 0;
+  assert_ok(hl_loss_plan_get_stats_size(p, N, &block));
+  int64_t *stats = calloc(block / 8, 8);
+  hl_loss_args_t a = args_for(b);
+  assert_ok(hl_loss_plan_execute_stats(p, &a, stats, block, NULL));
+  const int64_t f = stats[1];
+  free(stats);
+  assert_ok(hl_loss_plan_destroy(p));
+  return f;
+}
+
+/* Ranks that spell a default as 0 or as its value (or set the weight of a term that is off, or
+ * leave garbage in the padding) make one plan; a different option makes another. */
+static void ranks_agree_on_spelled_defaults(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t zero = desc_ce(), spelled;
+  zero.ce_weight = 0.0f;
+  memset(&spelled, 0xA5, sizeof spelled); /* the padding too */
+  spelled = (hl_loss_plan_desc_t)HL_LOSS_PLAN_DESC_INIT;
+  spelled.backend = HL_BACKEND_CPU, spelled.vocab = V, spelled.logits_dtype = HL_DTYPE_F32;
+  spelled.labels_dtype = HL_DTYPE_I64, spelled.terms = HL_LOSS_CE, spelled.grad_mode = HL_LOSS_GRAD_WRITE;
+  spelled.entropy_weight = 3.0f; /* its term is off */
+  const int64_t f = fingerprint_of(zero, b);
+  assert_true(f == fingerprint_of(spelled, b));
+  spelled.label_smoothing = 0.1f;
+  assert_true(f != fingerprint_of(spelled, b));
+  free(b);
+}
+
 /* Dense JSD on a shard: two exchanges, its finish refuses to run without the middle blocks. */
 static void two_exchanges(void **state) {
   (void)state;
@@ -690,6 +726,7 @@ static void gathered_headers(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(bad_descriptions), cmocka_unit_test(bad_arguments),
                                      cmocka_unit_test(small_exact_case), cmocka_unit_test(split_calls),
+                                     cmocka_unit_test(ranks_agree_on_spelled_defaults),
                                      cmocka_unit_test(sparse_teacher), cmocka_unit_test(two_exchanges),
                                      cmocka_unit_test(desc_init_is_valid),
                                      cmocka_unit_test(integers_are_read_exactly), cmocka_unit_test(linear_without_rows),
