@@ -21,6 +21,7 @@
 
 int fz_cuda;
 static int fz_verbose;
+static char fz_running[200]; /* the mutation in flight, for a crash of the in-process CUDA mode */
 static long fz_page;
 enum { CANARY = 64, DEV_CANARY = 256, FAULT_EXIT = 86, CHILD_SECONDS = 20 };
 
@@ -38,6 +39,8 @@ static void *xcalloc(size_t n) {
 }
 
 static size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
+
+double *dalloc(int64_t n) { return xcalloc((size_t)(n > 0 ? n : 1) * sizeof(double)); }
 
 uint64_t rng_next(uint64_t *s) {
   uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
@@ -98,6 +101,10 @@ static float from_bf16(uint16_t h) {
 }
 
 float bf16_round(float f) { return from_bf16(to_bf16(f)); }
+
+double round_to(hl_dtype_t dt, double v) { return dt == HL_DTYPE_BF16 ? bf16_round((float)v) : (double)(float)v; }
+
+double tol_of(hl_dtype_t dt) { return dt == HL_DTYPE_BF16 ? 1.0 / 64 : 2e-6; }
 
 static float from_f16(uint16_t h) {
   const int e = (h >> 10) & 31, m = h & 1023;
@@ -163,20 +170,29 @@ void buf_set(Buf *b, int64_t r, int64_t col, double v) {
 int64_t buf_geti(const Buf *b, const unsigned char *data, int64_t i) {
   int32_t v32;
   int64_t v64;
+  if (b->kind == EK_BYTES) return data[i];
   if (b->kind == EK_I32) {
     memcpy(&v32, data + 4 * i, 4);
     return v32;
   }
-  memcpy(&v64, data + elem_size(b->kind) * i, 8);
+  memcpy(&v64, data + 8 * i, 8);
   return v64;
+}
+
+double buf_in(Call *c, const char *name, int64_t r, int64_t col) {
+  const Buf *b = buf_find(c, name);
+  if (!b) die(name);
+  return buf_get(b, b->init, r, col);
 }
 
 void buf_seti(Buf *b, int64_t i, int64_t v) {
   const int32_t v32 = (int32_t)v;
-  if (b->kind == EK_I32)
+  if (b->kind == EK_BYTES)
+    b->init[i] = (unsigned char)v;
+  else if (b->kind == EK_I32)
     memcpy(b->init + 4 * i, &v32, 4);
   else
-    memcpy(b->init + elem_size(b->kind) * i, &v, 8);
+    memcpy(b->init + 8 * i, &v, 8);
 }
 
 /* Uniform values in [lo, hi), as the buffer's kind rounds them (never all zero). */
@@ -241,7 +257,7 @@ const unsigned char *buf_out(const Buf *b) {
 #if HL_FUZZ_CUDA
 static void cuda_ok(cudaError_t e, const char *what) {
   if (e != cudaSuccess) {
-    fprintf(stderr, "test_fuzz: %s: %s\n", what, cudaGetErrorString(e));
+    fprintf(stderr, "test_fuzz: %s: %s (running %s)\n", what, cudaGetErrorString(e), fz_running);
     exit(2);
   }
 }
@@ -302,7 +318,8 @@ static void place_buf(Call *c, Buf *b) {
   }
   Placement pl = b->place == PL_DEFAULT ? c->place : b->place;
   if (pl == PL_MISALIGN && es == 1) pl = PL_END;
-  const size_t n = pl == PL_SHORT ? (b->bytes >= es ? b->bytes - es : 0) : span;
+  const size_t less = es > 1 ? es : 8; /* blocks of bytes hold 8-byte words */
+  const size_t n = pl == PL_SHORT ? (b->bytes >= less ? b->bytes - less : 0) : span;
   b->dev = c->cuda && !b->host;
   if (b->dev) {
     b->region_len = 2 * DEV_CANARY + n + 16;
@@ -558,7 +575,7 @@ static int close_enough(double got, double ref, double rtol, double atol) {
 }
 
 void chk_val(Chk *k, const char *what, double got, double ref, double rtol, double atol) {
-  if (!close_enough(got, ref, rtol * k->tol, atol * k->tol)) chk_fail(k, "%s = %.9g, expected %.9g", what, got, ref);
+  if (!close_enough(got, ref, fmax(rtol, k->floor), fmax(atol, k->floor))) chk_fail(k, "%s = %.9g, expected %.9g", what, got, ref);
 }
 
 void chk_eq_u64(Chk *k, const char *what, uint64_t got, uint64_t ref) {
@@ -577,7 +594,7 @@ void chk_mat(Chk *k, Call *c, const char *name, const double *ref, int64_t rows,
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t col = 0; col < cols; ++col) {
       const double got = buf_get(b, buf_out(b), r, col), want = ref[r * cols + col];
-      if (!close_enough(got, want, rtol * k->tol, atol * k->tol * amax)) {
+      if (!isnan(want) && !close_enough(got, want, fmax(rtol, k->floor), fmax(atol, k->floor) * amax)) {
         chk_fail(k, "%s[%lld, %lld] = %.9g, expected %.9g", name, (long long)r, (long long)col, got, want);
         return;
       }
@@ -714,7 +731,8 @@ static void compare_outputs(const Call *c, const Call *ref, const Mutation *m, O
       continue;
     }
     const Buf *r = buf_find((Call *)ref, b->name);
-    if (r && r->after && !same_outputs(b, r, rtol, o->detail, sizeof o->detail)) o->problems |= P_MISMATCH;
+    char detail[256];
+    if (r && r->after && !same_outputs(b, r, rtol, detail, sizeof detail)) note(o, P_MISMATCH, "%s", detail);
   }
 }
 
@@ -778,6 +796,7 @@ static void run_mutation(const Case *cs, const Mutation *m, Placement pl, Outcom
       note(o, P_REF, "reference call: %s: %s", status_name(ref.status), ref.msg);
   }
   call_run(&c, cs, fz_cuda, pl, m->e, m->ne);
+  if (c.note[0]) note(o, 0, "%s", c.note); /* what failed after the call (create's execute) explains the rest */
   o->status = c.status;
   snprintf(o->msg, sizeof o->msg, "%s", c.msg);
   const int failed = c.status != HL_STATUS_SUCCESS;
@@ -788,13 +807,13 @@ static void run_mutation(const Case *cs, const Mutation *m, Placement pl, Outcom
   if (!failed && c.msg[0]) note(o, P_MSG_STALE, NULL);
   if (failed && !c.msg[0]) note(o, P_MSG_EMPTY, NULL);
   if (failed && c.msg[0] && (strncmp(c.msg, entry, elen) || c.msg[elen] != ':')) note(o, P_MSG_PREFIX, NULL);
-  const int judged_fail = m->tag == T_FAIL || ((m->tag == T_MAY || m->tag == T_MAY_FINITE || m->tag == T_ALIGN ||
-                                                m->tag == T_INPLACE || m->tag == T_QUERY) && failed);
-  if (failed && judged_fail && needle[0] && c.msg[0] && !names(c.msg + (strncmp(c.msg, entry, elen) ? 0 : elen), needle))
+  /* A refusal of the mutated value names it; a valid value's may be refused over another field. */
+  const int names_field = m->tag == T_FAIL || m->tag == T_ALIGN || m->tag == T_INPLACE || m->tag == T_QUERY;
+  if (failed && names_field && needle[0] && c.msg[0] && !names(c.msg + (strncmp(c.msg, entry, elen) ? 0 : elen), needle))
     note(o, P_MSG_FIELD, NULL);
   if (failed && (c.status == HL_STATUS_INTERNAL_ERROR || c.status == HL_STATUS_ALLOC_FAILED || c.status == HL_STATUS_CUDA_ERROR))
     note(o, P_STATUS, "status %s", status_name(c.status));
-  Chk k = {0, "", fz_cuda ? 2000.0 : 1.0};
+  Chk k = {0, "", fz_cuda ? kind_rtol(EK_F32) : 0};
   switch (m->tag) {
     case T_CONTROL:
       if (c.status != cs->control_status) {
@@ -817,7 +836,7 @@ static void run_mutation(const Case *cs, const Mutation *m, Placement pl, Outcom
     case T_INPLACE:
       if (failed && m->tag == T_MATCH) note(o, P_REFUSED, "status %s", status_name(c.status));
       if (failed && m->tag != T_MATCH &&
-          !(OK(c.status) & (OK(HL_STATUS_INVALID_VALUE) | (m->tag == T_ALIGN ? OK(HL_STATUS_MISALIGNED) : 0))))
+          !(OK(c.status) & (OK(HL_STATUS_INVALID_VALUE) | OK(HL_STATUS_MISALIGNED))))
         note(o, P_STATUS, "status %s", status_name(c.status));
       if (!failed && !(o->problems & P_REF)) compare_outputs(&c, &ref, m, o);
       break;
@@ -836,7 +855,6 @@ static void run_mutation(const Case *cs, const Mutation *m, Placement pl, Outcom
       break;
     case T_FAULT: note(o, P_NOFAULT, NULL); break;
   }
-  if (c.note[0]) note(o, 0, "%s", c.note);
   if (have_ref) call_free(&ref);
   call_free(&c);
 }
@@ -846,6 +864,16 @@ static void run_mutation(const Case *cs, const Mutation *m, Placement pl, Outcom
 static void on_fault(int sig) {
   (void)sig;
   _exit(FAULT_EXIT);
+}
+
+/* CUDA mode runs in-process: a crash ends the run, naming the mutation that caused it. */
+static void on_crash(int sig) {
+  static const char head[] = "test_fuzz: crashed (a finding) while running ";
+  write(2, head, sizeof head - 1);
+  write(2, fz_running, strlen(fz_running));
+  write(2, "\n", 1);
+  signal(sig, SIG_DFL);
+  raise(sig);
 }
 
 static void write_all(int fd, const void *p, size_t n) {
@@ -862,6 +890,7 @@ static void write_all(int fd, const void *p, size_t n) {
 static void isolated(const Case *cs, const Mutation *m, Placement pl, Outcome *o, char *err, size_t errcap) {
   err[0] = 0;
   if (fz_cuda) {
+    snprintf(fz_running, sizeof fz_running, "%s [%s] %s = %s", cs->entry, cs->label, m->field, m->value);
     run_mutation(cs, m, pl, o);
     return;
   }
@@ -997,12 +1026,15 @@ static int64_t extent_hi(const Field *f) { return f->hi ? f->hi : HL_MAX_EXTENT;
 
 static void gen_size(Gen *g, const Field *f) {
   const int64_t cur = (int64_t)ctl_value(g->ctl, f), hi = extent_hi(f);
+  const int used = !f->buf || buf_find(g->ctl, f->buf);
   for (size_t i = 0; i < sizeof kHostile64 / sizeof *kHostile64; ++i) {
     const int64_t v = kHostile64[i].v;
     if (v == cur) continue;
     Tag t;
     unsigned ok = 0;
-    if (v < f->lo || v > HL_MAX_EXTENT) {
+    if (v < 0 && !used) {
+      t = T_MAY; /* the count of an absent buffer: the header bounds it only above */
+    } else if (v < f->lo || v > HL_MAX_EXTENT) {
       t = T_FAIL;
     } else if (v > hi) { /* a documented bound below the extent: refused or not supported */
       t = T_FAIL;
@@ -1029,7 +1061,7 @@ static void gen_stride(Gen *g, const Field *f) {
     const int64_t v = kHostile64[i].v;
     if (v == cur) continue;
     Tag t = T_MAY;
-    if (v > HL_MAX_EXTENT || v < 0) /* a stride is a count of elements, used or not */
+    if (v > HL_MAX_EXTENT || (v < 0 && b)) /* the limit holds for any stride, used or not */
       t = T_FAIL;
     else if (v == 0 && packed)
       t = T_MATCH;
@@ -1123,7 +1155,7 @@ static void gen_float(Gen *g, const Field *f) {
     const int nan = isnan(v), neg = v < 0;
     if (v == 0) {
       if (!isnan(f->def) && cur == f->def)
-        t = T_MATCH;
+        t = T_MATCH; /* 0 stands for the default the control spells out */
       else if (active && f->rule == FR_SET)
         t = T_FAIL;
     } else if (active) {
@@ -1135,6 +1167,11 @@ static void gen_float(Gen *g, const Field *f) {
       }
     }
     gen_set(g, f, vals[i].name, f->kind == F_FLOAT ? f32_bits((float)v) : f64_bits(v), t);
+  }
+  if (cur == 0 && !isnan(f->def) && f->def != 0) { /* the default spelled out, where the control has 0 */
+    char name[40];
+    snprintf(name, sizeof name, "%g (what 0 stands for)", f->def);
+    gen_set(g, f, name, f->kind == F_FLOAT ? f32_bits((float)f->def) : f64_bits(f->def), T_MATCH);
   }
 }
 
@@ -1175,8 +1212,8 @@ Mutation *gen_overlap(Gen *g, const char *field, const char *out, const char *ov
   Edit *e = mut_edit(m, E_PLACE, b->name);
   e->a = PL_ALIAS;
   snprintf(e->other, sizeof e->other, "%s", t->name);
-  /* partial: one element further on, of the larger element size (both stay aligned) */
-  const size_t step = elem_size(b->kind) > elem_size(t->kind) ? elem_size(b->kind) : elem_size(t->kind);
+  /* partial: 8 bytes further on (every element and block word stays aligned) */
+  const size_t step = 8;
   e->b = partial && t->bytes > step ? (int64_t)(step / elem_size(t->kind)) : 0;
   return m;
 }
@@ -1237,8 +1274,8 @@ static void gen_bytes(Gen *g, const Field *f) {
     const char *name;
     Tag tag;
   } vals[] = {{0, "0", T_FAIL}, {need - 1, "one byte short", T_FAIL}, {need / 2, "half", T_FAIL},
-              {need + 8, "8 bytes more", T_MATCH}, {(uint64_t)P2(32), "2^32", T_MATCH},
-              {(uint64_t)P2(48), "2^48", T_MATCH}, {(uint64_t)P2(62), "2^62", T_MATCH},
+              {need + 8, "8 bytes more", T_MATCH}, /* far more claims memory where other buffers lie: */
+              {(uint64_t)P2(32), "2^32", T_MAY}, {(uint64_t)P2(48), "2^48", T_MAY}, {(uint64_t)P2(62), "2^62", T_MAY},
               {(uint64_t)P2(62) + 1, "2^62+1", T_MAY}, {SIZE_MAX, "SIZE_MAX", T_MAY}};
   for (size_t i = 0; i < sizeof vals / sizeof *vals; ++i) gen_set(g, f, vals[i].name, vals[i].v, vals[i].tag);
 }
@@ -1290,8 +1327,12 @@ static void gen_struct_size(Gen *g, const Field *f) {
   }
   for (const size_t *e = g->cs->earlier; e && *e; ++e) {
     char name[48];
-    int zero = 1; /* the control sets no field after the earlier size */
+    int zero = 1; /* the control sets no field after the earlier size (pointers: no buffer bound) */
     for (size_t j = *e; j < size; ++j) zero &= g->ctl->desc[j] == 0;
+    for (int j = 0; j < g->cs->nfields; ++j) {
+      const Field *p = &g->cs->fields[j];
+      zero &= p->off < *e || p->kind != F_PTR || !buf_find(g->ctl, p->buf);
+    }
     snprintf(name, sizeof name, "%zu (an earlier version's)", *e);
     gen_set(g, f, name, *e, zero && !(g->cs->flags & CASE_SCALARS_BY_SIZE) ? T_MATCH : T_MAY);
     snprintf(name, sizeof name, "%zu (between versions)", *e + 4);
@@ -1356,7 +1397,7 @@ static int report(const Case *cs, const Mutation *m, const Outcome *o, const cha
   if (o->status >= 0) printf("; %s", status_name(o->status));
   printf(" | \"%s\"\n", o->msg);
   if (err[0] && (fz_verbose || (o->problems & (P_CRASH | P_SANITIZER))))
-    fprintf(stderr, "--- child stderr ---\n%.3000s\n--------------------\n", err);
+    fprintf(stderr, "--- child stderr ---\n%.1500s\n--------------------\n", err);
   return 1;
 }
 
@@ -1367,6 +1408,14 @@ static int selected(const Case *cs, const char *filter) {
   snprintf(buf, sizeof buf, "%s", filter);
   for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ","))
     if (strstr(hay, tok)) return 1;
+  return 0;
+}
+
+/* name is one of list's comma-separated names. */
+static int listed(const char *list, const char *name) {
+  const size_t n = strlen(name);
+  for (const char *p = list ? strstr(list, name) : NULL; p; p = strstr(p + 1, name))
+    if ((p == list || p[-1] == ',') && (p[n] == 0 || p[n] == ',')) return 1;
   return 0;
 }
 
@@ -1388,7 +1437,8 @@ static void usage(void) {
        "  --cuda, HL_FUZZ_BACKEND=cuda   the CUDA backend (in-process; exit 77 without a GPU)\n"
        "  --filter=A,B, HL_FUZZ_FILTER   cases whose entry point, [label] or family contains A or B\n"
        "  --field=F, HL_FUZZ_FIELD       mutations of fields whose name contains F\n"
-       "  --max=N, HL_FUZZ_MAX           at most N mutations a case, spread over its list\n"
+       "  --skip=A,B, HL_FUZZ_SKIP       no mutations of the fields named A or B\n"
+       "  --max=N, HL_FUZZ_MAX           at most N mutations a case, spread over its list (0: controls only)\n"
        "  -v, HL_FUZZ_VERBOSE=1          every mutation's outcome, and the children's stderr");
 }
 
@@ -1399,9 +1449,10 @@ int fuzz_main(int argc, char **argv, const Case *const *cases, int ncases) {
   }
   const char *backend = getenv("HL_FUZZ_BACKEND"), *filter = option(argc, argv, "--filter", "HL_FUZZ_FILTER");
   const char *field = option(argc, argv, "--field", "HL_FUZZ_FIELD"), *max_s = option(argc, argv, "--max", "HL_FUZZ_MAX");
+  const char *skip = option(argc, argv, "--skip", "HL_FUZZ_SKIP");
   fz_cuda = has_flag(argc, argv, "--cuda") || (backend && !strcmp(backend, "cuda"));
   fz_verbose = has_flag(argc, argv, "-v") || (getenv("HL_FUZZ_VERBOSE") && atoi(getenv("HL_FUZZ_VERBOSE")));
-  const int max = max_s ? atoi(max_s) : 0;
+  const int max = max_s ? atoi(max_s) : -1;
   fz_page = sysconf(_SC_PAGESIZE);
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (fz_cuda) {
@@ -1413,6 +1464,9 @@ int fuzz_main(int argc, char **argv, const Case *const *cases, int ncases) {
       puts("test_fuzz: skipped: no CUDA device (HL_FUZZ_BACKEND=cuda)");
       return 77;
     }
+    signal(SIGSEGV, on_crash);
+    signal(SIGBUS, on_crash);
+    signal(SIGABRT, on_crash);
   } else {
     /* CUDA does not survive fork(): the children must never touch it. With the devices hidden the
      * library's availability answer (cached once) is 0 before the first fork, so the CPU backend's
@@ -1425,7 +1479,7 @@ int fuzz_main(int argc, char **argv, const Case *const *cases, int ncases) {
   char err[16384];
   for (int ci = 0; ci < ncases; ++ci) {
     const Case *cs = cases[ci];
-    if (!selected(cs, filter)) continue;
+    if (!selected(cs, filter) || (fz_cuda && (cs->flags & CASE_CPU_ONLY))) continue;
     Tally *t = NULL;
     for (int i = 0; i < ntallies; ++i)
       if (!strcmp(tallies[i].entry, cs->entry)) t = &tallies[i];
@@ -1456,16 +1510,16 @@ int fuzz_main(int argc, char **argv, const Case *const *cases, int ncases) {
     ctl.cs = cs;
     ctl.cuda = fz_cuda;
     ctl.backend = fz_cuda ? HL_BACKEND_CUDA : HL_BACKEND_CPU;
-    cs->declare(&ctl);
-    if (fz_cuda && cs->prepare) cs->prepare(&ctl);
+    cs->declare(&ctl); /* the control as the generator sees it (a CPU backend call makes no CUDA call) */
+    if (cs->prepare) cs->prepare(&ctl);
     Gen g;
     gen_case(&g, cs, &ctl);
     call_free(&ctl);
     int n = 0;
     for (int i = 0; i < g.n; ++i)
-      if (!field || strstr(g.v[i].field, field)) g.v[n++] = g.v[i];
+      if ((!field || strstr(g.v[i].field, field)) && !listed(skip, g.v[i].field)) g.v[n++] = g.v[i];
     const int step = max > 0 && n > max ? (n + max - 1) / max : 1;
-    for (int i = 0; i < n; i += step) {
+    for (int i = 0; i < n && max; i += step) {
       const Mutation *m = &g.v[i];
       isolated(cs, m, (i / step) % 2 ? PL_START : PL_END, &o, err, sizeof err);
       ++t->mutations;

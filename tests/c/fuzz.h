@@ -55,7 +55,7 @@ typedef struct Buf {
 typedef enum { W_DESC, W_SIDE, W_PARAM } Where;
 typedef enum {
   F_STRUCT_SIZE, /* size_t struct_size */
-  F_SIZE,        /* int64 extent in [lo, hi] (hi 0: HL_MAX_EXTENT) */
+  F_SIZE,        /* int64 extent in [lo, hi] (hi 0: HL_MAX_EXTENT); `buf`, if named: it counts it */
   F_STRIDE,      /* int64 row stride of `buf` */
   F_I64,         /* int64 that is a value, not a size (ignore_index) */
   F_ENUM,        /* int-sized enumeration; bad1/bad2: enumerators that are wrong for it (where
@@ -146,6 +146,7 @@ typedef struct Mutation {
 } Mutation;
 
 #define OK(s) (1u << (s))
+#define NF(t) ((int)(sizeof(t) / sizeof((t)[0])))
 
 /* ---- calls and cases -------------------------------------------------------------------------- */
 
@@ -181,7 +182,7 @@ typedef struct Call {
 typedef struct Chk {
   int problems;
   char detail[256];
-  double tol; /* 1 on the CPU backend; CUDA tolerances are wider */
+  double floor; /* the least tolerance: 0 on the CPU backend, wider on CUDA (fp32 sums) */
 } Chk;
 
 typedef struct Gen {
@@ -192,7 +193,8 @@ typedef struct Gen {
 } Gen;
 
 enum { CASE_SCALARS_BY_SIZE = 1, /* an older descriptor writes fewer outputs: earlier sizes are MAY */
-       CASE_WS_CHUNKS = 2 };     /* results depend on the workspace size (the fused linear form) */
+       CASE_WS_CHUNKS = 2,       /* results depend on the workspace size (the fused linear form) */
+       CASE_CPU_ONLY = 4 };      /* not run on CUDA (NCCL needs a communicator) */
 
 struct Case {
   const char *entry, *label;
@@ -243,7 +245,10 @@ void buf_fill(Buf *b, uint64_t seed, double lo, double hi);
 size_t elem_size(ElemKind k);
 ElemKind kind_of(hl_dtype_t dt);
 float bf16_round(float f);
-
+double round_to(hl_dtype_t dt, double v); /* v as stored in dt (F32 or BF16) */
+double tol_of(hl_dtype_t dt);             /* relative tolerance of a store in dt against fp64 */
+double *dalloc(int64_t n);                /* zeroed doubles */
+double buf_in(Call *c, const char *name, int64_t r, int64_t col); /* an input's element */
 uint64_t rng_next(uint64_t *s);
 double rng_unit(uint64_t *s);
 uint64_t seed_of(const char *a, const char *b);
@@ -264,8 +269,8 @@ void dev_sync(void);
 
 /* Control checks. */
 void chk_fail(Chk *k, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-/* Buffer `name`'s [rows, cols] elements against ref (packed), |got - ref| <= tol * (rtol |ref| +
- * atol max|ref|). */
+/* Buffer `name`'s [rows, cols] elements against ref (packed), |got - ref| <= rtol |ref| + atol
+ * max|ref| (each at least Chk.floor); a NaN in ref is not checked. */
 void chk_mat(Chk *k, Call *c, const char *name, const double *ref, int64_t rows, int64_t cols, double rtol,
              double atol);
 void chk_val(Chk *k, const char *what, double got, double ref, double rtol, double atol);
@@ -282,5 +287,8 @@ uint64_t f32_bits(float f);
 uint64_t f64_bits(double d);
 
 int fuzz_main(int argc, char **argv, const Case *const *cases, int ncases);
+
+/* The loss plan's cases (fuzz_loss.c): fills out, returns how many. */
+int loss_cases(const Case **out);
 
 #endif

@@ -14,16 +14,6 @@
 
 #include "fuzz.h"
 
-#define NF(t) ((int)(sizeof(t) / sizeof((t)[0])))
-
-static double rnd(hl_dtype_t dt, double v) { return dt == HL_DTYPE_BF16 ? bf16_round((float)v) : (double)(float)v; }
-/* Relative tolerance of an output stored in dt against an fp64 reference. */
-static double tol_of(hl_dtype_t dt) { return dt == HL_DTYPE_BF16 ? 1.0 / 64 : 2e-6; }
-static double *dalloc(int64_t n) { return calloc((size_t)(n > 0 ? n : 1), sizeof(double)); }
-static double in(Call *c, const char *name, int64_t r, int64_t col) {
-  const Buf *b = buf_find(c, name);
-  return buf_get(b, b->init, r, col);
-}
 
 /* The parameters of a workspace query besides its descriptor. */
 typedef struct {
@@ -97,13 +87,13 @@ static void fwd_check(Call *c, Chk *k) {
   for (int64_t i = 0; i < R; ++i) {
     double ss = 0;
     for (int64_t j = 0; j < C; ++j) {
-      s[i * C + j] = rnd(p->xdt, in(c, "x", i, j) + in(c, "residual", i, j));
+      s[i * C + j] = round_to(p->xdt, buf_in(c, "x", i, j) + buf_in(c, "residual", i, j));
       ss += s[i * C + j] * s[i * C + j];
     }
     rstd[i] = 1.0 / sqrt(ss / (double)C + p->eps);
     for (int64_t j = 0; j < C; ++j) {
       const double xn = s[i * C + j] * rstd[i];
-      y[i * C + j] = (p->cast == HL_RMSNORM_CAST_LLAMA ? rnd(p->xdt, xn) : xn) * (p->offset + in(c, "weight", 0, j));
+      y[i * C + j] = (p->cast == HL_RMSNORM_CAST_LLAMA ? round_to(p->xdt, xn) : xn) * (p->offset + buf_in(c, "weight", 0, j));
     }
   }
   chk_mat(k, c, "residual_out", s, R, C, 0, 0);
@@ -158,16 +148,16 @@ static void bwd_check(Call *c, Chk *k) {
   double *dx = dalloc(R * C), *dw = dalloc(C);
   for (int64_t i = 0; i < R; ++i) {
     double ss = 0, dot = 0;
-    for (int64_t j = 0; j < C; ++j) ss += pow(in(c, "x", i, j), 2);
-    const double rstd = p->full ? in(c, "rstd", 0, i) : 1.0 / sqrt(ss / (double)C + p->eps);
+    for (int64_t j = 0; j < C; ++j) ss += pow(buf_in(c, "x", i, j), 2);
+    const double rstd = p->full ? buf_in(c, "rstd", 0, i) : 1.0 / sqrt(ss / (double)C + p->eps);
     for (int64_t j = 0; j < C; ++j) {
-      const double xhat = in(c, "x", i, j) * rstd, dy = in(c, "dy", i, j);
-      dot += dy * (p->offset + in(c, "weight", 0, j)) * xhat;
-      dw[j] += dy * (p->cast == HL_RMSNORM_CAST_LLAMA ? rnd(p->xdt, xhat) : xhat);
+      const double xhat = buf_in(c, "x", i, j) * rstd, dy = buf_in(c, "dy", i, j);
+      dot += dy * (p->offset + buf_in(c, "weight", 0, j)) * xhat;
+      dw[j] += dy * (p->cast == HL_RMSNORM_CAST_LLAMA ? round_to(p->xdt, xhat) : xhat);
     }
     for (int64_t j = 0; j < C; ++j) {
-      const double g = in(c, "dy", i, j) * (p->offset + in(c, "weight", 0, j));
-      dx[i * C + j] = rstd * (g - in(c, "x", i, j) * rstd * dot / (double)C) + (p->full ? in(c, "dresidual_out", i, j) : 0);
+      const double g = buf_in(c, "dy", i, j) * (p->offset + buf_in(c, "weight", 0, j));
+      dx[i * C + j] = rstd * (g - buf_in(c, "x", i, j) * rstd * dot / (double)C) + (p->full ? buf_in(c, "dresidual_out", i, j) : 0);
     }
   }
   chk_mat(k, c, "dx", dx, R, C, tol_of(p->xdt), tol_of(p->xdt));
@@ -257,7 +247,7 @@ static const Field kGdnFields[] = {
     GW(dw, F_PTR, .buf = "dw"), GW(gate, F_ENUM, .bad1 = 5), GW(g, F_PTR, .buf = "g"),
     GW(g_gamma, F_PTR, .buf = "g_gamma"), GW(dg, F_PTR, .buf = "dg"), GW(reverse_cumsum, F_FREE, .lo = 0),
     GW(scale, F_FLOAT, .def = NAN), GW(cu_seqlens_dtype, F_ENUM, .bad1 = HL_DTYPE_F32, .buf = "cu_seqlens"),
-    GW(cu_seqlens, F_PTR, .buf = "cu_seqlens"), GW(num_seqs, F_SIZE, .lo = 0), GW(workspace, F_WS_PTR, .lo = 0),
+    GW(cu_seqlens, F_PTR, .buf = "cu_seqlens"), GW(num_seqs, F_SIZE, .lo = 0, .buf = "cu_seqlens"), GW(workspace, F_WS_PTR, .lo = 0),
     GW(workspace_bytes, F_WS_BYTES, .lo = 0),
     GW(flags, F_FLAGS, .hi = HL_GDN_UNCHECKED | HL_GDN_STATE_V_FIRST, .lo = HL_GDN_UNCHECKED)};
 
@@ -338,9 +328,9 @@ static void gdn_check(Call *c, Chk *k) {
     for (int64_t hv = 0; hv < HV; ++hv) {
       const int64_t hq = hv / G, N = n[ch], base = t0[ch], hrow = ch * HV + hv;
 #define E(x) (log2u ? exp2(x) : exp(x))
-#define ST(name, kk, vv) in(c, name, hrow, s->vfirst ? (vv) * K + (kk) : (kk) * V + (vv))
+#define ST(name, kk, vv) buf_in(c, name, hrow, s->vfirst ? (vv) * K + (kk) : (kk) * V + (vv))
       for (int64_t t = 0; t < N; ++t)
-        gam[t] = s->gate == HL_GDN_GATE_NONE ? 0 : buf_find(c, "g") ? in(c, "g", base + t, hv) : in(c, "g_gamma", 0, hv) * (double)(t + 1);
+        gam[t] = s->gate == HL_GDN_GATE_NONE ? 0 : buf_find(c, "g") ? buf_in(c, "g", base + t, hv) : buf_in(c, "g_gamma", 0, hv) * (double)(t + 1);
       const double gl = gam[N - 1];
       double dgl = 0;
       for (int64_t kk = 0; kk < K; ++kk)
@@ -350,29 +340,29 @@ static void gdn_check(Call *c, Chk *k) {
         for (int64_t kk = 0; kk < K; ++kk) {
           double a = 0, b = 0, w = 0;
           for (int64_t vv = 0; vv < V; ++vv) {
-            a += in(c, "do_", base + t, hv * V + vv) * ST("h", kk, vv);
-            b += in(c, "v", base + t, hv * V + vv) * ST("dh", kk, vv);
-            if (s->dw) w += in(c, "dv", base + t, hv * V + vv) * ST("h", kk, vv);
+            a += buf_in(c, "do_", base + t, hv * V + vv) * ST("h", kk, vv);
+            b += buf_in(c, "v", base + t, hv * V + vv) * ST("dh", kk, vv);
+            if (s->dw) w += buf_in(c, "dv", base + t, hv * V + vv) * ST("h", kk, vv);
           }
           qv[t * K + kk] = a * E(gam[t]) * scale;
           kv[t * K + kk] = b * E(gl - gam[t]);
-          dgl += kv[t * K + kk] * in(c, "k", base + t, hq * K + kk);
+          dgl += kv[t * K + kk] * buf_in(c, "k", base + t, hq * K + kk);
           dw[(base + t) * HV * K + hv * K + kk] = -w;
         }
       for (int64_t t = 0; t < N; ++t)
         for (int64_t u = 0; u <= t; ++u) {
           double ds = 0;
-          for (int64_t vv = 0; vv < V; ++vv) ds += in(c, "do_", base + t, hv * V + vv) * in(c, "v", base + u, hv * V + vv);
+          for (int64_t vv = 0; vv < V; ++vv) ds += buf_in(c, "do_", base + t, hv * V + vv) * buf_in(c, "v", base + u, hv * V + vv);
           ds *= E(gam[t] - gam[u]) * scale;
           for (int64_t kk = 0; kk < K; ++kk) {
-            qv[t * K + kk] += ds * in(c, "k", base + u, hq * K + kk);
-            kv[u * K + kk] += ds * in(c, "q", base + t, hq * K + kk);
+            qv[t * K + kk] += ds * buf_in(c, "k", base + u, hq * K + kk);
+            kv[u * K + kk] += ds * buf_in(c, "q", base + t, hq * K + kk);
           }
         }
       for (int64_t t = 0; t < N; ++t) {
         dgt[t] = 0;
         for (int64_t kk = 0; kk < K; ++kk) {
-          dgt[t] += qv[t * K + kk] * in(c, "q", base + t, hq * K + kk) - kv[t * K + kk] * in(c, "k", base + t, hq * K + kk);
+          dgt[t] += qv[t * K + kk] * buf_in(c, "q", base + t, hq * K + kk) - kv[t * K + kk] * buf_in(c, "k", base + t, hq * K + kk);
           dq[(base + t) * H * K + hq * K + kk] += qv[t * K + kk];
           dk[(base + t) * H * K + hq * K + kk] += kv[t * K + kk];
         }
@@ -447,5 +437,6 @@ int main(int argc, char **argv) {
   int n = 0;
   for (int i = 0; i < NF(kRmsCases); ++i) cases[n++] = &kRmsCases[i];
   for (int i = 0; i < NF(kGdnCases); ++i) cases[n++] = &kGdnCases[i];
+  n += loss_cases(cases + n);
   return fuzz_main(argc, argv, cases, n);
 }
