@@ -890,7 +890,7 @@ static void write_all(int fd, const void *p, size_t n) {
 static void isolated(const Case *cs, const Mutation *m, Placement pl, Outcome *o, char *err, size_t errcap) {
   err[0] = 0;
   if (fz_cuda) {
-    snprintf(fz_running, sizeof fz_running, "%s [%s] %s = %s", cs->entry, cs->label, m->field, m->value);
+    snprintf(fz_running, sizeof fz_running, "%s [%s] {%s} = %s", cs->entry, cs->label, m->field, m->value);
     run_mutation(cs, m, pl, o);
     return;
   }
