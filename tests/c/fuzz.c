@@ -19,7 +19,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
-int fz_cuda;
+static int fz_cuda; /* CUDA mode */
 static int fz_verbose;
 static char fz_running[200]; /* the mutation in flight, for a crash of the in-process CUDA mode */
 static long fz_page;
@@ -100,7 +100,7 @@ static float from_bf16(uint16_t h) {
   return f;
 }
 
-float bf16_round(float f) { return from_bf16(to_bf16(f)); }
+static float bf16_round(float f) { return from_bf16(to_bf16(f)); }
 
 double round_to(hl_dtype_t dt, double v) { return dt == HL_DTYPE_BF16 ? bf16_round((float)v) : (double)(float)v; }
 
@@ -112,12 +112,12 @@ static float from_f16(uint16_t h) {
   return (h & 0x8000) ? -v : v;
 }
 
-size_t elem_size(ElemKind k) {
+static size_t elem_size(ElemKind k) {
   static const size_t sizes[] = {4, 2, 2, 8, 4, 8, 8, 1, 8};
   return sizes[k];
 }
 
-ElemKind kind_of(hl_dtype_t dt) {
+static ElemKind kind_of(hl_dtype_t dt) {
   switch (dt) {
     case HL_DTYPE_F32: return EK_F32;
     case HL_DTYPE_F16: return EK_F16;
@@ -269,13 +269,13 @@ void *dev_alloc(size_t bytes) {
 void dev_free(void *p) { cuda_ok(cudaFree(p), "cudaFree"); }
 void to_dev(void *dst, const void *src, size_t bytes) { cuda_ok(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy"); }
 void from_dev(void *dst, const void *src, size_t bytes) { cuda_ok(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy"); }
-void dev_sync(void) { cuda_ok(cudaDeviceSynchronize(), "after the call: cudaDeviceSynchronize"); }
+static void dev_sync(void) { cuda_ok(cudaDeviceSynchronize(), "after the call: cudaDeviceSynchronize"); }
 #else
 void *dev_alloc(size_t bytes) { (void)bytes; die("device memory in a build without CUDA"); return NULL; }
 void dev_free(void *p) { (void)p; }
 void to_dev(void *dst, const void *src, size_t bytes) { (void)dst, (void)src, (void)bytes; }
 void from_dev(void *dst, const void *src, size_t bytes) { (void)dst, (void)src, (void)bytes; }
-void dev_sync(void) {}
+static void dev_sync(void) {}
 #endif
 
 /* ---- placement -------------------------------------------------------------------------------- */
@@ -316,8 +316,7 @@ static void place_buf(Call *c, Buf *b) {
       if (end > span) span = end;
     }
   }
-  Placement pl = b->place == PL_DEFAULT ? c->place : b->place;
-  if (pl == PL_MISALIGN && es == 1) pl = PL_END;
+  const Placement pl = b->place == PL_DEFAULT ? c->place : b->place;
   const size_t less = es > 1 ? es : 8; /* blocks of bytes hold 8-byte words */
   const size_t n = pl == PL_SHORT ? (b->bytes >= less ? b->bytes - less : 0) : span;
   b->dev = c->cuda && !b->host;
@@ -1208,6 +1207,8 @@ Mutation *gen_overlap(Gen *g, const char *field, const char *out, const char *ov
   char value[80], needle[100];
   snprintf(value, sizeof value, partial ? "inside %s (partial overlap)" : "= %s (exact alias)", t->name);
   snprintf(needle, sizeof needle, "%s|%s", field, t->name);
+  for (int i = 0; i < g->n; ++i) /* a pair the generic choice made already */
+    if (!strcmp(g->v[i].field, field) && !strcmp(g->v[i].value, value)) return &g->v[i];
   Mutation *m = gen_add(g, field, value, tag, needle);
   Edit *e = mut_edit(m, E_PLACE, b->name);
   e->a = PL_ALIAS;
@@ -1218,10 +1219,11 @@ Mutation *gen_overlap(Gen *g, const char *field, const char *out, const char *ov
   return m;
 }
 
-/* Output b over buffer t: refused between outputs; over an input, right or refused (in place where
- * documented). */
+/* Output b over buffer t: in place where documented, else refused or right (the header forbids no
+ * overlap in general; two outputs in one place are right only by chance). */
 static void gen_alias(Gen *g, const Field *f, const Buf *b, const Buf *t, int partial) {
-  const Tag tag = is_output(t) ? T_FAIL : !partial && documented_inplace(g->cs, b, t) ? T_MATCH : T_INPLACE;
+  Tag tag = !partial && documented_inplace(g->cs, b, t) ? T_MATCH : T_INPLACE;
+  if (b->role == R_INOUT && !is_output(t)) tag = T_MAY; /* it would start from the input's values */
   gen_overlap(g, f->name, b->name, t->name, partial, tag);
 }
 
@@ -1240,7 +1242,7 @@ static void gen_ptr(Gen *g, const Field *f) {
   }
   gen_set(g, f, "NULL", 0, !b->optional ? T_FAIL : is_output(b) ? T_MATCH : T_MAY);
   if (g->cs->query) return;
-  if (elem_size(b->kind) > 1 && !b->host) {
+  if (!b->host) {
     Mutation *m = gen_add(g, f->name, "misaligned by 1 byte", T_ALIGN, NULL);
     mut_edit(m, E_PLACE, b->name)->a = PL_MISALIGN;
   }
@@ -1295,7 +1297,15 @@ static void gen_workspace(Gen *g, const Field *f) {
     gen_set(g, f, "SIZE_MAX", SIZE_MAX, T_MAY);
     return;
   }
-  if (!need || !ws) return; /* no workspace: NULL, as the control passes */
+  if (!need) { /* none needed ("NULL if 0"): one passed anyway must not be written */
+    const Buf *ins[MAX_BUFS];
+    if (list_bufs(g->ctl, 0, ins)) {
+      Mutation *m = gen_add(g, f->name, "an input's memory (none needed)", T_MAY, NULL);
+      snprintf(mut_edit(m, E_PTR_TO, f->name)->other, NAME_LEN, "%s", ins[0]->name);
+    }
+    return;
+  }
+  if (!ws) return;
   gen_set(g, f, "NULL", 0, T_FAIL)->ok = short_ws;
   for (int mis = 1; mis <= 8; mis += 7) { /* off by a byte, and 8-byte aligned only */
     Mutation *m = gen_add(g, f->name, mis == 1 ? "misaligned by 1 byte" : "8-byte aligned only", T_FAIL, NULL);

@@ -52,7 +52,7 @@ typedef struct Buf {
 
 /* ---- fields ----------------------------------------------------------------------------------- */
 
-typedef enum { W_DESC, W_SIDE, W_PARAM } Where;
+typedef enum { W_DESC, W_PARAM } Where; /* the descriptor (or the side structure), or the parameters */
 typedef enum {
   F_STRUCT_SIZE, /* size_t struct_size */
   F_SIZE,        /* int64 extent in [lo, hi] (hi 0: HL_MAX_EXTENT); `buf`, if named: it counts it */
@@ -175,8 +175,6 @@ typedef struct Call {
   hl_loss_plan_t plans[MAX_PLANS];
   size_t ws_need;          /* workspace the call needs (0 on the CPU backend) */
   char note[256];          /* a downstream failure (create's execute), for the report */
-  int64_t n[8];            /* case scratch */
-  double d[8];
 } Call;
 
 typedef struct Chk {
@@ -227,9 +225,7 @@ struct Case {
 
 /* ---- what test_fuzz.c uses -------------------------------------------------------------------- */
 
-extern int fz_cuda; /* CUDA mode */
-
-/* Declaring buffers (in `declare` or `prepare`). dt NONE with kind: buf_kind. */
+/* Declaring buffers (in `declare` or `prepare`): inputs get random contents, outputs poison. */
 Buf *buf_mat(Call *c, const char *name, Role role, hl_dtype_t dt, int64_t rows, int64_t cols, int64_t stride);
 Buf *buf_vec(Call *c, const char *name, Role role, hl_dtype_t dt, int64_t n);
 Buf *buf_raw(Call *c, const char *name, Role role, ElemKind kind, int64_t n);
@@ -242,9 +238,6 @@ int64_t buf_geti(const Buf *b, const unsigned char *data, int64_t i);
 void buf_seti(Buf *b, int64_t i, int64_t v);
 const unsigned char *buf_out(const Buf *b);               /* data after the call (host copy) */
 void buf_fill(Buf *b, uint64_t seed, double lo, double hi);
-size_t elem_size(ElemKind k);
-ElemKind kind_of(hl_dtype_t dt);
-float bf16_round(float f);
 double round_to(hl_dtype_t dt, double v); /* v as stored in dt (F32 or BF16) */
 double tol_of(hl_dtype_t dt);             /* relative tolerance of a store in dt against fp64 */
 double *dalloc(int64_t n);                /* zeroed doubles */
@@ -253,12 +246,11 @@ uint64_t rng_next(uint64_t *s);
 double rng_unit(uint64_t *s);
 uint64_t seed_of(const char *a, const char *b);
 
-/* Runs another entry point as part of a case on a scratch buffer: the CUDA copy helpers. */
+/* Device memory for a case's own library calls (the gathered blocks on CUDA). */
 void *dev_alloc(size_t bytes);
 void dev_free(void *p);
 void to_dev(void *dst, const void *src, size_t bytes);
 void from_dev(void *dst, const void *src, size_t bytes);
-void dev_sync(void);
 
 /* Descriptor access in `declare`: the declared descriptor and the side structure. */
 #define DESC(c, T) ((T *)(void *)(c)->desc)

@@ -76,7 +76,7 @@ static const LossSpec kFull = {"full", 8, 29, 29, F32, HL_DTYPE_I64, F32, HL_LOS
                                    HL_LOSS_GRPO_KL_REF | HL_LOSS_CISPO,
                                .teacher = 1, .rl = 1, .seqs = 1, .ignore = 1, .opts = full_opts};
 static const LossSpec kLinear = {"linear", 5, 23, 23, F32, HL_DTYPE_I64, .terms = HL_LOSS_CE | HL_LOSS_DISTILL_REV,
-                                 .teacher = 1, .H = 12, .Ht = 7, .hs = 13, .tws = 9, .gws = 14,
+                                 .teacher = 1, .H = 12, .Ht = 7, .hs = 13, .ws = 14, .tws = 9, .ghs = 13, .gws = 14,
                                  .ghmode = HL_LOSS_GRAD_WRITE, .gwmode = HL_LOSS_GRAD_ACCUMULATE, .opts = linear_opts};
 static const LossSpec kTopk = {"topk", 6, 41, 41, HL_DTYPE_BF16, HL_DTYPE_I32, HL_DTYPE_BF16, HL_LOSS_GRAD_WRITE,
                                .terms = HL_LOSS_CE | HL_LOSS_DISTILL_JSD, .noweights = 1, .topk = 4,
@@ -1011,6 +1011,7 @@ static void exec_extra(Gen *g) {
   topk_mutations(g);
   seq_mutations(g);
   if (!s->seqs) mut_set(gen_add(g, "num_seqs", "1 (no sequences in the plan)", T_FAIL, NULL), "num_seqs", 1);
+  if (s->H) gen_overlap(g, "grad_hidden", "grad_hidden", "hidden", 0, T_INPLACE); /* the same layout: in place? */
   call_edit(g, "plan", "a vocabulary shard's plan", T_FAIL, "plan", EC_SHARDED_PLAN);
 }
 
