@@ -1,19 +1,20 @@
 /* The ABI fuzz harness (issue #49): every exported entry point, each valid control checked against
  * an independent computation, then one-field mutations of its descriptors and arguments with the
- * outcome headloss.h promises for each (fuzz.h has the vocabulary, fuzz.c the machinery).
+ * outcome headloss.h promises for each (fuzz.h has the vocabulary, fuzz.c the machinery, this file
+ * the RMSNorm and GDN cases, fuzz_loss.c the loss plan's).
  *
  * CPU backend (default): every call runs in a fork()ed child on guarded buffers. CUDA backend
  * (HL_FUZZ_BACKEND=cuda or --cuda): device buffers with canary zones, in-process, the controls
  * compared with the CPU backend too; exit 77 without a GPU. HL_FUZZ_FILTER=loss,gdn selects
- * cases, HL_FUZZ_FIELD=stride mutations, HL_FUZZ_MAX=N thins each case's list (for
- * compute-sanitizer), -v prints every outcome. Any finding makes the exit status 1. */
+ * cases, HL_FUZZ_FIELD=stride and HL_FUZZ_SKIP=struct_size,rows mutations, HL_FUZZ_MAX=N thins
+ * each case's list (0: the controls alone; for compute-sanitizer), -v prints every outcome. Any
+ * finding makes the exit status 1. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fuzz.h"
-
 
 /* The parameters of a workspace query besides its descriptor. */
 typedef struct {
