@@ -14,7 +14,8 @@
  *    the defaults out. struct_size is checked: it must be this header's size, an earlier
  *    version's (each descriptor's comment lists them; fields an older descriptor lacks take
  *    their defaults), or a later header's up to HL_MAX_STRUCT_SIZE bytes whose fields this library does
- *    not know are all zero; anything else is INVALID_VALUE naming struct_size.
+ *    not know are all zero (NOT_SUPPORTED where one is set: a feature this library lacks); anything
+ *    else is INVALID_VALUE. Both messages name struct_size.
  *  - Each descriptor names its backend explicitly: HL_BACKEND_CUDA takes device pointers (or managed
  *    memory) and runs asynchronously on the stream passed; HL_BACKEND_CPU takes host pointers, runs
  *    synchronously on the calling thread, accumulates in fp64 and ignores the stream. The CPU backend
@@ -528,12 +529,14 @@ typedef struct {
 } hl_loss_plan_desc_t;
 
 /* The defaults a zero field stands for, spelled out (derived ones stay 0: vocab_global = vocab,
- * ranks 1, cispo_eps_high = eps_high, rollout_floor = 1 / rollout_cap; so do rollout_cap and
- * jsd_beta, whose options must be on for them to be set: their defaults are 2 and 0.5). */
+ * ranks 1, cispo_eps_high = eps_high, rollout_floor = 1 / rollout_cap). An option's field may hold
+ * its default while the option is off (rollout_cap without a correction, jsd_beta without JSD);
+ * any other value there is refused, as a setting that would do nothing. */
 #define HL_LOSS_PLAN_DESC_INIT                                                                      \
   { .struct_size = sizeof(hl_loss_plan_desc_t), .ce_weight = 1.0f, .z_weight = 1e-4f,              \
     .distill_weight = 1.0f, .grpo_weight = 1.0f, .logit_scale = 1.0f, .teacher_temperature = 1.0f, \
-    .student_temperature = 1.0f, .eps_low = 0.2f, .eps_high = 0.2f, .cispo_weight = 1.0f }
+    .student_temperature = 1.0f, .eps_low = 0.2f, .eps_high = 0.2f, .cispo_weight = 1.0f,          \
+    .rollout_cap = 2.0f, .jsd_beta = 0.5f }
 
 /* Indices of hl_loss_args_t.scalars. A metric whose inputs were not passed is 0. */
 typedef enum {

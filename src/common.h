@@ -45,9 +45,9 @@ hl_status_t bad_struct_size(const char *fn, size_t n, size_t own, std::initializ
 // later header's size up to HL_MAX_STRUCT_SIZE whose fields this library does not know are zero
 // (the caller uses no feature it lacks).
 template <class T>
-hl_status_t read_descriptor(const char *fn, const T *in, T *out,
+hl_status_t read_descriptor(const char *fn, const char *name, const T *in, T *out,
                             std::initializer_list<size_t> earlier = {}) {
-  if (!in) return fail(HL_STATUS_INVALID_VALUE, "%s: the descriptor pointer is NULL", fn);
+  if (!in) return fail(HL_STATUS_INVALID_VALUE, "%s: %s (the descriptor) is NULL", fn, name);
   const size_t n = in->struct_size;
   bool known = n == sizeof(T);  // (a loop: <algorithm> here crashed nvcc 13.0 on dqkwg_sm90.cu)
   for (size_t e : earlier) known |= e == n;

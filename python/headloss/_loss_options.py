@@ -42,7 +42,7 @@ OPTION_DEFAULTS.update(
     entropy_weight="none: set it with the entropy term (negative for a bonus, e.g. -1e-3)",
     kl_ref_beta="none: set it with the kl_ref term (e.g. 1e-3 as verl, 0.04 as TRL)",
     softcap="0 (no cap)", dual_clip="0 (off)", cispo_eps_high="eps_high",
-    rollout_cap="2.0", rollout_floor="1 / rollout_cap", jsd_beta="0.5", kl_estimator="'k3'", ratio_level="'token'",
+    rollout_floor="1 / rollout_cap", kl_estimator="'k3'", ratio_level="'token'",
     rollout_correction="'none'", rollout_level="'token'", vocab_start="0",
     vocab_global="vocab (not sharded)", ranks="1", teacher_topk="0 (a dense teacher, if any)")
 # What to do instead of an explicit 0, for the options whose 0 is a nonzero default.

@@ -191,7 +191,7 @@ HL_API hl_status_t hl_gdn_bwd_dqkwg_workspace_size(const hl_gdn_bwd_dqkwg_args_t
   return guarded(fn, [&]() -> hl_status_t {
     HL_TRY(check_not_null(fn, "bytes", bytes));
     hl_gdn_bwd_dqkwg_args_t a;
-    HL_TRY(read_descriptor(fn, args, &a, kEarlierSizes));
+    HL_TRY(read_descriptor(fn, "args", args, &a, kEarlierSizes));
     HL_TRY(check_shape(fn, a));
     *bytes = workspace_bytes(a);
     return HL_STATUS_SUCCESS;
@@ -202,7 +202,7 @@ HL_API hl_status_t hl_gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stre
   static const char *fn = "hl_gdn_bwd_dqkwg";
   return guarded(fn, [&]() -> hl_status_t {
     hl_gdn_bwd_dqkwg_args_t a;
-    HL_TRY(read_descriptor(fn, args, &a, kEarlierSizes));
+    HL_TRY(read_descriptor(fn, "args", args, &a, kEarlierSizes));
     HL_TRY(check_shape(fn, a));
     if (!a.cu_seqlens) a.num_chunks = (a.T + kChunk - 1) / kChunk;
     if (a.scale == 0.0f) a.scale = float(1.0 / std::sqrt(double(a.K)));  // fla's default

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -26,6 +27,18 @@ constexpr std::initializer_list<size_t> kEarlierArgsSizes = {160, 256};
 hl_status_t check_finite(const char *fn, const char *arg, float v) {
   if (!std::isfinite(v)) return fail(HL_STATUS_INVALID_VALUE, "%s: %s is not finite", fn, arg);
   return HL_STATUS_SUCCESS;
+}
+
+// A field of a group, for the checks that a group is absent: its name and whether it is set.
+struct Field {
+  const char *name;
+  bool set;
+};
+// The name of the first field of `group` that is set, or nullptr.
+const char *first_set(std::initializer_list<Field> group) {
+  for (const Field &f : group)
+    if (f.set) return f.name;
+  return nullptr;
 }
 
 // A value that must be > 0, where 0 selects the default `def`.
@@ -81,11 +94,14 @@ hl_status_t resolve_weights(const char *fn, hl_loss_plan_desc_t &d) {
 // weight_dtype (the logits' dtype between the products).
 hl_status_t validate_linear_desc(const char *fn, hl_loss_plan_desc_t &d) {
   if (d.hidden == 0) {
-    if (d.weight_dtype || d.teacher_hidden || d.grad_hidden_mode || d.grad_hidden_dtype ||
-        d.grad_weight_mode || d.grad_weight_dtype)
-      return fail(HL_STATUS_INVALID_VALUE, "%s: weight_dtype, teacher_hidden and the grad_hidden / "
-                  "grad_weight fields belong to the fused linear form, but hidden is 0 (the logits "
-                  "form)", fn);
+    if (const char *f = first_set({{"weight_dtype", d.weight_dtype != HL_DTYPE_NONE},
+                                   {"teacher_hidden", d.teacher_hidden != 0},
+                                   {"grad_hidden_mode", d.grad_hidden_mode != HL_LOSS_GRAD_NONE},
+                                   {"grad_hidden_dtype", d.grad_hidden_dtype != HL_DTYPE_NONE},
+                                   {"grad_weight_mode", d.grad_weight_mode != HL_LOSS_GRAD_NONE},
+                                   {"grad_weight_dtype", d.grad_weight_dtype != HL_DTYPE_NONE}}))
+      return fail(HL_STATUS_INVALID_VALUE, "%s: %s is set, but it belongs to the fused linear form and "
+                  "hidden is 0 (the logits form)", fn, f);
     return HL_STATUS_SUCCESS;
   }
   HL_TRY(check_float_dtype(fn, "weight_dtype", d.weight_dtype));
@@ -121,7 +137,9 @@ hl_status_t validate_sequence_options(const char *fn, hl_loss_plan_desc_t &d, Op
     return fail(HL_STATUS_INVALID_VALUE, "%s: rollout_level is %d; use HL_LOSS_LEVEL_TOKEN (0), "
                 "_SEQ_PRODUCT (1) or _SEQ_MEAN (2)", fn, d.rollout_level);
   const bool correct = d.rollout_correction != HL_LOSS_ROLLOUT_NONE;
-  if (!correct && (d.rollout_level || d.rollout_cap != 0.0f || d.rollout_floor != 0.0f))
+  // Without a correction its options must be off: 0, or the value 0 stands for (spelled out by
+  // HL_LOSS_PLAN_DESC_INIT), not a setting that would silently do nothing.
+  if (!correct && (d.rollout_level || (d.rollout_cap != 0.0f && d.rollout_cap != 2.0f) || d.rollout_floor != 0.0f))
     return fail(HL_STATUS_INVALID_VALUE, "%s: rollout_level / rollout_cap / rollout_floor are set "
                 "but rollout_correction is NONE", fn);
   if (correct && !(d.terms & (HL_LOSS_GRPO | HL_LOSS_CISPO)))
@@ -153,13 +171,13 @@ hl_status_t validate_sequence_options(const char *fn, hl_loss_plan_desc_t &d, Op
 hl_status_t validate_distill_desc(const char *fn, const hl_loss_plan_desc_t &d, float tt, Options &o) {
   const bool jsd = d.terms & HL_LOSS_DISTILL_JSD;
   HL_TRY(check_finite(fn, "jsd_beta", d.jsd_beta));
-  if (!jsd && d.jsd_beta != 0.0f)
+  if (!jsd && d.jsd_beta != 0.0f && d.jsd_beta != 0.5f)  // 0.5: the default spelled out
     return fail(HL_STATUS_INVALID_VALUE, "%s: jsd_beta is %g but the plan has no HL_LOSS_DISTILL_JSD",
                 fn, double(d.jsd_beta));
   if (d.jsd_beta < 0.0f || d.jsd_beta > 1.0f)
     return fail(HL_STATUS_INVALID_VALUE, "%s: jsd_beta is %g; must be in (0, 1] (0: the default 0.5; "
                 "forward KL is HL_LOSS_DISTILL_FWD)", fn, double(d.jsd_beta));
-  o.jsd_beta = jsd && d.jsd_beta == 0.0f ? 0.5f : d.jsd_beta;
+  o.jsd_beta = !jsd ? 0.0f : d.jsd_beta == 0.0f ? 0.5f : d.jsd_beta;
   o.divergence = (d.terms & HL_LOSS_DISTILL_FWD) ? kDistillFwd
                  : (d.terms & HL_LOSS_DISTILL_REV) || (jsd && o.jsd_beta == 1.0f) ? kDistillRev
                  : jsd ? kDistillJsd : kDistillNone;
@@ -366,19 +384,15 @@ std::vector<Buffer> arg_buffers(const hl_loss_plan_st &p, const hl_loss_args_t &
 
 // Pointers of the form the plan does not take must be NULL.
 hl_status_t check_form(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a) {
-  struct Arg { const char *name; const void *ptr; };
-  const Arg logits_form[] = {{"logits", a.logits}, {"grad", a.grad}};
-  const Arg linear_form[] = {{"hidden", a.hidden}, {"weight", a.weight},
-                             {"teacher_hidden", a.teacher_hidden}, {"teacher_weight", a.teacher_weight},
-                             {"grad_hidden", a.grad_hidden}, {"grad_weight", a.grad_weight}};
-  const auto none_set = [&](const auto &args) -> hl_status_t {
-    for (const Arg &x : args)
-      if (x.ptr)
-        return fail(HL_STATUS_INVALID_VALUE, "%s: %s is set, but the plan is the %s form (hidden = "
-                    "%lld)", fn, x.name, p.linear ? "fused linear" : "logits", (long long)p.desc.hidden);
-    return HL_STATUS_SUCCESS;
-  };
-  HL_TRY(p.linear ? none_set(logits_form) : none_set(linear_form));
+  const char *other = p.linear ? first_set({{"logits", a.logits != nullptr}, {"grad", a.grad != nullptr}})
+                              : first_set({{"hidden", a.hidden != nullptr}, {"weight", a.weight != nullptr},
+                                           {"teacher_hidden", a.teacher_hidden != nullptr},
+                                           {"teacher_weight", a.teacher_weight != nullptr},
+                                           {"grad_hidden", a.grad_hidden != nullptr},
+                                           {"grad_weight", a.grad_weight != nullptr}});
+  if (other)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: %s is set, but the plan is the %s form (hidden = %lld)", fn,
+                other, p.linear ? "fused linear" : "logits", (long long)p.desc.hidden);
   if (p.linear) {
     const bool fused_teacher = p.desc.teacher_hidden > 0;
     if (fused_teacher && a.teacher_logits)
@@ -487,18 +501,21 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
       return fail(HL_STATUS_INVALID_VALUE, "%s: num_seqs is %lld; %lld rows need >= 1 sequence", fn,
                   (long long)a.num_seqs, (long long)a.rows);
   }
-  const bool dense_teacher = a.teacher_logits || a.teacher_hidden || a.teacher_weight;
-  const bool sparse_teacher = a.teacher_topk_ids || a.teacher_topk_logprobs;
-  if ((dense_teacher || sparse_teacher) && p.opt.distill == kDistillNone)
-    return fail(HL_STATUS_INVALID_VALUE,
-                "%s: a teacher is set but the plan has no distillation term", fn);
-  if (dense_teacher && p.opt.topk)
-    return fail(HL_STATUS_INVALID_VALUE, "%s: a dense teacher (teacher_logits / teacher_hidden) is "
-                "set, but the plan's teacher is sparse (teacher_topk = %d): pass teacher_topk_ids "
-                "and teacher_topk_logprobs", fn, p.opt.topk);
-  if (sparse_teacher && !p.opt.topk)
-    return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk_ids / teacher_topk_logprobs are set, but "
-                "the plan's teacher is dense (teacher_topk = 0)", fn);
+  const char *dense = first_set({{"teacher_logits", a.teacher_logits != nullptr},
+                                 {"teacher_hidden", a.teacher_hidden != nullptr},
+                                 {"teacher_weight", a.teacher_weight != nullptr}});
+  const char *sparse = first_set({{"teacher_topk_ids", a.teacher_topk_ids != nullptr},
+                                  {"teacher_topk_logprobs", a.teacher_topk_logprobs != nullptr}});
+  if ((dense || sparse) && p.opt.distill == kDistillNone)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: %s (a teacher) is set but the plan has no distillation "
+                "term", fn, dense ? dense : sparse);
+  if (dense && p.opt.topk)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: %s (a dense teacher) is set, but the plan's teacher is "
+                "sparse (teacher_topk = %d): pass teacher_topk_ids and teacher_topk_logprobs", fn, dense,
+                p.opt.topk);
+  if (sparse && !p.opt.topk)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: %s is set, but the plan's teacher is dense "
+                "(teacher_topk = 0)", fn, sparse);
   HL_TRY(check_form(fn, p, a));
   HL_TRY(check_output(fn, "grad", a.grad, a.rows, d.grad_mode, "grad_mode", phase));
   HL_TRY(check_output(fn, "grad_hidden", a.grad_hidden, a.rows, d.grad_hidden_mode, "grad_hidden_mode", phase));
@@ -613,7 +630,7 @@ hl_status_t split_args(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t
   if (exchanges == 2 && plan->exchanges == 1)
     return fail(HL_STATUS_INVALID_VALUE, "%s: the plan needs one exchange and has no middle step "
                 "(hl_loss_plan_get_exchanges): finish with hl_loss_plan_execute_finish", fn);
-  HL_TRY(read_descriptor(fn, args, a, kEarlierArgsSizes));
+  HL_TRY(read_descriptor(fn, "args", args, a, kEarlierArgsSizes));
   return validate_args(fn, *plan, *a, phase, bufs);
 }
 
@@ -836,7 +853,7 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
   return guarded(fn, [&]() -> hl_status_t {
     HL_TRY(check_not_null(fn, "plan", plan));
     hl_loss_plan_desc_t d;
-    HL_TRY(read_descriptor(fn, desc, &d, kEarlierDescSizes));
+    HL_TRY(read_descriptor(fn, "desc", desc, &d, kEarlierDescSizes));
     Options o{};
     HL_TRY(validate_desc(fn, d, o));
     auto p = std::make_unique<hl_loss_plan_st>();
@@ -878,7 +895,7 @@ HL_API hl_status_t hl_loss_plan_execute(hl_loss_plan_t plan, const hl_loss_args_
   return guarded(fn, [&]() -> hl_status_t {
     HL_TRY(check_not_null(fn, "plan", plan));
     hl_loss_args_t a;
-    HL_TRY(read_descriptor(fn, args, &a, kEarlierArgsSizes));
+    HL_TRY(read_descriptor(fn, "args", args, &a, kEarlierArgsSizes));
     if (plan->desc.ranks > 1)
       return fail(HL_STATUS_INVALID_VALUE, "%s: the plan is a vocabulary shard; run it with "
                   "hl_loss_plan_execute_stats, a gather, and hl_loss_plan_execute_finish (or "

@@ -137,7 +137,7 @@ HL_API hl_status_t hl_rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t
   static const char *fn = "hl_rmsnorm_fwd";
   return guarded(fn, [&]() -> hl_status_t {
     hl_rmsnorm_fwd_args_t a;
-    HL_TRY(read_descriptor(fn, args, &a));
+    HL_TRY(read_descriptor(fn, "args", args, &a));
     HL_TRY(validate_fwd(fn, a));
     if (a.rows == 0 || a.cols == 0) return HL_STATUS_SUCCESS;
 #if HL_HAVE_CUDA
@@ -153,7 +153,7 @@ HL_API hl_status_t hl_rmsnorm_bwd_workspace_size(const hl_rmsnorm_bwd_args_t *ar
   return guarded(fn, [&]() -> hl_status_t {
     HL_TRY(check_not_null(fn, "bytes", bytes));
     hl_rmsnorm_bwd_args_t a;
-    HL_TRY(read_descriptor(fn, args, &a));
+    HL_TRY(read_descriptor(fn, "args", args, &a));
     HL_TRY(check_bwd_fields(fn, a));
     *bytes = bwd_workspace(a);
     return HL_STATUS_SUCCESS;
@@ -164,7 +164,7 @@ HL_API hl_status_t hl_rmsnorm_bwd(const hl_rmsnorm_bwd_args_t *args, hl_stream_t
   static const char *fn = "hl_rmsnorm_bwd";
   return guarded(fn, [&]() -> hl_status_t {
     hl_rmsnorm_bwd_args_t a;
-    HL_TRY(read_descriptor(fn, args, &a));
+    HL_TRY(read_descriptor(fn, "args", args, &a));
     HL_TRY(validate_bwd(fn, a));
     if (a.cols == 0 || (a.rows == 0 && !a.dw)) return HL_STATUS_SUCCESS;
 #if HL_HAVE_CUDA

@@ -1334,6 +1334,8 @@ static void gen_struct_size(Gen *g, const Field *f) {
     Edit *e = mut_edit(m, E_TAIL, NULL);
     e->a = (int64_t)vals[i].mem;
     e->b = (int64_t)vals[i].tail;
+    /* A later header's descriptor that uses a field this library lacks: valid, not supported here. */
+    if (vals[i].tail) m->ok = OK(HL_STATUS_NOT_SUPPORTED);
   }
   for (const size_t *e = g->cs->earlier; e && *e; ++e) {
     char name[48];

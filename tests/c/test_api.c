@@ -50,7 +50,7 @@ static void struct_size_is_checked(void **state) {
   (void)state;
   float x[2] = {1, 2}, y[2] = {-7, -7};
   hl_rmsnorm_fwd_args_t a = tiny_fwd(x, y);
-  assert_fails(hl_rmsnorm_fwd(NULL, NULL), HL_STATUS_INVALID_VALUE, "descriptor pointer is NULL");
+  assert_fails(hl_rmsnorm_fwd(NULL, NULL), HL_STATUS_INVALID_VALUE, "args (the descriptor) is NULL");
   /* Too small (a truncated one was refused as whichever field it cut off), between sizes, too
    * large (SIZE_MAX was scanned byte by byte): named struct_size, with the size expected. */
   const size_t bad[] = {0, 3, 64, sizeof a - 8, HL_MAX_STRUCT_SIZE + 1, SIZE_MAX};

@@ -121,7 +121,7 @@ static void bad_descriptions(void **state) {
   d = desc_ce(), d.backend = (hl_backend_t)9;
   create_fails(d, HL_STATUS_INVALID_VALUE, "backend is 9");
   hl_loss_plan_t p;
-  assert_fails(hl_loss_plan_create(NULL, &p), HL_STATUS_INVALID_VALUE, "descriptor pointer is NULL");
+  assert_fails(hl_loss_plan_create(NULL, &p), HL_STATUS_INVALID_VALUE, "desc (the descriptor) is NULL");
 }
 
 /* Runs the plan of d on args a; it must fail with status + needle and leave b untouched. */

@@ -337,7 +337,7 @@ def test_bad_python_options(kw, msg):
     (dict(grad_hidden_mode=7), "grad_hidden_mode is 7"),
     (dict(grad_weight_dtype=2), "grad_weight_dtype is F16; use F32"),
     (dict(teacher_hidden=8), "no distillation term"),
-    (dict(hidden=0, weight_dtype=1), "belong to the fused linear form"),
+    (dict(hidden=0, weight_dtype=1), "weight_dtype is set, but it belongs to the fused linear form"),
 ])
 def test_bad_descriptions(desc, msg):
     from headloss.loss import _Desc  # the raw descriptor: options the Python class would refuse
@@ -382,7 +382,7 @@ def test_outputs_overlap():
 
 def test_teacher_without_distillation():
     _bad_call(lambda a, k: a.update(teacher_logits=np.zeros((6, 40), np.float32)),
-              "a teacher is set but the plan has no distillation term")
+              r"\(a teacher\) is set but the plan has no distillation term")
 
 
 def test_weight_rows_disagree():

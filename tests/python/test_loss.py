@@ -830,7 +830,7 @@ BAD_TOPK_INPUTS = [
     ("positive_logprob", r"teacher_topk_logprobs\[1, 2\] is 0.5; a log-prob must be finite and <= 0"),
     ("nan_logprob", r"teacher_topk_logprobs\[5, 0\] is nan"),
     ("inf_logprob", r"teacher_topk_logprobs\[0, 7\] is -inf"),
-    ("dense_too", "a dense teacher .* is set, but the plan's teacher is sparse"),
+    ("dense_too", r"teacher_logits \(a dense teacher\) is set, but the plan's teacher is sparse"),
     ("no_ids", "teacher_topk_ids is NULL; a sparse teacher needs it"),
     ("no_logprobs", "teacher_topk_logprobs is NULL; a sparse teacher needs it"),
 ]
@@ -901,7 +901,7 @@ BAD_DISTILL_OPTIONS = [
     (dict(terms=("distill_fwd", "distill_jsd")), "more than one of HL_LOSS_DISTILL_FWD, _REV and _JSD"),
     (dict(terms=("distill_jsd",), jsd_beta=1.5), "jsd_beta is 1.5; must be in \\(0, 1\\]"),
     (dict(terms=("distill_jsd",), jsd_beta=float("nan")), "jsd_beta is not finite"),
-    (dict(terms=("distill_fwd",), jsd_beta=0.5), "jsd_beta is 0.5 but the plan has no HL_LOSS_DISTILL_JSD"),
+    (dict(terms=("distill_fwd",), jsd_beta=0.7), "jsd_beta is 0.7 but the plan has no HL_LOSS_DISTILL_JSD"),
     (dict(terms=("distill_fwd",), teacher_topk=257), "teacher_topk is 257; must be in \\[1, min\\(256, vocab_global = 300\\)\\]"),
     (dict(terms=("distill_fwd",), teacher_topk=-1), "teacher_topk is -1"),
     (dict(terms=("distill_fwd",), teacher_topk=8, vocab=6), "teacher_topk is 8; must be in \\[1, min\\(256, vocab_global = 6\\)\\]"),
