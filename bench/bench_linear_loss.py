@@ -143,6 +143,50 @@ def fwd_bwd(fn, x, w, y):
     return run
 
 
+def peak_memory(N, H, V, y, x, w, peer_fns) -> tuple:
+    """(bound, [peak of headloss, then of each peer]) in GiB: forward + backward through each
+    library's PyTorch front end, headloss's torch_ops.linear_loss with the workspace capped at
+    MEM_WORKSPACE; bound = grad_hidden + grad_weight + that workspace."""
+    plan = hloss.LinearLossPlan(V, H, "bfloat16", terms=("ce",), device="cuda", check=False)
+    ws = max(plan.workspace_sizes(N)[0], min(plan.workspace_bytes(N), MEM_WORKSPACE))
+    bound = ((x.numel() + w.numel()) * 2 + ws) / 2**30
+    ours = lambda x, w, y: torch_ops.linear_loss(x, w, y, check=False, max_workspace_bytes=MEM_WORKSPACE)[0]  # noqa: E731
+    mem = []
+    for fn in [ours] + list(peer_fns.values()):
+        xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        try:
+            run = fwd_bwd(fn, xr, wr, y)
+            run()  # warm-up: plans made, kernels compiled
+            mem.append(peak_extra_gib(run, xr, wr))
+        except torch.OutOfMemoryError:
+            mem.append(None)
+        del xr, wr
+        torch.cuda.empty_cache()
+    return bound, mem
+
+
+def memory_table(args):
+    peer_fns = {} if args.no_peers else peers()
+    lines = [header() + f"; headloss {headloss.version()}; bf16 hidden and weight; peak device memory above the "
+             "inputs during one forward + backward through each library's PyTorch front end (GiB)", "",
+             "| N x H x V | headloss (torch_ops.linear_loss, 256 MiB workspace) | " + " | ".join(peer_fns) +
+             " | headloss's bound: grad_hidden + grad_weight + workspace |", "|" + "---|" * (3 + len(peer_fns))]
+    for shape in args.shapes.split(","):
+        N, H, V = map(int, shape.split("x"))
+        x = torch.randn(N, H, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(V, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
+        y = torch.randint(0, V, (N,), device="cuda")
+        y[::17] = -100
+        bound, mem = peak_memory(N, H, V, y, x, w, peer_fns)
+        lines.append(f"| {N} x {H} x {V} | " + " | ".join("n/a" if m is None else f"{m:.3f}" for m in mem) +
+                     f" | {bound:.3f} |")
+        print(lines[-1], flush=True)
+        del x, w, y
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -153,7 +197,10 @@ def main():
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel times of the floor and headloss (first shape)")
     ap.add_argument("--graphs", action="store_true", help="also time the floor and headloss CE from CUDA graphs")
+    ap.add_argument("--memory-only", action="store_true", help="the peak-memory comparison alone (no timing)")
     args = ap.parse_args()
+    if args.memory_only:
+        return memory_table(args)
     torch.manual_seed(0)
     it = dict(warmup=2, iters=args.iters)
     peer_it = dict(warmup=2, iters=max(3, args.iters // 2))
@@ -215,25 +262,14 @@ def main():
                 print("\n".join(profile_lines), flush=True)
             del z, g, dx, dw, ce, full, rl, f32
             torch.cuda.empty_cache()
-            # Memory as users meet it: torch_ops.linear_loss forward + backward with the workspace
-            # capped at MEM_WORKSPACE, beside the peers'.
-            plan = hloss.LinearLossPlan(V, H, "bfloat16", terms=("ce",), device="cuda", check=False)
-            ws_gib = max(plan.workspace_sizes(N)[0], min(plan.workspace_bytes(N), MEM_WORKSPACE)) / 2**30
-            bound_gib = (x.numel() + w.numel()) * 2 / 2**30 + ws_gib
-            xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
-            ours = lambda x, w, y: torch_ops.linear_loss(x, w, y, check=False, max_workspace_bytes=MEM_WORKSPACE)[0]  # noqa: E731
-            mem = [peak_extra_gib(fwd_bwd(ours, xr, wr, y), xr, wr)]
-            del xr, wr
+            bound_gib, mem = peak_memory(N, H, V, y, x, w, peer_fns)  # memory as users meet it
             t_peers = []
             for name, fn in peer_fns.items():
                 xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
                 try:
-                    run = fwd_bwd(fn, xr, wr, y)
-                    t_peers.append(median_ms(run, **peer_it))
-                    mem.append(peak_extra_gib(run, xr, wr))
+                    t_peers.append(median_ms(fwd_bwd(fn, xr, wr, y), **peer_it))
                 except torch.OutOfMemoryError:
                     t_peers.append(None)
-                    mem.append(None)
                 del xr, wr
                 torch.cuda.empty_cache()
             f = lambda t: "n/a" if t is None else f"{t:.2f}"  # noqa: E731

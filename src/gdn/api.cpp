@@ -33,8 +33,9 @@ hl_status_t check_cuda_limits(const char *fn, const hl_gdn_bwd_dqkwg_args_t &a, 
   const uint64_t ctas = sat_mul(sat_mul(sat_mul(uint64_t(a.B), uint64_t(nt)), uint64_t(a.H)),
                                 uint64_t((a.K + kChunk - 1) / kChunk));
   if (ctas > uint64_t(INT32_MAX))
-    return fail(HL_STATUS_NOT_SUPPORTED, "%s: B * num_chunks * H * ceil(K / 64) is %llu; the CUDA "
-                "backend takes at most 2^31 - 1 (one CTA each)", fn, (unsigned long long)ctas);
+    return fail(HL_STATUS_NOT_SUPPORTED, "%s: B * num_chunks (ceil(T / 64) without cu_seqlens) * H * "
+                "ceil(K / 64) is %llu; the CUDA backend takes at most 2^31 - 1 (one CTA each)", fn,
+                (unsigned long long)ctas);
   return HL_STATUS_SUCCESS;
 }
 

@@ -801,12 +801,12 @@ hl_status_t stats_step(const char *fn, hl_loss_plan_t plan, const hl_loss_args_t
   HL_TRY(split_args(fn, plan, args, kStats, 0, &a, &bufs));
   const hl_loss_plan_st &p = *plan;
   HL_TRY(add_blocks(fn, "stats", stats, stats_bytes, 1, a.rows, p, false, true, bufs));
-  if (p.linear && p.desc.backend == HL_BACKEND_CUDA) {
-    if (!workspace && a.rows)
-      return fail(HL_STATUS_INSUFFICIENT_WORKSPACE, "%s: the fused linear form forms its logits in a "
-                  "workspace: use hl_loss_plan_execute_stats_ws", fn);
-    HL_TRY(add_workspace(fn, p, a.rows, workspace, workspace_bytes, bufs));
-  }
+  const bool needs = p.linear && p.desc.backend == HL_BACKEND_CUDA;
+  if (needs && !workspace && a.rows)
+    return fail(HL_STATUS_INSUFFICIENT_WORKSPACE, "%s: the fused linear form forms its logits in a "
+                "workspace: use hl_loss_plan_execute_stats_ws", fn);
+  // A workspace given where none is needed is checked as any other: a wrong one is a caller's bug.
+  if (needs || workspace || workspace_bytes) HL_TRY(add_workspace(fn, p, a.rows, workspace, workspace_bytes, bufs));
   HL_TRY(check_call(fn, p, a, bufs));
 #if HL_HAVE_CUDA
   if (p.desc.backend == HL_BACKEND_CUDA) return cuda_stats(fn, p, a, stats, workspace, workspace_bytes, stream);

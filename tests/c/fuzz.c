@@ -600,8 +600,30 @@ void chk_mat(Chk *k, Call *c, const char *name, const double *ref, int64_t rows,
     }
 }
 
-/* Tolerance of a CUDA result against the CPU backend's, by element kind. */
-static double kind_rtol(ElemKind k) { return k == EK_BF16 ? 3e-2 : k == EK_F16 ? 1e-2 : 2e-3; }
+/* Tolerance of a CUDA result against the CPU backend's: by the narrowest float input of the call
+ * (an fp32 output of 16-bit inputs, GDN's dg, carries their rounding), as ||out - ref|| / ||ref||. */
+static double call_rtol(const Call *c) {
+  double tol = 2e-3;
+  for (int i = 0; i < c->nbufs; ++i) {
+    const ElemKind k = c->bufs[i].kind;
+    if (c->bufs[i].role == R_IN && (k == EK_BF16 || k == EK_F16)) tol = k == EK_BF16 ? 2e-2 : fmax(tol, 5e-3);
+  }
+  return tol;
+}
+
+/* b's elements against r's (same layout) by the relative norm of their difference. */
+static int close_in_norm(const Buf *b, const Buf *r, double rtol, char *detail, size_t dn) {
+  const unsigned char *x = buf_out(b), *y = buf_out(r);
+  double diff = 0, ref = 0;
+  for (int64_t i = 0; i < b->rows; ++i)
+    for (int64_t j = 0; j < b->cols; ++j) {
+      const double got = buf_get(b, x, i, j), want = buf_get(r, y, i, j);
+      diff += (got - want) * (got - want), ref += want * want;
+    }
+  if (sqrt(diff) <= rtol * sqrt(ref) || (diff == 0 && ref == 0)) return 1;
+  snprintf(detail, dn, "%s: ||out - ref|| / ||ref|| = %.3g, above %.3g", b->name, sqrt(diff / ref), rtol);
+  return 0;
+}
 
 /* b's logical elements against r's (same layout): bitwise, or within rtol of the largest. */
 static int same_outputs(const Buf *b, const Buf *r, double rtol, char *detail, size_t dn) {
@@ -758,7 +780,8 @@ static void compare_backends(const Call *c, const Call *cpu, Chk *k) {
     const Buf *r = buf_find((Call *)cpu, b->name);
     if (!is_output(b) || !is_float(b->kind) || !r || !r->after || !b->after) continue;
     char detail[256];
-    if (!same_outputs(b, r, kind_rtol(b->kind), detail, sizeof detail)) chk_fail(k, "against the CPU backend: %s", detail);
+    if (b->bytes != r->bytes || !close_in_norm(b, r, call_rtol(c), detail, sizeof detail))
+      chk_fail(k, "against the CPU backend: %s", b->bytes != r->bytes ? "sizes differ" : detail);
   }
 }
 
@@ -812,7 +835,7 @@ static void run_mutation(const Case *cs, const Mutation *m, Placement pl, Outcom
     note(o, P_MSG_FIELD, NULL);
   if (failed && (c.status == HL_STATUS_INTERNAL_ERROR || c.status == HL_STATUS_ALLOC_FAILED || c.status == HL_STATUS_CUDA_ERROR))
     note(o, P_STATUS, "status %s", status_name(c.status));
-  Chk k = {0, "", fz_cuda ? kind_rtol(EK_F32) : 0};
+  Chk k = {0, "", fz_cuda ? 2e-3 : 0}; /* the checks against closed forms: fp32 at most this far on CUDA */
   switch (m->tag) {
     case T_CONTROL:
       if (c.status != cs->control_status) {

@@ -433,7 +433,7 @@ def test_cuda_peak_memory_is_the_gradients(form):
     ws = max(plan.workspace_sizes(N)[0], min(plan.workspace_bytes(N), cap))
     grads = z.numel() * 2 if form == "logits" else (x.numel() + w.numel()) * 2 + ws
     run = {"custom op": lambda: linear_loss(x, w, y, max_workspace_bytes=cap)[0],
-           "autograd.Function": lambda: LinearLossFunction.apply(x, w, y, plan, 0.0, cap)[0],
+           "autograd.Function": lambda: LinearLossFunction.apply(x, w, y, plan, None, cap)[0],
            "logits": lambda: torch_ops.lm_head_loss(z, y)[0]}[form]
     run().backward()  # warm-up: plans made, libraries loaded
     x.grad = w.grad = None
