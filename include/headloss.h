@@ -183,8 +183,9 @@ HL_API hl_status_t hl_rmsnorm_fwd(const hl_rmsnorm_fwd_args_t *args, hl_stream_t
  * rstd may be NULL: it is then recomputed from s and eps.
  * In place: dx == dy (with dy_dtype = x_dtype) and dx == dresidual_out, each with the same
  * stride, give the same bits as separate buffers on both backends.
- * The CUDA backend needs a workspace: ask rmsnorm_bwd_workspace_size. On CUDA, cols <= 2^35 (its
- * tiles of 32 columns in one grid dimension); larger is NOT_SUPPORTED.
+ * The CUDA backend needs a workspace: ask hl_rmsnorm_bwd_workspace_size with the call's arguments,
+ * pointers included (the kernel, and so the size, depends on their alignment). On CUDA,
+ * cols <= 2^35 (its tiles of 32 columns in one grid dimension); larger is NOT_SUPPORTED.
  */
 typedef struct {
   size_t struct_size; /* sizeof(hl_rmsnorm_bwd_args_t); no earlier size */
