@@ -278,6 +278,16 @@ void from_dev(void *dst, const void *src, size_t bytes) { (void)dst, (void)src, 
 static void dev_sync(void) {}
 #endif
 
+/* Memory of the call's kind for a size query made before the call's buffers are placed (the query
+ * checks its pointers like the call): 256 bytes of device memory on CUDA, of host memory else. */
+void *query_scratch(int cuda) {
+  static unsigned char host[256];
+  static void *dev;
+  if (!cuda) return host;
+  if (!dev) dev = dev_alloc(256);
+  return dev;
+}
+
 /* ---- placement -------------------------------------------------------------------------------- */
 
 static unsigned char canary(size_t i) { return (unsigned char)(0xA5 ^ (i * 29)); }
@@ -614,6 +624,7 @@ static double call_rtol(const Call *c) {
 /* b's elements against r's (same layout) by the relative norm of their difference. */
 static int close_in_norm(const Buf *b, const Buf *r, double rtol, char *detail, size_t dn) {
   const unsigned char *x = buf_out(b), *y = buf_out(r);
+  if (!memcmp(x, y, b->bytes)) return 1; /* the same bits (an output neither call wrote too) */
   double diff = 0, ref = 0;
   for (int64_t i = 0; i < b->rows; ++i)
     for (int64_t j = 0; j < b->cols; ++j) {

@@ -131,12 +131,12 @@ static void bwd_declare(Call *c) {
 /* The CUDA backward's workspace, as its size query answers. The query takes the call's pointers
  * (the kernel, and so the workspace, depends on their alignment), which are placed later: the
  * larger answer of the two kernel paths, 16-byte aligned rows (as declared: NULL) or not (x one
- * element off). */
+ * element off, in memory of the call's kind). */
 static void bwd_prepare(Call *c) {
   hl_rmsnorm_bwd_args_t q = *DESC(c, hl_rmsnorm_bwd_args_t);
   size_t aligned = 0, unaligned = 0;
   (void)hl_rmsnorm_bwd_workspace_size(&q, &aligned);
-  q.x = (const void *)(uintptr_t)4;
+  q.x = (const char *)query_scratch(c->cuda) + 4; /* aligned for every dtype, not to 16 bytes */
   (void)hl_rmsnorm_bwd_workspace_size(&q, &unaligned);
   const size_t ws = aligned > unaligned ? aligned : unaligned;
   if (!ws) return;
@@ -307,7 +307,7 @@ static void gdn_declare(Call *c) {
 static void gdn_prepare(Call *c) {
   size_t ws = 0;
   hl_gdn_bwd_dqkwg_args_t q = *DESC(c, hl_gdn_bwd_dqkwg_args_t);
-  if (q.num_seqs) q.cu_seqlens = (const void *)(uintptr_t)8;
+  if (q.num_seqs) q.cu_seqlens = query_scratch(c->cuda);
   if (hl_gdn_bwd_dqkwg_workspace_size(&q, &ws) != HL_STATUS_SUCCESS || !ws) return;
   c->ws_need = ws;
   buf_raw(c, "workspace", R_SCRATCH, EK_BYTES, (int64_t)ws);
