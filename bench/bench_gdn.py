@@ -1,7 +1,7 @@
 """gdn_bwd_dqkwg (headloss CUDA) against flash-linear-attention's Triton chunk_bwd_dqkwg, side by side.
 
 bf16 inputs, h/dh in bf16 (fla's default) unless a row says fp32 states, log2-unit gate (fla 0.6),
-w/dv on (dw produced). Shapes: SPEC section 2, a varlen batch, GVA (value heads 2x the q/k heads as
+w/dv on (dw produced). Shapes: four dense ones (B, T, H, K = V), a varlen batch, GVA (value heads 2x the q/k heads as
 Qwen3-Next, 8x at K = 128, 4x at K = 256), fp32 states, fla's state_v_first layout, K = V = 100,
 K = 100 with V = 128, V = 100 with K = 128 and K = V = 99 (not multiples of 8: the Hopper kernel maps
 q, k, do, v, dv folded, [tokens][H K], and copies the states TMA cannot map by hand), and 15 heads of

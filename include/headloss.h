@@ -339,7 +339,7 @@ HL_API hl_status_t hl_gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stre
  *   Z        lse^2
  *   ENTROPY  H = lse - sum_j p_j z_hat_j   (as a loss: use a negative weight for a bonus)
  *   DISTILL_FWD  KL(q || p_s), DISTILL_REV  KL(p_s || q); q = softmax(teacher / teacher_temperature),
- *            p_s = softmax(z_hat / student_temperature); gradients as SPEC section 1 (no tau^2 factor)
+ *            p_s = softmax(z_hat / student_temperature); gradients below (no tau^2 factor)
  *   DISTILL_JSD  generalised JSD (TRL's generalized_jsd_loss, Liger's JSD): with m = (1 - b) p_s + b q,
  *            b = jsd_beta in (0, 1], b KL(q || m) + (1 - b) KL(p_s || m); jsd_beta 0 means 0.5
  *            (TRL's and Liger's default); as TRL, b = 1 is reverse KL (the plan runs DISTILL_REV

@@ -1,4 +1,4 @@
-"""Independent fp64 NumPy reference of gdn_bwd_dqkwg (SPEC §2), written from the math, not the code.
+"""Independent fp64 NumPy reference of gdn_bwd_dqkwg (the header's formulas), written from the math, not the code.
 
 Two forms of dg: "new" (from the final dq, dk: the request's optimisation) and "old" (inter-chunk
 terms plus row and column sums of ds∘qkᵀ), and the per-chunk loss whose gradient these are, for

@@ -1,4 +1,4 @@
-"""An independent fp64 NumPy reference of the fused loss plan (SPEC section 1): whole-matrix
+"""An independent fp64 NumPy reference of the fused loss plan (the header's formulas): whole-matrix
 softmaxes and the gradient formulas of the spec's table, term by term."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Independent NumPy fp64 reference for RMSNorm (SPEC §3), with the casting modes' roundings."""
+"""Independent NumPy fp64 reference for RMSNorm (the header's formulas), with the casting modes' roundings."""
 import ml_dtypes
 import numpy as np
 
