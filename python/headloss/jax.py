@@ -47,7 +47,7 @@ from . import _abi
 from ._arrays import DTYPE_NAMES, FLOATS, INTS, dtype_code, expect, spec
 from ._lib import _HERE, DTYPE_F32, HeadlossValueError, lib_path
 from ._loss_options import SCALARS, call_value, plan_fields, terms_bits
-from .loss import LossPlan
+from .loss import DEFAULT_MAX_WORKSPACE_BYTES, LossPlan
 from .rmsnorm import cast_code
 
 __all__ = ["rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "fused_loss", "sharded_fused_loss", "loss_stats",
@@ -299,7 +299,7 @@ def _linear_config(fn: str, hidden, weight, labels, kwargs: dict, **shard):
     if th is not None:
         Ht = _spec(th, "teacher_hidden", hv.dtype, rows=hv.rows).shape[-1]
         _spec(tw, "teacher_weight", hv.dtype, shape=(weight.shape[0], Ht))
-    cap = kw.pop("max_workspace_bytes", None)
+    cap = kw.pop("max_workspace_bytes", DEFAULT_MAX_WORKSPACE_BYTES)
     logits = jax.ShapeDtypeStruct(hidden.shape[:-1] + (weight.shape[0],), hidden.dtype)
     cfg = _config(fn, logits, extras, kw.pop("terms", ("ce",)), kw.pop("divisor", None),
                   kw.pop("ignore_index", None), kw.pop("check", True), kw.pop("grad_weight_dtype", None),
@@ -561,11 +561,12 @@ def linear_loss(hidden, weight, labels=None, *, terms: Sequence[str] = ("ce",), 
                 teacher_topk_ids=None, teacher_topk_logprobs=None,
                 divisor: Optional[float] = None, token_outputs: bool = False,
                 ignore_index: Optional[int] = None, check: bool = True, grad_weight_dtype=None,
-                max_workspace_bytes: Optional[int] = None, **options):
+                max_workspace_bytes: Optional[int] = DEFAULT_MAX_WORKSPACE_BYTES, **options):
     """The fused linear form of the loss plan: the loss of the logits hidden @ weight.T without
     forming them (headloss.h, "The fused linear form"; a chunk of rows at a time exists, in a
-    workspace from XLA's scratch allocator: the plan's fast size, or max_workspace_bytes, never
-    below the plan's minimum).
+    workspace from XLA's scratch allocator of at most max_workspace_bytes, 256 MiB by default as
+    in PyTorch (None: the plan's fast size, faster for more memory), never below the plan's
+    minimum).
 
     hidden [..., H] and weight [V, H] (a Dense kernel [H, V] is weight.T) in one dtype (float32,
     float16 or bfloat16); labels and the per-row inputs [...] as fused_loss; teacher_logits

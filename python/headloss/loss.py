@@ -361,6 +361,14 @@ class LossPlan:
                 setattr(a, _STRIDES[name], v.stride)
 
 
+
+# The framework front ends' workspace cap for the fused linear form (PyTorch's and JAX's
+# max_workspace_bytes default; None lifts it): peak memory = the gradients + this, at 1.05-1.22x
+# the time of the plan's fast size (H200, 2026-11-28, bench/NOTES.md "Memory through PyTorch").
+# LinearLossPlan itself takes the fast size unless told otherwise.
+DEFAULT_MAX_WORKSPACE_BYTES = 256 << 20
+
+
 class LinearLossOutput(NamedTuple):
     scalars: Any                      # fp32 [len(SCALARS)] array on the inputs' device
     grad_hidden: Optional[Any]        # [rows, hidden], with grad_hidden

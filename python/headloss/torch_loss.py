@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ._loss_options import terms_key
-from .loss import SCALARS, LinearLossPlan, LossPlan
+from .loss import DEFAULT_MAX_WORKSPACE_BYTES, SCALARS, LinearLossPlan, LossPlan
 
 _BASE = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
 # 0.4's inputs, after those of earlier versions' order (LinearLossFunction takes them positionally)
@@ -61,12 +61,6 @@ def scale_grad(g: torch.Tensor, dloss: torch.Tensor, dtype: torch.dtype) -> torc
     dtype of the input it belongs to (a gradient computed in fp32 on request is cast here)."""
     g.mul_(dloss.to(g.dtype))
     return g if g.dtype == dtype else g.to(dtype)
-
-
-# The PyTorch front ends' workspace cap for the fused linear form: at or below the memory of the
-# other fused-linear losses at every benchmark shape, 1.05-1.22x the time of the plan's fast size
-# (H200, bench/NOTES.md "Memory through PyTorch"); None lifts the cap.
-DEFAULT_MAX_WORKSPACE_BYTES = 256 << 20
 
 
 def linear_workspace(plan: LinearLossPlan, like: torch.Tensor, rows: int,
