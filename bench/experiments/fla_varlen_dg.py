@@ -1,6 +1,6 @@
 """Where fla's dg and ours differ on bench_gdn.py's varlen batch: the tokens with the largest differences
 and where they sit in their sequences, then the worst sequence alone (dense) through both kernels
-(bench/NOTES.md, "GDN v6": fla is off at the last token of a partial chunk)."""
+(bench/notes/gdn.md, "GDN v6": fla is off at the last token of a partial chunk)."""
 import bisect
 import sys
 from pathlib import Path

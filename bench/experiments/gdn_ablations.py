@@ -3,7 +3,7 @@
   BUILD=/tmp/bd bench/experiments/gdn_variant.sh NAME DIR/NAME.cu; gdn_ab.py 5 '' .variants/tree.so .variants/NAME.so ...
 Each ablation is a few text replacements in kernels/gdn/dqkwg_sm90.cu, each required to match exactly once (so one
 that the kernel has outgrown fails here, not silently). Most give wrong results on purpose: they locate time
-(bench/NOTES.md "GDN v21"); `cdense` is exact where K is a multiple of 8."""
+(bench/notes/gdn.md "GDN v21"); `cdense` is exact where K is a multiple of 8."""
 import sys
 from pathlib import Path
 

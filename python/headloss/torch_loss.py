@@ -65,7 +65,7 @@ def scale_grad(g: torch.Tensor, dloss: torch.Tensor, dtype: torch.dtype) -> torc
 
 # The PyTorch front ends' workspace cap for the fused linear form: at or below the memory of the
 # other fused-linear losses at every benchmark shape, 1.05-1.22x the time of the plan's fast size
-# (H200, bench/NOTES.md "Memory through PyTorch"); None lifts the cap.
+# (H200, bench/notes/linear.md "Memory through PyTorch"); None lifts the cap.
 DEFAULT_MAX_WORKSPACE_BYTES = 256 << 20
 
 
