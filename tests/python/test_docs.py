@@ -1,6 +1,6 @@
 """The documentation runs: every Python snippet of README.md (each on its own, where what it needs
 is here: PyTorch and JAX on the CPU are enough; a hub model or fla is not) and
-examples/numpy_example.py."""
+examples/numpy_example.py; and the README's results table is the rendering of bench/results/*.csv."""
 import importlib.util
 import os
 import re
@@ -40,3 +40,32 @@ def test_numpy_example_runs():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.rstrip().endswith("OK")
+
+
+def _results_tool():
+    spec = importlib.util.spec_from_file_location("results_tool", ROOT / "tools" / "results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_readme_results_table_is_the_rendering_of_the_data():
+    """The README's results table is tools/results.py's rendering of bench/results/*.csv, so the front page
+    and the data cannot disagree (after a new run: tools/results.py --write)."""
+    if not list((ROOT / "bench" / "results").glob("*.csv")):
+        pytest.skip("no bench/results/*.csv here (an sdist leaves them out)")
+    tool = _results_tool()
+    assert tool.readme_table((ROOT / "README.md").read_text()) == tool.render(), \
+        "README.md's results table differs from the data: run tools/results.py --write"
+
+
+@pytest.mark.parametrize("md, family", [("linear_memory_h200.md", "linear_loss"), ("hf_llama_h200.md", "hf_llama")])
+def test_results_add_reads_a_benchmark_output_as_committed(md, family):
+    """tools/results.py add's reader, on a benchmark's output as committed, gives the rows the CSV holds."""
+    path = ROOT / "bench" / "results" / md
+    if not path.exists():
+        pytest.skip("no bench/results here (an sdist leaves them out)")
+    tool = _results_tool()
+    text = path.read_text()
+    rows = tool.rows_of(family, text, dict(tool.header_context(text), source=md))
+    assert rows and rows == [r for r in tool.load(family) if r["source"] == md]
