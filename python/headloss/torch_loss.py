@@ -63,9 +63,10 @@ def scale_grad(g: torch.Tensor, dloss: torch.Tensor, dtype: torch.dtype) -> torc
     return g if g.dtype == dtype else g.to(dtype)
 
 
-# The PyTorch front ends' workspace cap for the fused linear form: at or below the memory of the
-# other fused-linear losses at every benchmark shape, 1.05-1.22x the time of the plan's fast size
-# (H200, bench/notes/linear.md "Memory through PyTorch"); None lifts the cap.
+# The PyTorch front ends' workspace cap for the fused linear form: 1.05-1.22x the time of the plan's
+# fast size at the benchmark shapes; the peak is the gradients + 256 MiB, at or below Liger's fused
+# linear CE where grad_hidden >= 256 MiB, up to 241 MiB above it at smaller shapes (H200,
+# bench/notes/linear.md "Memory through PyTorch", docs/python.md); None lifts the cap.
 DEFAULT_MAX_WORKSPACE_BYTES = 256 << 20
 
 

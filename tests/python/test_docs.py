@@ -1,5 +1,5 @@
-"""The documentation runs: every Python snippet of README.md (each on its own, where what it needs
-is here: PyTorch and JAX on the CPU are enough; a hub model or fla is not) and
+"""The documentation runs: every Python snippet of README.md and docs/*.md (each on its own, where
+what it needs is here: PyTorch and JAX on the CPU are enough; a hub model or fla is not) and
 examples/numpy_example.py; and the README's results table is the rendering of bench/results/*.csv."""
 import importlib.util
 import os
@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SNIPPETS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+SNIPPETS = [(f"{doc.relative_to(ROOT)}:{i}", code) for doc in DOCS
+            for i, code in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S))]
 # What a snippet needs beyond the package: a module, or (for a hub model and fla) more than a test has.
 NEEDS = {"torch": "import torch", "jax": "import jax", "a hub model and transformers": "from_pretrained",
          "a GPU and flash-linear-attention": "fla_backend"}
@@ -24,14 +26,14 @@ def _missing(code: str):
     return None
 
 
-@pytest.mark.parametrize("code", SNIPPETS, ids=[f"snippet{i}" for i in range(len(SNIPPETS))])
-def test_readme_snippet_runs(code):
+@pytest.mark.parametrize("where, code", SNIPPETS, ids=[w for w, _ in SNIPPETS])
+def test_doc_snippet_runs(where, code):
     missing = _missing(code)
     if missing:
         pytest.skip(f"needs {missing}")
     if "import jax" in code:
         pytest.importorskip("headloss.jax", reason="no JAX adapter")
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    exec(compile(code, where, "exec"), {"__name__": "doc_snippet"})
 
 
 def test_numpy_example_runs():
