@@ -71,3 +71,51 @@ def test_results_add_reads_a_benchmark_output_as_committed(md, family):
     text = path.read_text()
     rows = tool.rows_of(family, text, dict(tool.header_context(text), source=md))
     assert rows and rows == [r for r in tool.load(family) if r["source"] == md]
+
+
+# Paths a file may name that the repository does not ship, each for its reason.
+NOT_SHIPPED = {
+    "python/headloss/_abi.py": "generated from the header by the build (tools/gen_abi.py)",
+    "bench/out": "the benchmarks' output folder (tools/bench.sh)",
+    "src/consumer.c": "the scratch project tests/package/consumer.sh writes",
+    "tests/ops": "flash-linear-attention's tests (bench/experiments/fla_dropin.py runs them)",
+    "tests/ops/test_gdn.py": "flash-linear-attention's tests",
+    "tests/python/test_x.py": "an example of tools/device.sh's HL_TESTS",
+}
+TOP = ("bench", "src", "kernels", "include", "tools", "tests", "examples", "docs", "python", "cmake")
+PATH = re.compile(r"(?<![\w./:<-])((?:%s)/[\w./-]*\w)" % "|".join(TOP))
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+TEXT = (".md", ".py", ".c", ".h", ".cpp", ".cu", ".cuh", ".sh", ".cmake", ".txt", ".toml", ".map", ".cc")
+
+
+def _shipped_files():
+    r = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip("not a git checkout: the shipped files are git's")
+    return [f for f in r.stdout.split() if f.endswith(TEXT) or Path(f).name in ("Makefile", "CMakeLists.txt")]
+
+
+def test_nothing_cites_a_file_the_repository_does_not_ship():
+    """Every path a tracked file names (bench/..., src/..., docs/..., ...) and every relative Markdown
+    link exists in the tree; no file cites a document outside the repository."""
+    missing, foreign = [], []
+    outside = ("SP" + "EC", "../" + "shared")  # written so that this file does not name them
+    for f in _shipped_files():
+        text = (ROOT / f).read_text(errors="replace")
+        for m in PATH.finditer(text):
+            p = m.group(1).rstrip(".")
+            if "NAME" in p or p.endswith("_") or p in NOT_SHIPPED or (ROOT / p).exists():
+                continue
+            missing.append(f"{f}: {p}")
+        if f.endswith(".md"):
+            for m in LINK.finditer(text):
+                target = m.group(1)
+                if "://" in target or target.startswith("mailto:"):
+                    continue
+                if not (ROOT / f).parent.joinpath(target).resolve().exists():
+                    missing.append(f"{f}: link {target}")
+        for word in outside:
+            if re.search(r"\b%s\b" % re.escape(word) if word.isalpha() else re.escape(word), text):
+                foreign.append(f"{f}: {word}")
+    assert not missing, "files named that the repository does not ship:\n" + "\n".join(missing)
+    assert not foreign, "citations of documents outside the repository:\n" + "\n".join(foreign)
