@@ -9,7 +9,7 @@ K = V = 100 (H K not a multiple of 8 either: q, k, do, v, dv copied by hand), of
 fp32 states in rows of 98 and 99 floats (two and one a load).
 fla refuses to run on Hopper with Triton 3.4-3.7.0 (a miscompile); for timing only, this script
 bypasses that guard by patching the module flag, and reports how far fla's output is from ours (fla's
-dg is off at the last token of a partial chunk, hence on varlen: bench/NOTES.md, "GDN v6").
+dg is off at the last token of a partial chunk, hence on varlen: bench/notes/gdn.md, "GDN v6").
 HBM floor: q, k, v, do, h, dh, dv read once, dq, dk, dw, dg written once (w is not read by either
 kernel), over the device-to-device copy bandwidth measured in the same run.
 Usage: python bench/bench_gdn.py [--out table.md] [--only SUBSTRING ...]

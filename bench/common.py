@@ -67,7 +67,7 @@ def interleaved_ms(fns: dict, *, warmup: int = 2, iters: int = 10) -> dict:
 
 def paired_ratio(runs: dict, a, b) -> float:
     """The median over rounds of a's time over b's in the same round (interleaved_runs): the H100's
-    clocks move by up to ~9% over seconds under tens of ms of matrix products (bench/NOTES.md), which
+    clocks move by up to ~9% over seconds under tens of ms of matrix products (bench/notes/linear.md), which
     a ratio of two medians keeps and a ratio within a round mostly cancels."""
     return median([x / y for x, y in zip(runs[a], runs[b])])
 

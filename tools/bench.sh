@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU benchmarks (`make bench`; tools/device.sh's bench step): bench/bench_NAME.py for each NAME
 # given (default: every one), and the C latency benchmark with rmsnorm. Each prints its table and
-# writes it to $OUT/bench_NAME.md (default bench/out/; committed tables go to bench/results/).
+# writes it to $OUT/bench_NAME.md (default bench/out/). To keep a run: `tools/results.py add NAME
+# $OUT/bench_NAME.md` appends its values to bench/results/NAME.csv (the table and its notes go to
+# bench/results/NAME_<device>.md).
 # Needs a GPU, PyTorch and the built library; BUILD names the build folder (default build),
 # HL_BENCH_ARGS="..." adds arguments to every bench script (shell-quoted: '--only "odd K"').
 set -uo pipefail

@@ -1,5 +1,5 @@
 // Experiment for #28: the products of the fused linear + loss plan as our own TMA + wgmma kernels, each timed
-// beside cuBLASLt's product of the same shapes in the same run (bench/NOTES.md "Fused linear + loss": the loss
+// beside cuBLASLt's product of the same shapes in the same run (bench/notes/linear.md "Fused linear + loss": the loss
 // inside the products is what reaches under 1.05x at 4096 x 2048 x 262144; tables in
 // bench/results/fused_gemms_h100.md). bf16 operands, fp32 accumulation, bf16 outputs.
 // - forward, logits = X W^T (X [M, K], W [N, K] row-major), three forms: the logits alone (MODE 0); with each
@@ -150,7 +150,7 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t x, float2 f) {
 // The epilogue of one warp's 16 rows (m0..) of tile columns n0..n0 + 255 (EDGE: a partial last tile, whose
 // columns from N on are TMA's zeros). MODE 0: the logits rounded to bf16, stored; 1: also their max and sum of
 // exp per row (of the rounded logits); 2: the statistics of the fp32 logits, and e = exp(z - max) stored in
-// place of z (what the backward products would read: bench/NOTES.md "Where G can be formed"). MODE 3, 4: dX, dW
+// place of z (what the backward products would read: bench/notes/linear.md "Where G can be formed"). MODE 3, 4: dX, dW
 // stored as they are.
 template <int MODE, bool EDGE>
 __device__ __forceinline__ void epilogue(const Params &P, float (&acc)[32][4], int m0, int n0, int tile_n,

@@ -4,7 +4,7 @@ lines of a local -lineinfo build of the same source (same nvcc: same SASS, which
                  ncu --import p.ncu-rep --page source --csv --print-source sass > p.csv
   here:          nvcc ... -cubin -lineinfo FILE.cu -o k.cubin
                  python3 bench/experiments/ncu_lines.py k.cubin KERNEL_MANGLED_SUBSTRING p.csv FILE.cu [lines]
-Each instruction counts for the innermost line of FILE it was inlined from (bench/NOTES.md "GDN v18")."""
+Each instruction counts for the innermost line of FILE it was inlined from (bench/notes/gdn.md "GDN v18")."""
 import collections
 import csv
 import os

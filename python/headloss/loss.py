@@ -363,9 +363,11 @@ class LossPlan:
 
 
 # The framework front ends' workspace cap for the fused linear form (PyTorch's and JAX's
-# max_workspace_bytes default; None lifts it): peak memory = the gradients + this, at 1.05-1.22x
-# the time of the plan's fast size (H200, 2026-11-28, bench/NOTES.md "Memory through PyTorch").
-# LinearLossPlan itself takes the fast size unless told otherwise.
+# max_workspace_bytes default; None lifts it): 1.05-1.22x the time of the plan's fast size at the
+# benchmark shapes; the peak is the gradients + 256 MiB, at or below Liger's fused linear CE where
+# grad_hidden >= 256 MiB, up to 241 MiB above it at smaller shapes (H200, 2026-11-28,
+# bench/notes/linear.md "Memory through PyTorch", docs/python.md). LinearLossPlan itself takes the
+# fast size unless told otherwise.
 DEFAULT_MAX_WORKSPACE_BYTES = 256 << 20
 
 

@@ -455,8 +455,8 @@ def linear_loss(hidden: Tensor, weight, labels: Optional[Tensor] = None, *,
       teacher_hidden [..., Ht], teacher_weight [V, Ht]: a teacher fused the same way (no gradient);
       grad_weight_dtype: "float32" sums grad_weight over the chunks in fp32 (one rounding, at the
         cast to weight's dtype in backward); None: in weight's dtype, rounded once a chunk;
-      max_workspace_bytes: caps the workspace (default 256 MiB: peak memory at or below the other
-        fused-linear losses'; None: the plan's fast size, up to 1.2x faster at 1-2 GiB more);
+      max_workspace_bytes: caps the workspace (default 256 MiB: the peak is the gradients + 256 MiB;
+        None: the plan's fast size, up to 1.2x faster at 1-2 GiB more; docs/python.md);
         never below the plan's minimum. Smaller means more chunks: less memory, more passes over
         grad_weight.
     hidden, weight and the teacher's matrices share one dtype (under torch.autocast: autocast's).

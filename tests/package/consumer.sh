@@ -13,7 +13,7 @@ cmake -S "$src" -B "$work/cmake" -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUIL
 cmake --build "$work/cmake" >/dev/null
 "$work/cmake/consumer"
 
-echo "== pkg-config headloss (the README's two ways to find the library at run time)"
+echo "== pkg-config headloss (docs/abi.md's two ways to find the library at run time)"
 pc=$(dirname "$(find "$work/prefix" -name headloss.pc)")
 export PKG_CONFIG_PATH=$pc
 # shellcheck disable=SC2046  # the flags are meant to split

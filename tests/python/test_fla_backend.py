@@ -1,6 +1,6 @@
 """headloss.fla_backend without fla, torch or a GPU: which chunk_bwd_dqkwg calls go to headloss
 (takes, on stand-in tensors) and which to fla's own kernel, through a stand-in of fla 0.6's backend
-registry. On a GPU, fla's own GDN tests run with the drop-in enabled (bench/NOTES.md, "GDN v8")."""
+registry. On a GPU, fla's own GDN tests run with the drop-in enabled (bench/notes/gdn.md, "GDN v8")."""
 from __future__ import annotations
 
 import sys
