@@ -24,7 +24,7 @@
 #include <cooperative_groups.h>
 
 namespace hl::loss {
-namespace cuda {
+namespace dev {
 namespace {
 
 namespace cg = cooperative_groups;
@@ -96,7 +96,7 @@ __device__ __forceinline__ void cta_rows(int64_t n, int64_t &lo, int64_t &hi) {
 }
 
 __global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a, PrepOut *out) {
-  hl::cuda::let_next_grid_start();
+  hl::dev::let_next_grid_start();
   __shared__ float wsum[kPrepThreads / 32];
   __shared__ long long wbad[kPrepThreads / 32];
   float w = 0.0f;
@@ -330,8 +330,8 @@ static void set_blocks(const hl_loss_plan_st &p, Phase phase, int64_t total, Gat
 static hl_status_t launch_rows(const CudaLaunch &c, const Params &k, cudaStream_t stream, bool early) {
   const int64_t clusters = std::min<int64_t>(k.rows, c.grid / c.cluster);
   cudaLaunchAttribute attr, attrs[2];
-  cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(clusters * c.cluster, kThreads, c.smem, c.cluster, stream, attr);
-  if (early) hl::cuda::allow_early_start(cfg, attrs);
+  cudaLaunchConfig_t cfg = hl::dev::cluster_launch(clusters * c.cluster, kThreads, c.smem, c.cluster, stream, attr);
+  if (early) hl::dev::allow_early_start(cfg, attrs);
   Params arg = k;
   void *args[] = {&arg};
   HL_CUDA_TRY(cudaLaunchKernelExC(&cfg, c.kernel, args));
@@ -360,16 +360,16 @@ template <class... Exp, class... Act>
 static hl_status_t launch_small(void (*kernel)(Exp...), int threads, int64_t ctas, int cluster,
                                 cudaStream_t stream, Act... args) {
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(ctas, threads, 0, cluster, stream, attr);
+  const cudaLaunchConfig_t cfg = hl::dev::cluster_launch(ctas, threads, 0, cluster, stream, attr);
   HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, args...));
   return HL_STATUS_SUCCESS;
 }
 
 // The prep kernel (D, first bad label), then unless the plan is unchecked one synchronisation
 // that checks the labels and, for a finish, the gathered blocks' headers.
-}  // namespace cuda
+}  // namespace dev
 
-hl_status_t cuda::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+hl_status_t dev::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                              Gathered g, void *workspace, cudaStream_t stream) {
   const void *gathered = g.stats;
   char *w = static_cast<char *>(workspace);
@@ -433,7 +433,7 @@ hl_status_t cuda::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_
   return g.middle ? check_blocks(fn, p, a.rows, middles.data(), true) : HL_STATUS_SUCCESS;
 }
 
-hl_status_t cuda::rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase,
+hl_status_t dev::rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase,
                            int64_t row0, int64_t total, Gathered gathered, void *block,
                            void *workspace, cudaStream_t stream, bool after_prep) {
   const CudaLaunch &c = pick_launch(p, a, phase);
@@ -445,14 +445,14 @@ hl_status_t cuda::rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Ph
   return launch_rows(c, k, stream, after_prep && p.cuda.early_start);
 }
 
-cuda::Params cuda::row_params(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace, int64_t row0,
+dev::Params dev::row_params(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace, int64_t row0,
                               int64_t total, Phase phase, Gathered gathered, void *block) {
   Params k = make_params(p, CudaLaunch{}, a, workspace, row0, total);
   set_blocks(p, phase, total, gathered, block, k);
   return k;
 }
 
-hl_status_t cuda::rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,
+hl_status_t dev::rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,
                            cudaStream_t stream) {
   if (!a.scalars) return HL_STATUS_SUCCESS;
   char *w = static_cast<char *>(workspace);
@@ -465,7 +465,7 @@ hl_status_t cuda::rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, vo
                       p.opt.scalars, a.scalars);
 }
 
-namespace cuda {
+namespace dev {
 namespace {
 
 // prep, rows (kWhole or kFinish), reduce; kMiddle: prep, rows into `block`.
@@ -478,7 +478,6 @@ hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_loss_arg
 }
 
 }  // namespace
-}  // namespace cuda
 
 // A block of no rows: the header alone (a pageable copy: staged before this returns).
 static hl_status_t write_header(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *block,
@@ -487,14 +486,15 @@ static hl_status_t write_header(const hl_loss_plan_st &p, const hl_loss_args_t &
   HL_CUDA_TRY(cudaMemcpyAsync(block, &h, sizeof h, cudaMemcpyHostToDevice, s));
   return HL_STATUS_SUCCESS;
 }
+}  // namespace dev
 
-hl_status_t cuda::zero_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, cudaStream_t stream) {
+hl_status_t dev::zero_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, cudaStream_t stream) {
   if (a.scalars) HL_CUDA_TRY(cudaMemsetAsync(a.scalars, 0, size_t(p.opt.scalars) * sizeof(float), stream));
   return HL_STATUS_SUCCESS;
 }
 
 hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
-  using namespace cuda;
+  using namespace dev;
   const hl_loss_plan_desc_t &d = p.desc;
   const bool grad = p.dlogits;
   // A sparse teacher's ids are kept as int columns of a slice.
@@ -512,7 +512,7 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   const auto bytes = [&](int cl) { return size_t(slice_cols(d.vocab, cl, vec)) * elt; };
   // The smallest cluster whose slices fit the target; Hopper clusters go to 8 CTAs portably and
   // 16 with the non-portable opt-in. A row too long for that is re-read from global memory.
-  const bool sm90 = hl::cuda::code_arch() >= 90;  // not major >= 9: a newer GPU runs the sm_80 code
+  const bool sm90 = hl::dev::code_arch() >= 90;  // not major >= 9: a newer GPU runs the sm_80 code
   const int max_cluster = sm90 ? kMaxCluster : 1;
   p.cuda.small_cluster = sm90 ? kSmallCluster : 1;
   p.cuda.early_start = sm90;
@@ -536,7 +536,7 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
                                      int(cap_bytes)));
     if (c.cluster > 8)
       HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    c.grid = hl::cuda::clusters_resident(c.kernel, kThreads, c.smem, c.cluster) * c.cluster;  // 0: cannot run
+    c.grid = hl::dev::clusters_resident(c.kernel, kThreads, c.smem, c.cluster) * c.cluster;  // 0: cannot run
     return HL_STATUS_SUCCESS;
   };
   for (int ph = kWhole; ph < kPhases; ++ph) {
@@ -571,16 +571,16 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
 
 size_t cuda_base_workspace(const hl_loss_plan_st &p, int64_t rows) {
   const size_t middles = p.exchanges == 2 ? sat_mul(size_t(p.desc.ranks), block_bytes(p, rows, true)) : 0;
-  return sat_add(cuda::middle_at(p, rows), middles);
+  return sat_add(dev::middle_at(p, rows), middles);
 }
 
 void cuda_workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes) {
-  if (p.linear) return cuda::linear_workspace(p, rows, min_bytes, fast_bytes);
+  if (p.linear) return dev::linear_workspace(p, rows, min_bytes, fast_bytes);
   *min_bytes = *fast_bytes = cuda_base_workspace(p, rows);
 }
 
 void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace, bool middle) {
-  return static_cast<char *>(workspace) + (middle ? cuda::middle_at(p, rows) : cuda::gathered_at(p, rows));
+  return static_cast<char *>(workspace) + (middle ? dev::middle_at(p, rows) : dev::gathered_at(p, rows));
 }
 
 hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
@@ -593,35 +593,35 @@ hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss
     return cuda_finish(fn, p, a, block, middle, workspace, workspace_bytes, stream);
   }
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (p.linear) return cuda::linear_run(fn, p, a, kWhole, nullptr, {}, workspace, workspace_bytes, s);
-  return cuda::run_loss(fn, p, a, kWhole, {}, nullptr, workspace, s);
+  if (p.linear) return dev::linear_run(fn, p, a, kWhole, nullptr, {}, workspace, workspace_bytes, s);
+  return dev::run_loss(fn, p, a, kWhole, {}, nullptr, workspace, s);
 }
 
 hl_status_t cuda_finish(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                         const void *gathered, const void *gathered_middle, void *workspace,
                         size_t workspace_bytes, hl_stream_t stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const cuda::Gathered g{gathered, gathered_middle};
-  if (p.linear) return cuda::linear_run(fn, p, a, kFinish, nullptr, g, workspace, workspace_bytes, s);
-  return cuda::run_loss(fn, p, a, kFinish, g, nullptr, workspace, s);
+  const dev::Gathered g{gathered, gathered_middle};
+  if (p.linear) return dev::linear_run(fn, p, a, kFinish, nullptr, g, workspace, workspace_bytes, s);
+  return dev::run_loss(fn, p, a, kFinish, g, nullptr, workspace, s);
 }
 
 hl_status_t cuda_middle(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                         const void *gathered, void *middle, void *workspace, size_t workspace_bytes,
                         hl_stream_t stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (a.rows == 0) return write_header(p, a, middle, true, s);
-  const cuda::Gathered g{gathered, nullptr};
-  if (p.linear) return cuda::linear_run(fn, p, a, kMiddle, middle, g, workspace, workspace_bytes, s);
-  return cuda::run_loss(fn, p, a, kMiddle, g, middle, workspace, s);
+  if (a.rows == 0) return dev::write_header(p, a, middle, true, s);
+  const dev::Gathered g{gathered, nullptr};
+  if (p.linear) return dev::linear_run(fn, p, a, kMiddle, middle, g, workspace, workspace_bytes, s);
+  return dev::run_loss(fn, p, a, kMiddle, g, middle, workspace, s);
 }
 
 hl_status_t cuda_stats(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a, void *block,
                        void *workspace, size_t workspace_bytes, hl_stream_t stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (a.rows == 0) return write_header(p, a, block, false, s);
-  if (p.linear) return cuda::linear_run(fn, p, a, kStats, block, {}, workspace, workspace_bytes, s);
-  return cuda::rows_run(p, a, kStats, 0, a.rows, {}, block, nullptr, s, false);
+  if (a.rows == 0) return dev::write_header(p, a, block, false, s);
+  if (p.linear) return dev::linear_run(fn, p, a, kStats, block, {}, workspace, workspace_bytes, s);
+  return dev::rows_run(p, a, kStats, 0, a.rows, {}, block, nullptr, s, false);
 }
 
 }  // namespace hl::loss

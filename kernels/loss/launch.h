@@ -8,7 +8,7 @@
 
 #include "loss/loss.h"
 
-namespace hl::loss::cuda {
+namespace hl::loss::dev {
 
 // The gathered blocks a phase reads (device memory): the statistics (kFinish, kMiddle), and dense
 // JSD's middle sums (its kFinish).
@@ -49,4 +49,4 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
                        Phase phase, void *block, Gathered gathered, void *workspace,
                        size_t workspace_bytes, cudaStream_t stream);
 
-}  // namespace hl::loss::cuda
+}  // namespace hl::loss::dev

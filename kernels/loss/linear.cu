@@ -18,7 +18,7 @@
 #include "loss/launch.h"
 #include "loss/shifted.h"
 
-namespace hl::loss::cuda {
+namespace hl::loss::dev {
 namespace {
 
 // The rows a chunk takes when the workspace allows, for a plan of one rank. Each chunk after the
@@ -168,4 +168,4 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   return writes_outputs(phase) ? rows_end(p, a, workspace, stream) : HL_STATUS_SUCCESS;
 }
 
-}  // namespace hl::loss::cuda
+}  // namespace hl::loss::dev

@@ -14,7 +14,7 @@
 #include "loss/launch.h"
 #include "loss/loss.h"
 
-namespace hl::loss::cuda {
+namespace hl::loss::dev {
 
 // Whether the plan's terms and options have the shifted path's gradient form (and the library
 // holds its kernel); HEADLOSS_LINEAR_PATH=rows turns it off (tests, A/B timing). Read when a plan is
@@ -53,4 +53,4 @@ hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, co
                           void *block, void *grad_hidden, void *grad_weight, bool accumulate_weight,
                           const ShiftedBuffers &b, void *gemm_ws, void *workspace, cudaStream_t stream);
 
-}  // namespace hl::loss::cuda
+}  // namespace hl::loss::dev
