@@ -6,7 +6,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "common.h"
+#include "hl/status.h"
 
 // Returns HL_STATUS_CUDA_ERROR with the call and the runtime's message when expr fails.
 #define HL_CUDA_TRY(expr)                                                                  \

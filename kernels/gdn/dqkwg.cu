@@ -23,10 +23,11 @@
 
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
-#include "gdn/gdn.h"
 #include "gdn/chunk.cuh"
 #include "gdn/dqkwg_sm90.h"
+#include "gdn/launch.h"
 #include "gdn/mma.cuh"
+#include "hl/gdn/facts.h"
 
 namespace hl::gdn::dev {
 using namespace hl::dev;  // the common device helpers (kernels/common)

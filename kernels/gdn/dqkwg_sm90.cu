@@ -50,8 +50,8 @@
 #include "common/sm90/wgmma.cuh"
 #include "common/tensor_map.h"
 #include "gdn/dqkwg_sm90.h"
-#include "gdn/gdn.h"
 #include "gdn/mma.cuh"
+#include "hl/gdn/facts.h"
 
 namespace hl::gdn::dev {
 using namespace hl::dev;  // the common device helpers (kernels/common)

@@ -14,11 +14,13 @@
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
 #include "common/grid_dependency.cuh"
+#include "hl/loss/plan.h"
+#include "loss/cuda_plan.h"
 #include "loss/gemm.h"
 #include "loss/launch.h"
-#include "loss/loss.h"
 #include "loss/params.cuh"
 #include "loss/shifted.h"
+#include "loss/steps.h"
 #include "loss/sums.cuh"
 
 #include <cooperative_groups.h>
@@ -347,12 +349,12 @@ static const CudaLaunch &pick_launch(const hl_loss_plan_st &p, const hl_loss_arg
   };
   const bool aligned = rows16(a.logits, a.logits_stride) &&
                        (!a.teacher_logits || rows16(a.teacher_logits, a.teacher_stride));
-  return aligned && p.cuda.bulk[phase].kernel ? p.cuda.bulk[phase] : p.cuda.phase[phase];
+  return aligned && p.cuda->bulk[phase].kernel ? p.cuda->bulk[phase] : p.cuda->phase[phase];
 }
 
 static int prep_cluster(const hl_loss_plan_st &p, int64_t rows) {
   const int64_t per = int64_t(kPrepThreads) * kPrepRowsPerThread;
-  return int(std::min<int64_t>(p.cuda.small_cluster, (rows + per - 1) / per));
+  return int(std::min<int64_t>(p.cuda->small_cluster, (rows + per - 1) / per));
 }
 
 // Launches the prep or reduce kernel: `ctas` CTAs in clusters of `cluster`.
@@ -442,7 +444,7 @@ hl_status_t dev::rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Pha
   // The row counters are the prep kernel's to zero; a later chunk's launch zeroes them again.
   if (phase != kStats && !after_prep)
     HL_CUDA_TRY(cudaMemsetAsync(k.counters, 0, kMaxCluster * sizeof(unsigned), stream));
-  return launch_rows(c, k, stream, after_prep && p.cuda.early_start);
+  return launch_rows(c, k, stream, after_prep && p.cuda->early_start);
 }
 
 dev::Params dev::row_params(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace, int64_t row0,
@@ -501,9 +503,10 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   if (p.opt.distill == kDistillSparse && d.vocab > INT_MAX)
     return fail(HL_STATUS_NOT_SUPPORTED, "%s: a sparse teacher needs vocab <= %d on CUDA (vocab is %lld)",
                 fn, INT_MAX, (long long)d.vocab);
-  if (p.linear) HL_TRY(make_gemms(fn, d.weight_dtype, &p.gemms));
+  p.cuda.reset(new CudaPlan());
+  if (p.linear) HL_TRY(make_gemms(fn, d.weight_dtype, &p.cuda->gemms));
   // Fixed with the plan: the workspace a caller sized for it keeps fitting its calls.
-  p.cuda.shifted = shifted_plan(p);
+  p.cuda->shifted = shifted_plan(p);
   int dev = 0, optin = 0;
   HL_CUDA_TRY(cudaGetDevice(&dev));
   HL_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
@@ -514,8 +517,8 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   // 16 with the non-portable opt-in. A row too long for that is re-read from global memory.
   const bool sm90 = hl::dev::code_arch() >= 90;  // not major >= 9: a newer GPU runs the sm_80 code
   const int max_cluster = sm90 ? kMaxCluster : 1;
-  p.cuda.small_cluster = sm90 ? kSmallCluster : 1;
-  p.cuda.early_start = sm90;
+  p.cuda->small_cluster = sm90 ? kSmallCluster : 1;
+  p.cuda->early_start = sm90;
   // The row kernel takes the most shared memory an SM has; an SM whose L1 / shared split suits a
   // kernel asking for less cannot host its CTAs, so prep asks for the same split to share SMs.
   HL_CUDA_TRY(cudaFuncSetAttribute(prep_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -540,7 +543,7 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
     return HL_STATUS_SUCCESS;
   };
   for (int ph = kWhole; ph < kPhases; ++ph) {
-    CudaLaunch &c = p.cuda.phase[ph];
+    CudaLaunch &c = p.cuda->phase[ph];
     c.kernel = pick(d.logits_dtype, ph, grad, p.opt.cap > 0, p.opt.distill);
     if (!c.kernel) continue;  // kMiddle: dense JSD's alone
     // The split's phases re-read the logits; a finish without a gradient has no columns to share.
@@ -554,7 +557,7 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
                   "%s: no cluster of %d CTAs with %zu bytes of shared memory fits this device (vocab "
                   "%lld)", fn, c.cluster, c.smem, (long long)d.vocab);
     // Bulk copies (Hopper): the whole-row shape, the slices kept in shared memory, where they fit.
-    CudaLaunch &b = p.cuda.bulk[ph];
+    CudaLaunch &b = p.cuda->bulk[ph];
     b.kernel = sm90 && keep_row && bytes(bc) <= size_t(kMaxChunks) * kChunkPacks * 16 &&
                        slices * bytes(bc) <= cap_bytes
                    ? pick_bulk(d.logits_dtype, ph, grad, p.opt.cap > 0, p.opt.distill) : nullptr;
@@ -569,25 +572,27 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   return HL_STATUS_SUCCESS;
 }
 
-size_t cuda_base_workspace(const hl_loss_plan_st &p, int64_t rows) {
+void cuda_plan_destroy(dev::CudaPlan *state) { delete state; }
+
+size_t dev::cuda_base_workspace(const hl_loss_plan_st &p, int64_t rows) {
   const size_t middles = p.exchanges == 2 ? sat_mul(size_t(p.desc.ranks), block_bytes(p, rows, true)) : 0;
   return sat_add(dev::middle_at(p, rows), middles);
 }
 
 void cuda_workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes) {
   if (p.linear) return dev::linear_workspace(p, rows, min_bytes, fast_bytes);
-  *min_bytes = *fast_bytes = cuda_base_workspace(p, rows);
+  *min_bytes = *fast_bytes = dev::cuda_base_workspace(p, rows);
 }
 
-void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace, bool middle) {
+void *dev::cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace, bool middle) {
   return static_cast<char *>(workspace) + (middle ? dev::middle_at(p, rows) : dev::gathered_at(p, rows));
 }
 
 hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                          void *workspace, size_t workspace_bytes, hl_stream_t stream) {
   if (p.seq_stats) {  // the split with one rank, its blocks in the workspace
-    void *block = cuda_gathered(p, a.rows, workspace);
-    void *middle = p.exchanges == 2 ? cuda_gathered(p, a.rows, workspace, true) : nullptr;
+    void *block = dev::cuda_gathered(p, a.rows, workspace);
+    void *middle = p.exchanges == 2 ? dev::cuda_gathered(p, a.rows, workspace, true) : nullptr;
     HL_TRY(cuda_stats(fn, p, a, block, workspace, workspace_bytes, stream));
     if (middle) HL_TRY(cuda_middle(fn, p, a, block, middle, workspace, workspace_bytes, stream));
     return cuda_finish(fn, p, a, block, middle, workspace, workspace_bytes, stream);

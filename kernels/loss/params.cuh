@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "loss/loss.h"
+#include "hl/loss/plan.h"
 
 namespace hl::loss::dev {
 

@@ -6,8 +6,8 @@
 #include <cstddef>
 
 #include "common/cuda_util.h"
-#include "loss/launch.h"
 #include "loss/params.cuh"
+#include "loss/steps.h"
 
 namespace hl::loss::dev {
 namespace {

@@ -15,7 +15,7 @@
 #include "common/cuda_util.h"
 #include "common/grid_dependency.cuh"
 #include "rmsnorm/common.cuh"
-#include "rmsnorm/rmsnorm.h"
+#include "rmsnorm/launch.h"
 
 namespace hl::rmsnorm::dev {
 

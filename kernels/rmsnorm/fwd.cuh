@@ -10,7 +10,7 @@
 
 #include "common/cuda_util.h"
 #include "rmsnorm/common.cuh"
-#include "rmsnorm/rmsnorm.h"
+#include "rmsnorm/launch.h"
 
 namespace hl::rmsnorm::dev {
 
