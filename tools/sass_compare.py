@@ -6,6 +6,8 @@ function ptxas kept out of line) it compares:
   - the SASS: every instruction and its encoding (cuobjdump -sass), addresses dropped, symbol names
     normalised (below); with --no-encoding, the instruction text alone;
   - the resources (cuobjdump -res-usage: registers, stack, shared, local and constant memory);
+  - with --ptx, the PTX embedded for the GPUs that compile it at load, per source file (line
+    information, comments and symbol names aside);
   - with --ptxas-before/--ptxas-after, the ptxas -v report of the two builds' logs (stack frame,
     spill stores and loads, registers, barriers, shared and constant memory), e.g. the stderr of
       cmake -S . -B build-x -DHL_PTXAS_VERBOSE=ON -DCMAKE_CUDA_ARCHITECTURES="90a-real;80" ...
@@ -145,6 +147,43 @@ def sass(cuobjdump, files, names, encoding, keep=None):
     return funcs
 
 
+MANGLED = re.compile(r"\b_Z[\w$]*")
+
+
+def ptx(cuobjdump, files):
+    """{(arch, source file): [digest]} of the embedded PTX (what a newer GPU compiles at load), each
+    module without its line information (.loc, .file, debug sections) and comments, its symbols
+    renamed by first appearance."""
+    out = collections.defaultdict(list)
+
+    def close(key, lines):
+        if key is None:
+            return
+        ids = {}
+        text = MANGLED.sub(lambda m: ids.setdefault(m.group(0), f"_sym{len(ids)}"), "\n".join(lines))
+        out[key].append(hashlib.sha256(text.encode()).hexdigest())
+
+    for f in files:
+        text = subprocess.run([cuobjdump, "-ptx", f], capture_output=True, text=True).stdout
+        key, lines, arch, in_ptx, debug = None, [], None, False, False
+        for line in text.splitlines():
+            s = line.strip()
+            if debug or (s.startswith(".section") and ".debug" in s):  # line information's names
+                debug = s != "}"
+                continue
+            if s.startswith("Fatbin "):
+                close(key, lines)
+                key, lines, in_ptx = None, [], s.startswith("Fatbin ptx")
+            elif s.startswith("arch = "):
+                arch = s[len("arch = "):]
+            elif s.startswith("identifier = ") and in_ptx:
+                key = (arch, os.path.basename(s[len("identifier = "):]))
+            elif in_ptx and key and s and not s.startswith((".loc", ".file", "//", "ptxasOptions")):
+                lines.append(s)
+        close(key, lines)
+    return out
+
+
 def res_usage(cuobjdump, files, names):
     """{(arch, normalised name): [resource string]} from cuobjdump -res-usage."""
     out = collections.defaultdict(list)
@@ -196,7 +235,7 @@ def ptxas_log(path, names):
     return out
 
 
-def compare(title, before, after, show=10):
+def compare(title, before, after, show=10, noun="functions"):
     """Prints the comparison of two {key: [values]} maps; returns whether they are identical."""
     keys = sorted(set(before) | set(after))
     same = diff = gone = new = 0
@@ -215,7 +254,7 @@ def compare(title, before, after, show=10):
             diff += 1
             lines.append(f"  differs:     {k[0]} {k[1]}")
     archs = collections.Counter(k[0] for k in keys)
-    print(f"{title}: {len(keys)} functions ({', '.join(f'{n} {a}' for a, n in sorted(archs.items()))}): "
+    print(f"{title}: {len(keys)} {noun} ({', '.join(f'{n} {a}' for a, n in sorted(archs.items()))}): "
           f"{same} identical, {diff} differ, {gone} only before, {new} only after")
     for l in lines[:show]:
         print(l)
@@ -240,6 +279,8 @@ def main():
     ap.add_argument("--ptxas-after", help="the second build's ptxas -v log")
     ap.add_argument("--no-encoding", action="store_true", help="compare instruction text only")
     ap.add_argument("--no-sass", action="store_true", help="resources and ptxas reports only")
+    ap.add_argument("--ptx", action="store_true",
+                    help="also the embedded PTX, module by module (line information and symbol names aside)")
     ap.add_argument("--show", type=int, default=10, help="differences listed per comparison")
     ap.add_argument("--cuobjdump", help="the cuobjdump binary")
     args = ap.parse_args()
@@ -254,6 +295,8 @@ def main():
                       args.show)
     ok &= compare("resource usage (cuobjdump -res-usage)", res_usage(cuobjdump, fb, names),
                   res_usage(cuobjdump, fa, names), args.show)
+    if args.ptx:
+        ok &= compare("PTX", ptx(cuobjdump, fb), ptx(cuobjdump, fa), args.show, "modules")
     if not args.no_sass:
         enc = not args.no_encoding
         sb, sa = sass(cuobjdump, fb, names, enc), sass(cuobjdump, fa, names, enc)
