@@ -1,5 +1,6 @@
-// Internal helpers shared by the host code of every op: error reporting, descriptor versioning,
-// dtype facts and argument validation. Nothing here is exported.
+// Internal helpers shared by the host code of every op: descriptor versioning, enumerations and
+// argument validation (the error record, dtype facts and byte arithmetic the CUDA side needs too
+// are hl/status.h's). Nothing here is exported.
 #pragma once
 
 #include <cstdarg>
@@ -10,15 +11,10 @@
 #include <new>
 
 #include "headloss.h"
+#include "hl/status.h"
 
 namespace hl {
 
-// Records a formatted message as this thread's last error and returns `status`.
-hl_status_t fail(hl_status_t status, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
 hl_status_t succeed();  // clears the last error, returns HL_STATUS_SUCCESS
 // Prefixes the last error with "fn: " unless it starts so (a CUDA call's message names its file).
 hl_status_t named_failure(const char *fn, hl_status_t status);
@@ -100,9 +96,6 @@ inline EnumField enum_field(const char *name, const hl_loss_grad_mode_t &f) {
 // Each field's integer is one of its type's values.
 hl_status_t check_enums(const char *fn, std::initializer_list<EnumField> fields);
 
-// dtype facts, on the integer (callers pass a field already checked by check_enums).
-const char *dtype_name(int dt);
-size_t dtype_size(int dt);  // 0 for NONE or an unknown value
 inline bool is_float_dtype(int dt) {
   return dt == HL_DTYPE_F32 || dt == HL_DTYPE_F16 || dt == HL_DTYPE_BF16;
 }
@@ -115,16 +108,6 @@ struct Extent {
 };
 // Each value in [0, HL_MAX_EXTENT].
 hl_status_t check_extents(const char *fn, std::initializer_list<Extent> extents);
-// Byte counts that saturate at UINT64_MAX (above every limit they are compared with) instead of
-// wrapping.
-inline uint64_t sat_add(uint64_t a, uint64_t b) {
-  uint64_t r;
-  return __builtin_add_overflow(a, b, &r) ? UINT64_MAX : r;
-}
-inline uint64_t sat_mul(uint64_t a, uint64_t b) {
-  uint64_t r;
-  return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
-}
 // A Buffer's dtype for untyped memory (workspaces, blocks of statistics): elements of one byte.
 constexpr int kBytes = -1;
 inline size_t element_bytes(int dt) { return dt == kBytes ? 1 : dtype_size(dt); }
@@ -137,8 +120,6 @@ inline uint64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, int dt) {
 // A byte count a size query answers or a call needs: at most HL_MAX_SPAN_BYTES, else the call's
 // `what` (named by its fields) is too large.
 hl_status_t check_bytes(const char *fn, uint64_t bytes, const char *what);
-// x rounded up to a multiple of m; past the largest one, that (saturated, as sat_add).
-inline size_t round_up(size_t x, size_t m) { return sat_add(x, m - 1) / m * m; }
 // True when the byte ranges [a, a + na) and [b, b + nb) intersect (neither wraps: check_buffers).
 inline bool overlaps(const void *a, uint64_t na, const void *b, uint64_t nb) {
   if (!a || !b || na == 0 || nb == 0) return false;
@@ -192,9 +173,3 @@ hl_status_t check_aliasing(const char *fn, const Buffer *bufs, int n, std::initi
 hl_status_t check_pointer(const char *fn, hl_backend_t backend, const char *arg, const void *p, int dt);
 
 }  // namespace hl
-
-#define HL_TRY(expr)                                 \
-  do {                                               \
-    hl_status_t hl_try_status_ = (expr);             \
-    if (hl_try_status_ != HL_STATUS_SUCCESS) return hl_try_status_; \
-  } while (0)

@@ -18,7 +18,7 @@
 
 #include "common/bulk_copy.cuh"
 
-using namespace hl::cuda;
+using namespace hl::dev;
 
 constexpr int kThreads = 256, kChunk = 16 * 1024, kPacks = kChunk / 16, kRowChunks = 4;
 constexpr int kMaxSlots = 16;

@@ -41,17 +41,17 @@
 #include <unistd.h>
 
 #include "common/bulk_copy.cuh"
+#include "common/sm90/wgmma.cuh"
 #include "gdn/mma.cuh"
-#include "gdn/wgmma.cuh"
 #include "loss/shifted_logits_sm90.cuh"
 
-using namespace hl::cuda;
-using hl::cuda::gdn::wgmma_commit;
-using hl::cuda::gdn::wgmma_desc;
-using hl::cuda::gdn::wgmma_desc_n_major;
-using hl::cuda::gdn::wgmma_fence;
-using hl::cuda::gdn::wgmma_pin;
-using hl::cuda::gdn::wgmma_wait;
+using namespace hl::dev;
+using hl::dev::wgmma_commit;
+using hl::dev::wgmma_desc;
+using hl::dev::wgmma_desc_n_major;
+using hl::dev::wgmma_fence;
+using hl::dev::wgmma_pin;
+using hl::dev::wgmma_wait;
 
 static void fail_if(bool bad, const char *call, const char *file, int line, const char *why) {
   if (bad) std::fprintf(stderr, "%s:%d %s: %s\n", file, line, call, why), std::exit(1);
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm(const __grid_constant_
             const int r = m_off + lane % 16;  // this lane's ldmatrix row of the tile
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
-              hl::cuda::gdn::ldsm_x4(fr[kk], a + r * 128 + (((2 * kk + lane / 16) ^ (r % 8)) * 16));
+              hl::gdn::dev::ldsm_x4(fr[kk], a + r * 128 + (((2 * kk + lane / 16) ^ (r % 8)) * 16));
 #pragma unroll
               for (int q = 0; q < 4; ++q) fr[kk][q] = scale_bf16x2(fr[kk][q], make_float2(f[q % 2], f[q % 2]));
             }
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm(const __grid_constant_
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
               const int k = 16 * kk + lane % 8 + 8 * (lane / 16);  // this lane's token row of the box
-              hl::cuda::gdn::ldsm_x4_t(fr[kk], a + wg * 8192 + k * 128 + ((chunk ^ (k % 8)) * 16));
+              hl::gdn::dev::ldsm_x4_t(fr[kk], a + wg * 8192 + k * 128 + ((chunk ^ (k % 8)) * 16));
               const float2 lo = *reinterpret_cast<const float2 *>(fs + 16 * kk + kq),
                            hi = *reinterpret_cast<const float2 *>(fs + 16 * kk + kq + 8);
               fr[kk][0] = scale_bf16x2(fr[kk][0], lo), fr[kk][1] = scale_bf16x2(fr[kk][1], lo);
@@ -759,7 +759,7 @@ __global__ void ref_logits(const __nv_bfloat16 *x, const __nv_bfloat16 *w, const
 // shift) and the tile statistics, against fp64 ones of an fp32 reference of the sampled rows; timed beside cuBLAS's
 // logits, and the backward it feeds (cuBLAS on E: dX with an fp32 output, dW) beside cuBLAS's on G.
 void run_shifted(int M, int N, int K, cublasLtHandle_t lt, void *ws, size_t ws_bytes) {
-  namespace sl = hl::loss::cuda::sm90;
+  namespace sl = hl::loss::dev::sm90;
   __nv_bfloat16 *x, *w, *e, *ref, *dw_out;
   float *dx32, *zref;
   sl::TileStats *stats;

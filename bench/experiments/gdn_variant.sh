@@ -10,13 +10,14 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 name=$1 src=$(realpath "$2"); shift 2
 build=$(realpath "${BUILD:-$root/build}")
-dir=$build/CMakeFiles/headloss.dir
-[ -f "$dir/flags.make" ] || { echo "no configured build at $build (set BUILD)" >&2; exit 1; }
+dir=$build/CMakeFiles/headloss_cuda.dir  # the CUDA side's objects and flags (src/'s: headloss_host.dir)
+[ -f "$dir/flags.make" ] || { echo "no configured CUDA build at $build (set BUILD)" >&2; exit 1; }
 out=$root/.variants tmp=$build/gdn-variants
 mkdir -p "$out" "$tmp"
 read -r -a flags <<<"$(sed -n 's/^CUDA_DEFINES = //p; s/^CUDA_FLAGS = //p' "$dir/flags.make" | tr '\n' ' ')"
 (cd "$build" && "${NVCC:-nvcc}" "${flags[@]}" --options-file "$dir/includes_CUDA.rsp" -c "$src" -o "$tmp/$name.o")
-mapfile -t objs < <(find "$dir" -name '*.o' | grep -v -E '/kernels/(loss|rmsnorm)/|/dqkwg_sm90\.cu\.o$')
+mapfile -t objs < <(find "$dir" "$build/CMakeFiles/headloss_host.dir" -name '*.o' |
+                    grep -v -E '/kernels/(loss|rmsnorm)/|/dqkwg_sm90\.cu\.o$')
 link() { c++ -shared -fPIC -o "$out/$name.so" "${objs[@]}" "$tmp/$name.o" "$@" -Wl,--version-script="$root/src/headloss.map" \
   -Wl,-soname,libheadloss.so.0 -L/usr/local/cuda/lib64 -lcudart_static -ldl -lrt -lpthread -Wl,--no-undefined; }
 # Stubs for what the left-out kernels defined: an abort under each undefined (mangled) name.

@@ -1,5 +1,5 @@
 // cuBLASLt's candidate algorithms for the shifted path's backward products, each timed (#28): whether the
-// heuristic's first answer (what src/loss/gemm.cpp takes) is the fastest at a chunk's shape.
+// heuristic's first answer (what kernels/loss/gemm.cpp takes) is the fastest at a chunk's shape.
 //   dw c V H: grad_weight (+)= E^T (alpha X), K = c rows, bf16 out; the time with beta 0 and beta 1
 //   dx c V H: E W with an fp32 output, K = V
 // Each algorithm's configuration (tile, stages, split-K, swizzle, cluster) and its median time; split-K only

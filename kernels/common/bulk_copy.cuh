@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace hl::cuda {
+namespace hl::dev {
 
 // False in the device pass of an architecture without clusters (sm_80): the host launches cluster
 // shapes only where code_arch() >= 90, so there their kernels compile to nothing.
@@ -192,4 +192,4 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-}  // namespace hl::cuda
+}  // namespace hl::dev

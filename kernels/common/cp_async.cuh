@@ -4,7 +4,7 @@
 
 #include "common/bulk_copy.cuh"
 
-namespace hl::cuda {
+namespace hl::dev {
 
 // 16 bytes global -> shared; bytes past src_bytes (0 or 16) are zero-filled. The memory clobbers
 // keep plain shared-memory accesses on their side of the copy and of the wait.
@@ -40,4 +40,4 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-}  // namespace hl::cuda
+}  // namespace hl::dev

@@ -1,6 +1,6 @@
 #include "cuda_util.h"
 
-namespace hl::cuda {
+namespace hl::dev {
 
 namespace {
 __global__ void probe_kernel() {}
@@ -49,4 +49,4 @@ void allow_early_start(cudaLaunchConfig_t &cfg, cudaLaunchAttribute (&attrs)[2])
   cfg.numAttrs += 1;
 }
 
-}  // namespace hl::cuda
+}  // namespace hl::dev

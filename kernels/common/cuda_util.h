@@ -6,7 +6,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "common.h"
+#include "hl/status.h"
 
 // Returns HL_STATUS_CUDA_ERROR with the call and the runtime's message when expr fails.
 #define HL_CUDA_TRY(expr)                                                                  \
@@ -20,7 +20,7 @@
 // Checks the launch that was just made (configuration errors surface here, not later).
 #define HL_CUDA_TRY_LAUNCH() HL_CUDA_TRY(cudaGetLastError())
 
-namespace hl::cuda {
+namespace hl::dev {
 
 constexpr int kMaxDevices = 64;
 
@@ -92,4 +92,4 @@ int clusters_resident(Kernel kernel, int threads, size_t smem, int cluster) {
 // cfg's attributes, which it takes over.
 void allow_early_start(cudaLaunchConfig_t &cfg, cudaLaunchAttribute (&attrs)[2]);
 
-}  // namespace hl::cuda
+}  // namespace hl::dev

@@ -9,7 +9,7 @@
 
 #include "headloss.h"
 
-namespace hl::cuda {
+namespace hl::dev {
 
 template <class T> struct TypeTag { using type = T; };
 
@@ -146,4 +146,4 @@ __device__ __forceinline__ void store_pack_global(T *p, const Pack<T, N> &v) {
   }
 }
 
-}  // namespace hl::cuda
+}  // namespace hl::dev

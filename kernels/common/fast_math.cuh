@@ -1,7 +1,7 @@
 // One-instruction math shared by the kernels.
 #pragma once
 
-namespace hl::cuda {
+namespace hl::dev {
 
 // 2^x in one MUFU instruction (exp2f adds a denormal fix-up; results below 2^-126 flush to 0).
 __device__ __forceinline__ float ex2(float x) {
@@ -10,4 +10,4 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
-}  // namespace hl::cuda
+}  // namespace hl::dev

@@ -4,7 +4,7 @@
 // wait_for_previous_grid() before it reads anything the previous one writes.
 #pragma once
 
-namespace hl::cuda {
+namespace hl::dev {
 
 __device__ __forceinline__ void let_next_grid_start() {
 #if __CUDA_ARCH__ >= 900
@@ -18,4 +18,4 @@ __device__ __forceinline__ void wait_for_previous_grid() {
 #endif
 }
 
-}  // namespace hl::cuda
+}  // namespace hl::dev

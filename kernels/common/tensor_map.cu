@@ -4,7 +4,7 @@
 
 #include "cuda_util.h"
 
-namespace hl::cuda {
+namespace hl::dev {
 namespace {
 
 PFN_cuTensorMapEncodeTiled_v12000 encoder() {
@@ -49,4 +49,4 @@ hl_status_t encode_map(const char *fn, CUtensorMap *m, hl_dtype_t dt, const void
   return HL_STATUS_SUCCESS;
 }
 
-}  // namespace hl::cuda
+}  // namespace hl::dev

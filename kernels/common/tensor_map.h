@@ -7,7 +7,7 @@
 
 #include "headloss.h"
 
-namespace hl::cuda {
+namespace hl::dev {
 
 // Compute capability 9.0, the only one sm_90a code runs on (cached per device).
 bool device_is_sm90();
@@ -19,4 +19,4 @@ bool tensor_maps_available();
 hl_status_t encode_map(const char *fn, CUtensorMap *m, hl_dtype_t dt, const void *base, uint64_t d0, uint64_t d1,
                        uint64_t d2, uint64_t s1, uint64_t s2, uint32_t b0, uint32_t b1, uint32_t b2);
 
-}  // namespace hl::cuda
+}  // namespace hl::dev

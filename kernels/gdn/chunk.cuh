@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace hl::cuda::gdn {
+namespace hl::gdn::dev {
 
 struct ChunkTable {
   const int64_t *chunk_first;  // varlen: [S + 1] first global chunk of each sequence (else null)
@@ -30,4 +30,4 @@ __device__ __forceinline__ void locate_chunk(const ChunkTable &c, int64_t cid, i
   *rows = n < 64 ? int(n) : 64;
 }
 
-}  // namespace hl::cuda::gdn
+}  // namespace hl::gdn::dev

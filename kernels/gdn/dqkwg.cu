@@ -23,12 +23,15 @@
 
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
-#include "gdn/gdn.h"
 #include "gdn/chunk.cuh"
 #include "gdn/dqkwg_sm90.h"
+#include "gdn/launch.h"
 #include "gdn/mma.cuh"
+#include "hl/gdn/facts.h"
 
-namespace hl::cuda::gdn {
+namespace hl::gdn::dev {
+using namespace hl::dev;  // the common device helpers (kernels/common)
+
 namespace {
 
 constexpr int kThreads = 256;
@@ -392,11 +395,11 @@ hl_status_t launch(Params p, int64_t heads_chunks, size_t smem, hl_stream_t stre
     return fail(HL_STATUS_NOT_SUPPORTED, "%zu bytes of shared memory needed, %d available",
                 smem, most);
   HL_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-  p.nsplit = p.KS > 1 && hl::cuda::code_arch() >= 90 ? p.KS : 1;  // one CTA per K slice, in one cluster
+  p.nsplit = p.KS > 1 && hl::dev::code_arch() >= 90 ? p.KS : 1;  // one CTA per K slice, in one cluster
   const int64_t blocks = heads_chunks * p.nsplit;  // < 2^31: checked with the arguments (gdn/api.cpp)
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg =
-      hl::cuda::cluster_launch(blocks, kThreads, smem, p.nsplit, static_cast<cudaStream_t>(stream), attr);
+      hl::dev::cluster_launch(blocks, kThreads, smem, p.nsplit, static_cast<cudaStream_t>(stream), attr);
   HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, p));
   HL_CUDA_TRY_LAUNCH();
   return HL_STATUS_SUCCESS;
@@ -438,31 +441,6 @@ chunk_table_kernel(const void *cu, bool cu64, int64_t n, int64_t T, int64_t *chu
 }
 
 }  // namespace
-}  // namespace hl::cuda::gdn
-
-namespace hl::gdn {
-using namespace hl::cuda::gdn;
-using hl::cuda::aligned16;
-using hl::cuda::aligned_to;
-
-size_t cuda_workspace_bytes(const hl_gdn_bwd_dqkwg_args_t &a) {
-  return a.cu_seqlens ? size_t(2 * (a.num_seqs + 1)) * sizeof(int64_t) : 0;
-}
-
-hl_status_t cuda_read_cu_seqlens(const hl_gdn_bwd_dqkwg_args_t &a, hl_stream_t stream, std::vector<int64_t> *cu) {
-  const size_t n = size_t(a.num_seqs + 1);
-  cu->resize(n);
-  if (a.cu_seqlens_dtype == HL_DTYPE_I64) {
-    HL_CUDA_TRY(cudaMemcpyAsync(cu->data(), a.cu_seqlens, n * 8, cudaMemcpyDeviceToHost, stream));
-    HL_CUDA_TRY(cudaStreamSynchronize(stream));
-    return HL_STATUS_SUCCESS;
-  }
-  std::vector<int32_t> c32(n);
-  HL_CUDA_TRY(cudaMemcpyAsync(c32.data(), a.cu_seqlens, n * 4, cudaMemcpyDeviceToHost, stream));
-  HL_CUDA_TRY(cudaStreamSynchronize(stream));
-  std::copy(c32.begin(), c32.end(), cu->begin());
-  return HL_STATUS_SUCCESS;
-}
 
 // The portable kernel (sm_80 and sm_90, every dtype and option).
 hl_status_t cuda_dqkwg_portable(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &table, int64_t chunks,
@@ -500,6 +478,31 @@ hl_status_t cuda_dqkwg_portable(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTab
                      : launch<__nv_bfloat16, __nv_bfloat16>(p, heads_chunks, smem, stream);
   return f32_state ? launch<__half, float>(p, heads_chunks, smem, stream)
                    : launch<__half, __half>(p, heads_chunks, smem, stream);
+}
+
+}  // namespace hl::gdn::dev
+
+// The entry points src/gdn/api.cpp calls.
+namespace hl::gdn {
+using namespace dev;
+
+size_t cuda_workspace_bytes(const hl_gdn_bwd_dqkwg_args_t &a) {
+  return a.cu_seqlens ? size_t(2 * (a.num_seqs + 1)) * sizeof(int64_t) : 0;
+}
+
+hl_status_t cuda_read_cu_seqlens(const hl_gdn_bwd_dqkwg_args_t &a, hl_stream_t stream, std::vector<int64_t> *cu) {
+  const size_t n = size_t(a.num_seqs + 1);
+  cu->resize(n);
+  if (a.cu_seqlens_dtype == HL_DTYPE_I64) {
+    HL_CUDA_TRY(cudaMemcpyAsync(cu->data(), a.cu_seqlens, n * 8, cudaMemcpyDeviceToHost, stream));
+    HL_CUDA_TRY(cudaStreamSynchronize(stream));
+    return HL_STATUS_SUCCESS;
+  }
+  std::vector<int32_t> c32(n);
+  HL_CUDA_TRY(cudaMemcpyAsync(c32.data(), a.cu_seqlens, n * 4, cudaMemcpyDeviceToHost, stream));
+  HL_CUDA_TRY(cudaStreamSynchronize(stream));
+  std::copy(c32.begin(), c32.end(), cu->begin());
+  return HL_STATUS_SUCCESS;
 }
 
 hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_t> &cu, int64_t chunks,

@@ -47,13 +47,15 @@
 #include "common/cp_async.cuh"
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
+#include "common/sm90/wgmma.cuh"
 #include "common/tensor_map.h"
 #include "gdn/dqkwg_sm90.h"
-#include "gdn/gdn.h"
 #include "gdn/mma.cuh"
-#include "gdn/wgmma.cuh"
+#include "hl/gdn/facts.h"
 
-namespace hl::cuda::gdn {
+namespace hl::gdn::dev {
+using namespace hl::dev;  // the common device helpers (kernels/common)
+
 namespace {
 
 constexpr int kConsumers = 384;               // three warpgroups
@@ -895,13 +897,8 @@ __global__ void __launch_bounds__(kThreads90, 1) dqkwg_sm90_kernel(const __grid_
 }
 
 }  // namespace
-}  // namespace hl::cuda::gdn
 
-namespace hl::gdn {
-using namespace hl::cuda::gdn;
-using hl::cuda::aligned16;
-using hl::cuda::encode_map;
-
+// The host side: launches and the choice of kernel (dqkwg.cu asks sm90_takes).
 namespace {
 
 constexpr const char *kFn = "gdn_bwd_dqkwg";
@@ -912,13 +909,13 @@ hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
   constexpr size_t smem = Layout<KH>::kSmem;
   // Once per device and shape: the shared-memory limit, and how many CTAs (or clusters of two)
   // are resident; 0 if the kernel cannot run.
-  static std::atomic<int> cache[2][hl::cuda::kMaxDevices];
-  const int units = hl::cuda::per_device(cache[p.nsplit - 1], [&](int) {
+  static std::atomic<int> cache[2][hl::dev::kMaxDevices];
+  const int units = hl::dev::per_device(cache[p.nsplit - 1], [&](int) {
     int n = 0;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) == cudaSuccess) {
       cudaLaunchAttribute probe_attr;
-      const cudaLaunchConfig_t probe = hl::cuda::cluster_launch(p.nsplit, kThreads90, smem, p.nsplit, nullptr, probe_attr);
-      if (p.nsplit == 1) n = hl::cuda::blocks_per_sm(kernel, kThreads90, smem) * hl::cuda::sm_count();
+      const cudaLaunchConfig_t probe = hl::dev::cluster_launch(p.nsplit, kThreads90, smem, p.nsplit, nullptr, probe_attr);
+      if (p.nsplit == 1) n = hl::dev::blocks_per_sm(kernel, kThreads90, smem) * hl::dev::sm_count();
       else if (cudaOccupancyMaxActiveClusters(&n, kernel, &probe) != cudaSuccess) n = 0;
     }
     if (n < 1) (void)cudaGetLastError(), n = 0;
@@ -928,7 +925,7 @@ hl_status_t launch_sm90(const Sm90Params &p, hl_stream_t stream) {
   cudaLaunchAttribute attr;
   const int64_t grid = std::min<int64_t>(units, p.items) * p.nsplit;
   const cudaLaunchConfig_t cfg =
-      hl::cuda::cluster_launch(grid, kThreads90, smem, p.nsplit, static_cast<cudaStream_t>(stream), attr);
+      hl::dev::cluster_launch(grid, kThreads90, smem, p.nsplit, static_cast<cudaStream_t>(stream), attr);
   HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, p));
   HL_CUDA_TRY_LAUNCH();
   return HL_STATUS_SUCCESS;
@@ -987,7 +984,7 @@ bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks) {
   for (const void *p : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.h, a.dh, a.dq, a.dk})
     if (!aligned16(p)) return false;
   if (a.dw && !(aligned16(a.dv) && aligned16(a.dw))) return false;
-  return hl::cuda::device_is_sm90() && hl::cuda::tensor_maps_available();
+  return hl::dev::device_is_sm90() && hl::dev::tensor_maps_available();
 #else
   (void)a, (void)chunks;
   return false;
@@ -1065,4 +1062,4 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   return launch_sm90<__half>(p, int(KH), vf, s32, odd, stream);
 }
 
-}  // namespace hl::gdn
+}  // namespace hl::gdn::dev

@@ -13,11 +13,11 @@
 #include "gdn/chunk.cuh"
 #include "headloss.h"
 
-namespace hl::gdn {
+namespace hl::gdn::dev {
 
 bool kernel_forced(const char *name);  // HEADLOSS_GDN_KERNEL is `name`
 bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks);
-hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const hl::cuda::gdn::ChunkTable &table,
+hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &table,
                             int64_t chunks, hl_stream_t stream);
 
-}  // namespace hl::gdn
+}  // namespace hl::gdn::dev

@@ -12,13 +12,14 @@
 #include "common/cp_async.cuh"
 #include "common/dtype.cuh"
 
-namespace hl::cuda::gdn {
+namespace hl::gdn::dev {
+using namespace hl::dev;  // the common device helpers (kernels/common)
 
 constexpr int kTile = 64;              // rows and columns of every shared tile
 constexpr int kLd = kTile + 8;         // row pitch in elements (144 bytes)
 constexpr int kTileElems = kTile * kLd;
 
-using hl::cuda::smem_addr;
+using hl::dev::smem_addr;
 
 // The lane, read so that the compiler cannot treat it (or what is computed from it) as known.
 __device__ __forceinline__ int lane_id() {
@@ -120,4 +121,4 @@ __device__ __forceinline__ void store_block(T *out, int64_t ld, int nr, int nc, 
     }
 }
 
-}  // namespace hl::cuda::gdn
+}  // namespace hl::gdn::dev

@@ -14,17 +14,19 @@
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
 #include "common/grid_dependency.cuh"
+#include "hl/loss/plan.h"
+#include "loss/cuda_plan.h"
 #include "loss/gemm.h"
 #include "loss/launch.h"
-#include "loss/loss.h"
 #include "loss/params.cuh"
 #include "loss/shifted.h"
+#include "loss/steps.h"
 #include "loss/sums.cuh"
 
 #include <cooperative_groups.h>
 
 namespace hl::loss {
-namespace cuda {
+namespace dev {
 namespace {
 
 namespace cg = cooperative_groups;
@@ -96,7 +98,7 @@ __device__ __forceinline__ void cta_rows(int64_t n, int64_t &lo, int64_t &hi) {
 }
 
 __global__ void __launch_bounds__(kPrepThreads, 16) prep_kernel(const PrepArgs a, PrepOut *out) {
-  hl::cuda::let_next_grid_start();
+  hl::dev::let_next_grid_start();
   __shared__ float wsum[kPrepThreads / 32];
   __shared__ long long wbad[kPrepThreads / 32];
   float w = 0.0f;
@@ -330,8 +332,8 @@ static void set_blocks(const hl_loss_plan_st &p, Phase phase, int64_t total, Gat
 static hl_status_t launch_rows(const CudaLaunch &c, const Params &k, cudaStream_t stream, bool early) {
   const int64_t clusters = std::min<int64_t>(k.rows, c.grid / c.cluster);
   cudaLaunchAttribute attr, attrs[2];
-  cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(clusters * c.cluster, kThreads, c.smem, c.cluster, stream, attr);
-  if (early) hl::cuda::allow_early_start(cfg, attrs);
+  cudaLaunchConfig_t cfg = hl::dev::cluster_launch(clusters * c.cluster, kThreads, c.smem, c.cluster, stream, attr);
+  if (early) hl::dev::allow_early_start(cfg, attrs);
   Params arg = k;
   void *args[] = {&arg};
   HL_CUDA_TRY(cudaLaunchKernelExC(&cfg, c.kernel, args));
@@ -347,12 +349,12 @@ static const CudaLaunch &pick_launch(const hl_loss_plan_st &p, const hl_loss_arg
   };
   const bool aligned = rows16(a.logits, a.logits_stride) &&
                        (!a.teacher_logits || rows16(a.teacher_logits, a.teacher_stride));
-  return aligned && p.cuda.bulk[phase].kernel ? p.cuda.bulk[phase] : p.cuda.phase[phase];
+  return aligned && p.cuda->bulk[phase].kernel ? p.cuda->bulk[phase] : p.cuda->phase[phase];
 }
 
 static int prep_cluster(const hl_loss_plan_st &p, int64_t rows) {
   const int64_t per = int64_t(kPrepThreads) * kPrepRowsPerThread;
-  return int(std::min<int64_t>(p.cuda.small_cluster, (rows + per - 1) / per));
+  return int(std::min<int64_t>(p.cuda->small_cluster, (rows + per - 1) / per));
 }
 
 // Launches the prep or reduce kernel: `ctas` CTAs in clusters of `cluster`.
@@ -360,16 +362,16 @@ template <class... Exp, class... Act>
 static hl_status_t launch_small(void (*kernel)(Exp...), int threads, int64_t ctas, int cluster,
                                 cudaStream_t stream, Act... args) {
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = hl::cuda::cluster_launch(ctas, threads, 0, cluster, stream, attr);
+  const cudaLaunchConfig_t cfg = hl::dev::cluster_launch(ctas, threads, 0, cluster, stream, attr);
   HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, args...));
   return HL_STATUS_SUCCESS;
 }
 
 // The prep kernel (D, first bad label), then unless the plan is unchecked one synchronisation
 // that checks the labels and, for a finish, the gathered blocks' headers.
-}  // namespace cuda
+}  // namespace dev
 
-hl_status_t cuda::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+hl_status_t dev::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                              Gathered g, void *workspace, cudaStream_t stream) {
   const void *gathered = g.stats;
   char *w = static_cast<char *>(workspace);
@@ -433,7 +435,7 @@ hl_status_t cuda::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_
   return g.middle ? check_blocks(fn, p, a.rows, middles.data(), true) : HL_STATUS_SUCCESS;
 }
 
-hl_status_t cuda::rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase,
+hl_status_t dev::rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase,
                            int64_t row0, int64_t total, Gathered gathered, void *block,
                            void *workspace, cudaStream_t stream, bool after_prep) {
   const CudaLaunch &c = pick_launch(p, a, phase);
@@ -442,17 +444,17 @@ hl_status_t cuda::rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Ph
   // The row counters are the prep kernel's to zero; a later chunk's launch zeroes them again.
   if (phase != kStats && !after_prep)
     HL_CUDA_TRY(cudaMemsetAsync(k.counters, 0, kMaxCluster * sizeof(unsigned), stream));
-  return launch_rows(c, k, stream, after_prep && p.cuda.early_start);
+  return launch_rows(c, k, stream, after_prep && p.cuda->early_start);
 }
 
-cuda::Params cuda::row_params(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace, int64_t row0,
+dev::Params dev::row_params(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace, int64_t row0,
                               int64_t total, Phase phase, Gathered gathered, void *block) {
   Params k = make_params(p, CudaLaunch{}, a, workspace, row0, total);
   set_blocks(p, phase, total, gathered, block, k);
   return k;
 }
 
-hl_status_t cuda::rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,
+hl_status_t dev::rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,
                            cudaStream_t stream) {
   if (!a.scalars) return HL_STATUS_SUCCESS;
   char *w = static_cast<char *>(workspace);
@@ -465,7 +467,7 @@ hl_status_t cuda::rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, vo
                       p.opt.scalars, a.scalars);
 }
 
-namespace cuda {
+namespace dev {
 namespace {
 
 // prep, rows (kWhole or kFinish), reduce; kMiddle: prep, rows into `block`.
@@ -478,7 +480,6 @@ hl_status_t run_loss(const char *fn, const hl_loss_plan_st &p, const hl_loss_arg
 }
 
 }  // namespace
-}  // namespace cuda
 
 // A block of no rows: the header alone (a pageable copy: staged before this returns).
 static hl_status_t write_header(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *block,
@@ -487,23 +488,25 @@ static hl_status_t write_header(const hl_loss_plan_st &p, const hl_loss_args_t &
   HL_CUDA_TRY(cudaMemcpyAsync(block, &h, sizeof h, cudaMemcpyHostToDevice, s));
   return HL_STATUS_SUCCESS;
 }
+}  // namespace dev
 
-hl_status_t cuda::zero_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, cudaStream_t stream) {
+hl_status_t dev::zero_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, cudaStream_t stream) {
   if (a.scalars) HL_CUDA_TRY(cudaMemsetAsync(a.scalars, 0, size_t(p.opt.scalars) * sizeof(float), stream));
   return HL_STATUS_SUCCESS;
 }
 
 hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
-  using namespace cuda;
+  using namespace dev;
   const hl_loss_plan_desc_t &d = p.desc;
   const bool grad = p.dlogits;
   // A sparse teacher's ids are kept as int columns of a slice.
   if (p.opt.distill == kDistillSparse && d.vocab > INT_MAX)
     return fail(HL_STATUS_NOT_SUPPORTED, "%s: a sparse teacher needs vocab <= %d on CUDA (vocab is %lld)",
                 fn, INT_MAX, (long long)d.vocab);
-  if (p.linear) HL_TRY(make_gemms(fn, d.weight_dtype, &p.gemms));
+  p.cuda.reset(new CudaPlan());
+  if (p.linear) HL_TRY(make_gemms(fn, d.weight_dtype, &p.cuda->gemms));
   // Fixed with the plan: the workspace a caller sized for it keeps fitting its calls.
-  p.cuda.shifted = shifted_plan(p);
+  p.cuda->shifted = shifted_plan(p);
   int dev = 0, optin = 0;
   HL_CUDA_TRY(cudaGetDevice(&dev));
   HL_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
@@ -512,10 +515,10 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   const auto bytes = [&](int cl) { return size_t(slice_cols(d.vocab, cl, vec)) * elt; };
   // The smallest cluster whose slices fit the target; Hopper clusters go to 8 CTAs portably and
   // 16 with the non-portable opt-in. A row too long for that is re-read from global memory.
-  const bool sm90 = hl::cuda::code_arch() >= 90;  // not major >= 9: a newer GPU runs the sm_80 code
+  const bool sm90 = hl::dev::code_arch() >= 90;  // not major >= 9: a newer GPU runs the sm_80 code
   const int max_cluster = sm90 ? kMaxCluster : 1;
-  p.cuda.small_cluster = sm90 ? kSmallCluster : 1;
-  p.cuda.early_start = sm90;
+  p.cuda->small_cluster = sm90 ? kSmallCluster : 1;
+  p.cuda->early_start = sm90;
   // The row kernel takes the most shared memory an SM has; an SM whose L1 / shared split suits a
   // kernel asking for less cannot host its CTAs, so prep asks for the same split to share SMs.
   HL_CUDA_TRY(cudaFuncSetAttribute(prep_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -536,11 +539,11 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
                                      int(cap_bytes)));
     if (c.cluster > 8)
       HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    c.grid = hl::cuda::clusters_resident(c.kernel, kThreads, c.smem, c.cluster) * c.cluster;  // 0: cannot run
+    c.grid = hl::dev::clusters_resident(c.kernel, kThreads, c.smem, c.cluster) * c.cluster;  // 0: cannot run
     return HL_STATUS_SUCCESS;
   };
   for (int ph = kWhole; ph < kPhases; ++ph) {
-    CudaLaunch &c = p.cuda.phase[ph];
+    CudaLaunch &c = p.cuda->phase[ph];
     c.kernel = pick(d.logits_dtype, ph, grad, p.opt.cap > 0, p.opt.distill);
     if (!c.kernel) continue;  // kMiddle: dense JSD's alone
     // The split's phases re-read the logits; a finish without a gradient has no columns to share.
@@ -554,7 +557,7 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
                   "%s: no cluster of %d CTAs with %zu bytes of shared memory fits this device (vocab "
                   "%lld)", fn, c.cluster, c.smem, (long long)d.vocab);
     // Bulk copies (Hopper): the whole-row shape, the slices kept in shared memory, where they fit.
-    CudaLaunch &b = p.cuda.bulk[ph];
+    CudaLaunch &b = p.cuda->bulk[ph];
     b.kernel = sm90 && keep_row && bytes(bc) <= size_t(kMaxChunks) * kChunkPacks * 16 &&
                        slices * bytes(bc) <= cap_bytes
                    ? pick_bulk(d.logits_dtype, ph, grad, p.opt.cap > 0, p.opt.distill) : nullptr;
@@ -569,59 +572,61 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   return HL_STATUS_SUCCESS;
 }
 
-size_t cuda_base_workspace(const hl_loss_plan_st &p, int64_t rows) {
+void cuda_plan_destroy(dev::CudaPlan *state) { delete state; }
+
+size_t dev::cuda_base_workspace(const hl_loss_plan_st &p, int64_t rows) {
   const size_t middles = p.exchanges == 2 ? sat_mul(size_t(p.desc.ranks), block_bytes(p, rows, true)) : 0;
-  return sat_add(cuda::middle_at(p, rows), middles);
+  return sat_add(dev::middle_at(p, rows), middles);
 }
 
 void cuda_workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes) {
-  if (p.linear) return cuda::linear_workspace(p, rows, min_bytes, fast_bytes);
-  *min_bytes = *fast_bytes = cuda_base_workspace(p, rows);
+  if (p.linear) return dev::linear_workspace(p, rows, min_bytes, fast_bytes);
+  *min_bytes = *fast_bytes = dev::cuda_base_workspace(p, rows);
 }
 
-void *cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace, bool middle) {
-  return static_cast<char *>(workspace) + (middle ? cuda::middle_at(p, rows) : cuda::gathered_at(p, rows));
+void *dev::cuda_gathered(const hl_loss_plan_st &p, int64_t rows, void *workspace, bool middle) {
+  return static_cast<char *>(workspace) + (middle ? dev::middle_at(p, rows) : dev::gathered_at(p, rows));
 }
 
 hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                          void *workspace, size_t workspace_bytes, hl_stream_t stream) {
   if (p.seq_stats) {  // the split with one rank, its blocks in the workspace
-    void *block = cuda_gathered(p, a.rows, workspace);
-    void *middle = p.exchanges == 2 ? cuda_gathered(p, a.rows, workspace, true) : nullptr;
+    void *block = dev::cuda_gathered(p, a.rows, workspace);
+    void *middle = p.exchanges == 2 ? dev::cuda_gathered(p, a.rows, workspace, true) : nullptr;
     HL_TRY(cuda_stats(fn, p, a, block, workspace, workspace_bytes, stream));
     if (middle) HL_TRY(cuda_middle(fn, p, a, block, middle, workspace, workspace_bytes, stream));
     return cuda_finish(fn, p, a, block, middle, workspace, workspace_bytes, stream);
   }
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (p.linear) return cuda::linear_run(fn, p, a, kWhole, nullptr, {}, workspace, workspace_bytes, s);
-  return cuda::run_loss(fn, p, a, kWhole, {}, nullptr, workspace, s);
+  if (p.linear) return dev::linear_run(fn, p, a, kWhole, nullptr, {}, workspace, workspace_bytes, s);
+  return dev::run_loss(fn, p, a, kWhole, {}, nullptr, workspace, s);
 }
 
 hl_status_t cuda_finish(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                         const void *gathered, const void *gathered_middle, void *workspace,
                         size_t workspace_bytes, hl_stream_t stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const cuda::Gathered g{gathered, gathered_middle};
-  if (p.linear) return cuda::linear_run(fn, p, a, kFinish, nullptr, g, workspace, workspace_bytes, s);
-  return cuda::run_loss(fn, p, a, kFinish, g, nullptr, workspace, s);
+  const dev::Gathered g{gathered, gathered_middle};
+  if (p.linear) return dev::linear_run(fn, p, a, kFinish, nullptr, g, workspace, workspace_bytes, s);
+  return dev::run_loss(fn, p, a, kFinish, g, nullptr, workspace, s);
 }
 
 hl_status_t cuda_middle(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                         const void *gathered, void *middle, void *workspace, size_t workspace_bytes,
                         hl_stream_t stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (a.rows == 0) return write_header(p, a, middle, true, s);
-  const cuda::Gathered g{gathered, nullptr};
-  if (p.linear) return cuda::linear_run(fn, p, a, kMiddle, middle, g, workspace, workspace_bytes, s);
-  return cuda::run_loss(fn, p, a, kMiddle, g, middle, workspace, s);
+  if (a.rows == 0) return dev::write_header(p, a, middle, true, s);
+  const dev::Gathered g{gathered, nullptr};
+  if (p.linear) return dev::linear_run(fn, p, a, kMiddle, middle, g, workspace, workspace_bytes, s);
+  return dev::run_loss(fn, p, a, kMiddle, g, middle, workspace, s);
 }
 
 hl_status_t cuda_stats(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a, void *block,
                        void *workspace, size_t workspace_bytes, hl_stream_t stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (a.rows == 0) return write_header(p, a, block, false, s);
-  if (p.linear) return cuda::linear_run(fn, p, a, kStats, block, {}, workspace, workspace_bytes, s);
-  return cuda::rows_run(p, a, kStats, 0, a.rows, {}, block, nullptr, s, false);
+  if (a.rows == 0) return dev::write_header(p, a, block, false, s);
+  if (p.linear) return dev::linear_run(fn, p, a, kStats, block, {}, workspace, workspace_bytes, s);
+  return dev::rows_run(p, a, kStats, 0, a.rows, {}, block, nullptr, s, false);
 }
 
 }  // namespace hl::loss

@@ -1,52 +1,42 @@
-// The loss plan's CUDA steps, shared by the logits form (launch.cu) and the fused linear form
-// (linear.cu), which runs a call's rows in chunks between rows_begin and rows_end.
+// The loss plan's CUDA backend as src/ sees it: the only header of kernels/loss/ that src/ includes
+// (CMake gives the host library this file alone). Plain C++ on the validated plan and arguments
+// (hl/loss/plan.h): no CUDA type crosses here. Defined in launch.cu and nccl.cpp.
 #pragma once
 
-#include <cuda_runtime.h>
-
+#include <cstddef>
 #include <cstdint>
 
-#include "loss/loss.h"
+#include "headloss.h"
+#include "hl/loss/plan.h"
 
-namespace hl::loss::cuda {
+namespace hl::loss {
 
-// The gathered blocks a phase reads (device memory): the statistics (kFinish, kMiddle), and dense
-// JSD's middle sums (its kFinish).
-struct Gathered {
-  const void *stats = nullptr, *middle = nullptr;
-};
+// Chooses the plan's kernels and launch shapes (and for the fused linear form makes its cuBLASLt
+// state) into p.cuda.
+hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p);
+// Releases what cuda_plan made (CudaPlanDeleter, src/loss/api.cpp).
+void cuda_plan_destroy(dev::CudaPlan *state);
+// hl_loss_plan_get_workspace_sizes on CUDA.
+void cuda_workspace_sizes(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes);
+hl_status_t cuda_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                         void *workspace, size_t workspace_bytes, hl_stream_t stream);
+// This rank's block (header and records) into device memory.
+hl_status_t cuda_stats(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                       void *block, void *workspace, size_t workspace_bytes, hl_stream_t stream);
+// Merges the gathered blocks (device memory) and runs the rest of the loss (dense JSD: with the
+// middle step's gathered blocks); checks the headers (check_blocks) and labels with one
+// synchronisation unless the plan is HL_LOSS_UNCHECKED.
+hl_status_t cuda_finish(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                        const void *gathered, const void *gathered_middle, void *workspace,
+                        size_t workspace_bytes, hl_stream_t stream);
+// Dense JSD's middle step: merges the gathered blocks and writes this rank's block of MidSums.
+hl_status_t cuda_middle(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                        const void *gathered, void *middle, void *workspace, size_t workspace_bytes,
+                        hl_stream_t stream);
+// stats, one in-place ncclAllGather of the blocks in the workspace (dense JSD: middle and a
+// second one of its blocks), finish; for the fused linear form then an in-place ncclAllReduce of
+// grad_hidden (nccl.cpp).
+hl_status_t nccl_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
+                         void *comm, void *workspace, size_t workspace_bytes, hl_stream_t stream);
 
-// The prep kernel over all of a call's rows (a.rows > 0): D and zeroed counters, and the rows'
-// sequence values where the plan has sequences; then, unless the plan is unchecked, one
-// synchronisation that checks the labels, cu_seqlens and the gathered blocks' headers.
-hl_status_t rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                       Gathered gathered, void *workspace, cudaStream_t stream);
-// The row kernel of `phase` over rows [row0, row0 + a.rows) of a call of `total` rows, whose
-// per-row pointers in `a` are already those rows'. block: kStats' and kMiddle's output; gathered:
-// kFinish's and kMiddle's input (every row's). after_prep: the prep kernel ran just before (it
-// zeroed the counters, and the row kernel may start early).
-hl_status_t rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase phase, int64_t row0,
-                     int64_t total, Gathered gathered, void *block, void *workspace,
-                     cudaStream_t stream, bool after_prep);
-// The reduce kernel: the scalars from the records of all of a call's rows (when a.scalars).
-hl_status_t rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,
-                     cudaStream_t stream);
-// The rows' sequence values (SeqValues) into out ([rows] seq_lr, then [rows] seq_roll), from the
-// inputs and, for GSPO, the gathered blocks (seq.cu).
-hl_status_t seq_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, const void *gathered,
-                    float *out, cudaStream_t stream);
-hl_status_t zero_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, cudaStream_t stream);
-// The row kernel's arguments for rows [row0, row0 + a.rows) of a call of `total` rows, without a
-// launch's specialisation: the per-row inputs and outputs, the records, D and the phase's blocks
-// (as rows_run's), for kernels that finish rows from statistics of their own (shifted.cu).
-struct Params;
-Params row_params(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace, int64_t row0,
-                  int64_t total, Phase phase, Gathered gathered, void *block);
-
-// The fused linear form (linear.cu).
-void linear_workspace(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes, size_t *fast_bytes);
-hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
-                       Phase phase, void *block, Gathered gathered, void *workspace,
-                       size_t workspace_bytes, cudaStream_t stream);
-
-}  // namespace hl::loss::cuda
+}  // namespace hl::loss

@@ -14,11 +14,12 @@
 #include <type_traits>
 
 #include "common/cuda_util.h"
+#include "loss/cuda_plan.h"
 #include "loss/gemm.h"
-#include "loss/launch.h"
 #include "loss/shifted.h"
+#include "loss/steps.h"
 
-namespace hl::loss::cuda {
+namespace hl::loss::dev {
 namespace {
 
 // The rows a chunk takes when the workspace allows, for a plan of one rank. Each chunk after the
@@ -46,7 +47,7 @@ Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes) {
   Layout L;
   L.ldz = int64_t(round_up(size_t(d.vocab), 16 / elt));
   L.ldt = d.teacher_hidden > 0 ? L.ldz : 0;
-  const bool shifted = p.cuda.shifted;  // room for its buffers (shifted.h), after the logits
+  const bool shifted = p.cuda->shifted;  // room for its buffers (shifted.h), after the logits
   L.row_bytes = size_t(L.ldz + L.ldt) * elt + (shifted ? shifted_row_bytes(p) : 0);
   L.gemm = round_up(cuda_base_workspace(p, rows), 256);  // saturated sizes stay so (refused)
   L.logits = sat_add(L.gemm, kGemmWorkspace);
@@ -107,7 +108,7 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
                        Phase phase, void *block, Gathered gathered, void *workspace,
                        size_t workspace_bytes, cudaStream_t stream) {
   const hl_loss_plan_desc_t &d = p.desc;
-  Gemms &g = *p.gemms;
+  Gemms &g = *p.cuda->gemms;
   int dev = 0;
   HL_CUDA_TRY(cudaGetDevice(&dev));
   if (dev != gemms_device(g))
@@ -127,7 +128,7 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   char *w = static_cast<char *>(workspace);
   void *gemm_ws = w + L.gemm, *z = w + L.logits, *t = w + L.teacher;
   ShiftedBuffers sb{};
-  const bool shifted = p.cuda.shifted && phase != kMiddle && shifted_call(a);
+  const bool shifted = p.cuda->shifted && phase != kMiddle && shifted_call(a);
   if (shifted) {  // E where the logits chunk would be, its buffers after it
     sb.e = z, sb.lde = L.ldz;
     shifted_buffers(p, L.chunk, w, L.teacher, &sb);
@@ -168,4 +169,4 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   return writes_outputs(phase) ? rows_end(p, a, workspace, stream) : HL_STATUS_SUCCESS;
 }
 
-}  // namespace hl::loss::cuda
+}  // namespace hl::loss::dev

@@ -3,9 +3,9 @@
 
 #include <cstdint>
 
-#include "loss/loss.h"
+#include "hl/loss/plan.h"
 
-namespace hl::loss::cuda {
+namespace hl::loss::dev {
 
 constexpr int kThreads = 256;
 // The bulk-copy kernels stream a slice through shared memory in chunks of kChunkPacks 16-byte
@@ -67,4 +67,4 @@ const void *pick_row_kernel(int phase, bool grad, bool cap, int distill);  // nu
 template <class T>
 const void *pick_bulk_kernel(int phase, bool grad, bool cap, int distill);
 
-}  // namespace hl::loss::cuda
+}  // namespace hl::loss::dev

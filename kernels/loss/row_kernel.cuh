@@ -39,17 +39,17 @@
 #include "loss/params.cuh"
 #include "loss/sums.cuh"
 
-namespace hl::loss::cuda {
+namespace hl::loss::dev {
 
 // Distillation modes that read dense teacher logits (a sparse teacher's k logits are gathered).
 template <int DISTILL>
 constexpr bool kDenseTeacher = DISTILL == kDistillFwd || DISTILL == kDistillRev || DISTILL == kDistillJsd;
 
-using hl::cuda::Pack;
-using hl::cuda::to_float;
-using hl::cuda::from_float;
+using hl::dev::Pack;
+using hl::dev::to_float;
+using hl::dev::from_float;
 
-using hl::cuda::ex2;
+using hl::dev::ex2;
 __device__ __forceinline__ float fast_exp(float x) { return ex2(x * kLog2e); }
 // The column loops' exponential and log for row_math.h (its LibMath is libm's): one MUFU
 // instruction each (lg2.approx: ~2^-22 absolute error).
@@ -271,7 +271,7 @@ __device__ __forceinline__ RowStats<float> block_merge(RowStats<float> st, Merge
 // VEC columns of a row as one 16-byte pack when aligned, else element by element.
 template <class T, int VEC>
 __device__ __forceinline__ Pack<T, VEC> load_cols(const T *p, bool aligned) {
-  if (aligned) return hl::cuda::load_pack<T, VEC>(p);
+  if (aligned) return hl::dev::load_pack<T, VEC>(p);
   Pack<T, VEC> r;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) r.v[k] = p[k];
@@ -290,8 +290,8 @@ __device__ __forceinline__ void store_grad(G *p, const float (&g)[VEC], bool ali
     if (acc) out = load_cols<G, W>(p + h, aligned);
 #pragma unroll
     for (int k = 0; k < W; ++k) f[k] = acc ? to_float(out.v[k]) + g[h + k] : g[h + k];
-    hl::cuda::from_floats<G, W>(f, out.v);
-    if (aligned) hl::cuda::store_pack<G, W>(p + h, out);
+    hl::dev::from_floats<G, W>(f, out.v);
+    if (aligned) hl::dev::store_pack<G, W>(p + h, out);
     else
 #pragma unroll
       for (int k = 0; k < W; ++k) p[h + k] = out.v[k];
@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   constexpr bool JSD = DISTILL == kDistillJsd, SPARSE = DISTILL == kDistillSparse;
   static_assert(PHASE != kMiddle || JSD, "the middle step is dense JSD's");
   // The bulk kernels are launched where code_arch() >= 90 alone: empty in an sm_80 pass.
-  if constexpr (BULK && !hl::cuda::kClusterCode) return;
+  if constexpr (BULK && !hl::dev::kClusterCode) return;
   // kFinish and kMiddle read the ranks' merged records instead of pass 1.
   constexpr bool MERGED = PHASE == kFinish || PHASE == kMiddle;
   constexpr int VEC = 16 / sizeof(T);
@@ -477,13 +477,13 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   const auto zval = [&](float x, float &t) { return RAW ? x : zhat<CAP>(x, o, t); };
   // A pack's columns as z values (see zval).
   const auto unpack = [&](const Pack<T, VEC> &raw, float (&zz)[VEC], float (&tt)[VEC]) {
-    hl::cuda::to_floats(raw, zz);
+    hl::dev::to_floats(raw, zz);
     if (!RAW)
 #pragma unroll
       for (int k = 0; k < VEC; ++k) zz[k] = zhat<CAP>(zz[k], o, tt[k]);
   };
   const auto unpack_teacher = [&](const Pack<T, VEC> &raw, float (&vv)[VEC]) {  // v = teacher / tau_t
-    hl::cuda::to_floats(raw, vv);
+    hl::dev::to_floats(raw, vv);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) vv[k] *= o.inv_tt;
   };
@@ -500,18 +500,18 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   const auto request = [&](int64_t row, int c) {  // BULK, one thread: chunk c of a row's slice
     const int64_t i0 = c * chunk, n = min(chunk, nvec - i0);
     const uint32_t bytes = uint32_t(n * 16);
-    hl::cuda::mbar_expect_tx(&full[c], kDenseTeacher<DISTILL> ? 2 * bytes : bytes);
-    hl::cuda::bulk_copy(slice_smem + i0, slice_of(row) + i0 * VEC, bytes, &full[c]);
-    if (kDenseTeacher<DISTILL>) hl::cuda::bulk_copy(teacher_smem + i0, teacher_of(row) + i0 * VEC, bytes, &full[c]);
+    hl::dev::mbar_expect_tx(&full[c], kDenseTeacher<DISTILL> ? 2 * bytes : bytes);
+    hl::dev::bulk_copy(slice_smem + i0, slice_of(row) + i0 * VEC, bytes, &full[c]);
+    if (kDenseTeacher<DISTILL>) hl::dev::bulk_copy(teacher_smem + i0, teacher_of(row) + i0 * VEC, bytes, &full[c]);
   };
 #if __CUDA_ARCH__ >= 900
   if (csize > 1) {
     if (tid == 0) {
-      hl::cuda::mbar_init(&mail_full[0], 1);
-      hl::cuda::mbar_init(&mail_full[1], 1);
-      hl::cuda::mbar_init(&next_full[0], 1);
-      hl::cuda::mbar_init(&next_full[1], 1);
-      if (JSD) hl::cuda::mbar_init(&jmail_full[0], 1), hl::cuda::mbar_init(&jmail_full[1], 1);
+      hl::dev::mbar_init(&mail_full[0], 1);
+      hl::dev::mbar_init(&mail_full[1], 1);
+      hl::dev::mbar_init(&next_full[0], 1);
+      hl::dev::mbar_init(&next_full[1], 1);
+      if (JSD) hl::dev::mbar_init(&jmail_full[0], 1), hl::dev::mbar_init(&jmail_full[1], 1);
     }
     cluster.sync();  // every peer's barriers are initialised before the first record arrives
   }
@@ -519,8 +519,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   if (BULK) {
     if (tid == 0) {
       for (int c = 0; c < nchunks; ++c) {
-        hl::cuda::mbar_init(&full[c], 1);
-        hl::cuda::mbar_init(&empty[c], kThreads);
+        hl::dev::mbar_init(&full[c], 1);
+        hl::dev::mbar_init(&empty[c], kThreads);
       }
       if (first < p.rows)
         for (int c = 0; c < nchunks; ++c) request(first, c);
@@ -555,8 +555,8 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
             ::cuda::ptx::st_async(reinterpret_cast<uint32_t *>(cluster.map_shared_rank(&next_mail[parity][0], c)),
                                   {uint32_t(nxt), uint32_t(uint64_t(nxt) >> 32), 0u, 0u},
                                   cluster.map_shared_rank(&next_full[parity], c));
-        hl::cuda::mbar_expect_tx(&next_full[parity], 16);
-        hl::cuda::mbar_wait(&next_full[parity], uint32_t(it >> 1) & 1);
+        hl::dev::mbar_expect_tx(&next_full[parity], 16);
+        hl::dev::mbar_wait(&next_full[parity], uint32_t(it >> 1) & 1);
         nxt = next_mail[parity][0];
       }
 #endif
@@ -567,11 +567,11 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     // racecheck can follow (with lane 0 arriving for its warp it reported every pass-1 read).
     const auto release = [&](int c) {
       if (!BULK) return;
-      hl::cuda::mbar_arrive(&empty[c]);
+      hl::dev::mbar_arrive(&empty[c]);
       if (tid == 0) {  // nxt read by thread 0 alone (volatile: not hoisted out of the branch)
         const int64_t n = *static_cast<volatile long long *>(&nxt);
         if (n < p.rows) {
-          hl::cuda::mbar_wait(&empty[c], phase);
+          hl::dev::mbar_wait(&empty[c], phase);
           request(n, c);
         }
       }
@@ -646,7 +646,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
           apack = -1;
         };
         for (int c = 0; c < nchunks; ++c) {
-          hl::cuda::mbar_wait(&full[c], phase);
+          hl::dev::mbar_wait(&full[c], phase);
           const Idx end = Idx(min(nvec, (c + 1) * chunk));
 #pragma unroll 4
           for (Idx i = Idx(c * chunk) + tid; i < end; i += kThreads) {
@@ -702,13 +702,13 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
 #if __CUDA_ARCH__ >= 900
     if (csize > 1) {
       if (tid == 0) {
-        hl::cuda::mbar_expect_tx(&mail_full[parity], uint32_t(csize * kRecordBytes<DISTILL>));
+        hl::dev::mbar_expect_tx(&mail_full[parity], uint32_t(csize * kRecordBytes<DISTILL>));
         post_to_cluster<kRecordBytes<DISTILL> / 16>(st, &mail[parity][0], &mail_full[parity], rank, csize);
       }
       // Warp 0 merges the cluster's records as a tree: every CTA the same records in the same
       // order (deterministic).
       if (tid < 32) {
-        hl::cuda::mbar_wait(&mail_full[parity], uint32_t(it >> 1) & 1);
+        hl::dev::mbar_wait(&mail_full[parity], uint32_t(it >> 1) & 1);
         all = tid < csize ? mail[parity][tid] : empty_stats<float>();
         all = warp_tree_merge<DISTILL>(all, csize, o.inv_ts);
       }
@@ -754,9 +754,9 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       part = block_sum(part, dsum_part);
 #if __CUDA_ARCH__ >= 900
       if (JSD && csize > 1 && tid == 0) {  // the cluster's sums, added in rank order by every CTA
-        hl::cuda::mbar_expect_tx(&jmail_full[parity], uint32_t(csize * sizeof part));
+        hl::dev::mbar_expect_tx(&jmail_full[parity], uint32_t(csize * sizeof part));
         post_to_cluster<1>(part, &jmail[parity][0], &jmail_full[parity], rank, csize);
-        hl::cuda::mbar_wait(&jmail_full[parity], uint32_t(it >> 1) & 1);
+        hl::dev::mbar_wait(&jmail_full[parity], uint32_t(it >> 1) & 1);
         part = jmail[parity][0];
         for (int c = 1; c < csize; ++c) part = add(part, jmail[parity][c]);
       }
@@ -771,7 +771,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       if (PHASE == kStats) {
         if (rank == 0) write_record<DISTILL>(p, r, all);
       } else {
-      hl::cuda::wait_for_previous_grid();  // the prep kernel's kd and counters (launch_rows: early)
+      hl::dev::wait_for_previous_grid();  // the prep kernel's kd and counters (launch_rows: early)
       if (PHASE != kMiddle) row = finish_row(all, in, o, p.prep->kd, JSD || SPARSE ? &dx : nullptr);
       next_sh = nxt;
       if (takes_rows) taken = atomicAdd(next_counter, 1u);  // stored after the barrier: no wait here
@@ -820,7 +820,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
         // fast: aligned stores that do not accumulate; form_c: the row's GradForm.
         const auto columns = [&](auto fast, auto form_c) {
           for (int c = 0; c < nchunks; ++c) {
-            if (BULK && PHASE == kFinish) hl::cuda::mbar_wait(&full[c], phase);
+            if (BULK && PHASE == kFinish) hl::dev::mbar_wait(&full[c], phase);
             const Idx end = Idx(min(nvec, (c + 1) * chunk));
             for_packs(Idx(c * chunk), end, [&](Idx i, const V &raw, const V &traw) {
               unpack(raw, z, t);
@@ -942,4 +942,4 @@ const void *pick_bulk_kernel(int phase, bool grad, bool cap, int distill) {
              : K(row_kernel<T, false, false, kDistillNone, kWhole, true>);
 }
 
-}  // namespace hl::loss::cuda
+}  // namespace hl::loss::dev

@@ -1,7 +1,7 @@
 // Row kernels for __nv_bfloat16 logits (one file per dtype so that they compile in parallel).
 #include "loss/row_kernel.cuh"
 
-namespace hl::loss::cuda {
+namespace hl::loss::dev {
 template const void *pick_row_kernel<__nv_bfloat16>(int phase, bool grad, bool cap, int distill);
 template const void *pick_bulk_kernel<__nv_bfloat16>(int phase, bool grad, bool cap, int distill);
-}  // namespace hl::loss::cuda
+}  // namespace hl::loss::dev

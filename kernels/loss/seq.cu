@@ -6,10 +6,10 @@
 #include <cstddef>
 
 #include "common/cuda_util.h"
-#include "loss/launch.h"
 #include "loss/params.cuh"
+#include "loss/steps.h"
 
-namespace hl::loss::cuda {
+namespace hl::loss::dev {
 namespace {
 
 constexpr int kSeqThreads = 256;
@@ -101,4 +101,4 @@ hl_status_t seq_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, const voi
   return HL_STATUS_SUCCESS;
 }
 
-}  // namespace hl::loss::cuda
+}  // namespace hl::loss::dev

@@ -16,16 +16,16 @@
 #include "loss/shifted_logits_sm90.cuh"
 #include "loss/sums.cuh"
 
-namespace hl::loss::cuda {
+namespace hl::loss::dev {
 namespace {
 
 using sm90::TileStats;
 using bf16 = __nv_bfloat16;
-using hl::cuda::from_floats;
-using hl::cuda::load_pack;
-using hl::cuda::Pack;
-using hl::cuda::store_pack;
-using hl::cuda::to_floats;
+using hl::dev::from_floats;
+using hl::dev::load_pack;
+using hl::dev::Pack;
+using hl::dev::store_pack;
+using hl::dev::to_floats;
 constexpr int kRowWarps = 8;  // rows a CTA of the row kernels, a warp a row
 
 int64_t tiles_of(int64_t n, int64_t tile) { return (n + tile - 1) / tile; }
@@ -174,13 +174,13 @@ __global__ void scale_rows_kernel(const float *d32, const float *alpha, T *out, 
                                   int64_t H, bool accumulate, bool vec) {
   const auto put = [&](T *o, const float *v, int n) {
     float w[4];
-    for (int j = 0; j < n; ++j) w[j] = accumulate ? hl::cuda::to_float(o[j]) + v[j] : v[j];
+    for (int j = 0; j < n; ++j) w[j] = accumulate ? hl::dev::to_float(o[j]) + v[j] : v[j];
     if (n == 4) {
       Pack<T, 4> p;
       from_floats<T, 4>(w, p.v);
       store_pack(o, p);
     } else {
-      o[0] = hl::cuda::from_float<T>(w[0]);
+      o[0] = hl::dev::from_float<T>(w[0]);
     }
   };
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -206,7 +206,7 @@ __global__ void scale_rows_kernel(const float *d32, const float *alpha, T *out, 
 hl_status_t map(const char *fn, CUtensorMap *m, const void *base, int64_t inner, int64_t rows, int64_t ld,
                 uint32_t box_rows) {
   const uint64_t s = uint64_t(ld) * 2;
-  return hl::cuda::encode_map(fn, m, HL_DTYPE_BF16, base, uint64_t(inner), uint64_t(rows), 1, s, s * uint64_t(rows),
+  return hl::dev::encode_map(fn, m, HL_DTYPE_BF16, base, uint64_t(inner), uint64_t(rows), 1, s, s * uint64_t(rows),
                               64, box_rows, 1);
 }
 
@@ -228,9 +228,9 @@ bool shifted_plan(const hl_loss_plan_st &p) {
 }
 
 bool shifted_call(const hl_loss_args_t &a) {
-  return a.rows < INT32_MAX && hl::cuda::aligned16(a.hidden) && hl::cuda::aligned16(a.weight) &&
-         a.hidden_stride % 8 == 0 && a.weight_stride % 8 == 0 && hl::cuda::device_is_sm90() &&
-         hl::cuda::tensor_maps_available();
+  return a.rows < INT32_MAX && hl::dev::aligned16(a.hidden) && hl::dev::aligned16(a.weight) &&
+         a.hidden_stride % 8 == 0 && a.weight_stride % 8 == 0 && hl::dev::device_is_sm90() &&
+         hl::dev::tensor_maps_available();
 }
 
 size_t shifted_row_bytes(const hl_loss_plan_st &p) {
@@ -274,8 +274,8 @@ hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, co
     P.tiles_m = int(tiles_of(n, sm90::kBM)), P.tiles_n = int(tiles_of(V, sm90::kBN));
     // Row blocks a group: the group's rows of X (~16 MB) stay in L2 while it runs over W.
     P.group_m = int(std::clamp<int64_t>((int64_t(16) << 20) / (int64_t(sm90::kBM) * H * 2), 1, P.tiles_m));
-    const int grid = int(std::min<int64_t>(hl::cuda::sm_count(), int64_t(P.tiles_m) * P.tiles_n));
-    hl::cuda::allow_smem(sm90::shifted_logits_kernel, sm90::kSmem);
+    const int grid = int(std::min<int64_t>(hl::dev::sm_count(), int64_t(P.tiles_m) * P.tiles_n));
+    hl::dev::allow_smem(sm90::shifted_logits_kernel, sm90::kSmem);
     // The first pass at the first shift; rows outside its window again at their own max.
     HL_CUDA_TRY(cudaMemsetAsync(b.redo, 0, size_t(P.tiles_m), stream));
     sm90::shifted_logits_kernel<<<grid, sm90::kThreads, sm90::kSmem, stream>>>(P);
@@ -306,10 +306,10 @@ hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, co
   if (grad_hidden) {
     HL_TRY(run_gemm(fn, g, {false, false, H, n, V, c.weight, c.weight_stride, b.e, b.lde, b.d32, H, HL_DTYPE_F32,
                             false}, gemm_ws, stream));
-    const int64_t ctas = std::min<int64_t>(n, int64_t(hl::cuda::sm_count()) * 16);
+    const int64_t ctas = std::min<int64_t>(n, int64_t(hl::dev::sm_count()) * 16);
     const bool acc = d.grad_hidden_mode == HL_LOSS_GRAD_ACCUMULATE;
     const size_t elt = dtype_size(d.grad_hidden_dtype);
-    const bool vec = H % 4 == 0 && c.grad_hidden_stride % 4 == 0 && hl::cuda::aligned_to(grad_hidden, 4 * elt);
+    const bool vec = H % 4 == 0 && c.grad_hidden_stride % 4 == 0 && hl::dev::aligned_to(grad_hidden, 4 * elt);
     if (d.grad_hidden_dtype == HL_DTYPE_F32)
       scale_rows_kernel<<<ctas, 256, 0, stream>>>(b.d32, b.alpha, static_cast<float *>(grad_hidden),
                                                   c.grad_hidden_stride, n, H, acc, vec);
@@ -321,4 +321,4 @@ hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, co
   return HL_STATUS_SUCCESS;
 }
 
-}  // namespace hl::loss::cuda
+}  // namespace hl::loss::dev

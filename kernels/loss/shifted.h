@@ -10,15 +10,15 @@
 
 #include <cstdint>
 
+#include "hl/loss/plan.h"
 #include "loss/gemm.h"
-#include "loss/launch.h"
-#include "loss/loss.h"
+#include "loss/steps.h"
 
-namespace hl::loss::cuda {
+namespace hl::loss::dev {
 
 // Whether the plan's terms and options have the shifted path's gradient form (and the library
 // holds its kernel); HEADLOSS_LINEAR_PATH=rows turns it off (tests, A/B timing). Read when a plan is
-// created (hl_loss_plan_st::cuda.shifted).
+// created (CudaPlan::shifted, cuda_plan.h).
 bool shifted_plan(const hl_loss_plan_st &p);
 // Whether this call can take it: a 9.0 device, hidden and weight 16-byte aligned with row strides
 // of multiples of 8 elements.
@@ -53,4 +53,4 @@ hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, co
                           void *block, void *grad_hidden, void *grad_weight, bool accumulate_weight,
                           const ShiftedBuffers &b, void *gemm_ws, void *workspace, cudaStream_t stream);
 
-}  // namespace hl::loss::cuda
+}  // namespace hl::loss::dev

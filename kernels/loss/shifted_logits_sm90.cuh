@@ -23,9 +23,9 @@
 
 #include "common/bulk_copy.cuh"
 #include "common/fast_math.cuh"
-#include "gdn/wgmma.cuh"
+#include "common/sm90/wgmma.cuh"
 
-namespace hl::loss::cuda::sm90 {
+namespace hl::loss::dev::sm90 {
 
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
@@ -114,7 +114,7 @@ __device__ __forceinline__ void shifted_epilogue(const ShiftedParams &P, const f
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         const float z = acc[j][2 * h + q], t = fmaf(z, k2, -shift2[h]);  // log2(e)
-        e2[q] = hl::cuda::ex2(t);
+        e2[q] = hl::dev::ex2(t);
         if (!EDGE || c0 + 8 * j + q < P.N) {
           s += e2[q], b = fmaf(e2[q], t, b);
           if (z > mx) mx = z, ai = 8 * j + q;  // columns ascend: the first maximum stays
@@ -144,27 +144,26 @@ __device__ __forceinline__ void store_tile(const ShiftedParams &P, const uint32_
                                            unsigned char *staging, int lane) {
   const int wg = (int(threadIdx.x) - 128) / 128, wt = threadIdx.x % 128, row0 = 16 * (wt / 32) + lane / 4;
   unsigned char *tile = staging + wg * (kBM / 2) * kBN * 2;
-  if (wt == 0) hl::cuda::bulk_wait_all<true>();  // the previous tile's stores have read the staging tile
-  hl::cuda::named_barrier(1 + wg, 128);
+  if (wt == 0) hl::dev::bulk_wait_all<true>();  // the previous tile's stores have read the staging tile
+  hl::dev::named_barrier(1 + wg, 128);
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int j = 0; j < 32; ++j)
       *reinterpret_cast<uint32_t *>(tile + (j / 8) * 8192 + (row0 + 8 * h) * 128 + ((j % 8) ^ (lane / 4)) * 16 +
                                     (lane % 4) * 4) = pk[h][j];
-  hl::cuda::fence_proxy_async();
-  hl::cuda::named_barrier(1 + wg, 128);
+  hl::dev::fence_proxy_async();
+  hl::dev::named_barrier(1 + wg, 128);
   if (wt == 0) {
-    for (int b = 0; b < 4; ++b) hl::cuda::tma_store_3d(&P.e, tile + b * 8192, n0 + 64 * b, m0, 0);
-    hl::cuda::bulk_commit();
+    for (int b = 0; b < 4; ++b) hl::dev::tma_store_3d(&P.e, tile + b * 8192, n0 + 64 * b, m0, 0);
+    hl::dev::bulk_commit();
   }
 }
 #endif  // HL_SHIFTED_LOGITS_CODE
 
 __global__ void __launch_bounds__(kThreads, 1) shifted_logits_kernel(const __grid_constant__ ShiftedParams P) {
 #if HL_SHIFTED_LOGITS_CODE
-  using namespace hl::cuda;
-  using namespace hl::cuda::gdn;
+  using namespace hl::dev;
   extern __shared__ unsigned char smem_raw[];
   unsigned char *sm = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   // full: the stage's bytes landed; empty: the 8 consumer warps are done with it
@@ -253,4 +252,4 @@ __global__ void __launch_bounds__(kThreads, 1) shifted_logits_kernel(const __gri
 #endif
 }
 
-}  // namespace hl::loss::cuda::sm90
+}  // namespace hl::loss::dev::sm90

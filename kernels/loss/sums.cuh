@@ -8,7 +8,7 @@
 
 #include "loss/params.cuh"
 
-namespace hl::loss::cuda {
+namespace hl::loss::dev {
 
 // The weighted sums of the record fields, then ratio min / max and advantage min / max (rows with
 // w > 0).
@@ -92,4 +92,4 @@ __device__ __forceinline__ void store_floats(float *dst, const float *src) {
                                                        k + 2 < N ? src[k + 2] : 0.0f, k + 3 < N ? src[k + 3] : 0.0f);
 }
 
-}  // namespace hl::loss::cuda
+}  // namespace hl::loss::dev

@@ -2,7 +2,7 @@
 // kernels are in bwd.cuh, compiled per x dtype in bwd_<dtype>.cu.
 #include "rmsnorm/bwd.cuh"
 
-namespace hl::rmsnorm {
+namespace hl::rmsnorm::dev {
 
 // dw from the partial rows: a block of 1024 threads a 32-column tile.
 __global__ void __launch_bounds__(1024) rmsnorm_dw_reduce(const float *partial, int64_t parts, int64_t cols,
@@ -11,6 +11,12 @@ __global__ void __launch_bounds__(1024) rmsnorm_dw_reduce(const float *partial, 
   wait_for_previous_grid();
   reduce_dw<1024>(partial, parts, cols, dw, dt, blockIdx.x, gridDim.x, acc);
 }
+
+}  // namespace hl::rmsnorm::dev
+
+// The entry points src/rmsnorm/api.cpp calls.
+namespace hl::rmsnorm {
+using namespace dev;
 
 size_t cuda_bwd_workspace_bytes(const hl_rmsnorm_bwd_args_t &a) {
   size_t bytes = 0;

@@ -15,9 +15,9 @@
 #include "common/cuda_util.h"
 #include "common/grid_dependency.cuh"
 #include "rmsnorm/common.cuh"
-#include "rmsnorm/rmsnorm.h"
+#include "rmsnorm/launch.h"
 
-namespace hl::rmsnorm {
+namespace hl::rmsnorm::dev {
 
 // dw from the partial rows (defined in bwd.cu, once for every x dtype).
 __global__ void rmsnorm_dw_reduce(const float *partial, int64_t parts, int64_t cols, void *dw, hl_dtype_t dt);
@@ -583,4 +583,4 @@ extern template hl_status_t bwd_x<float>(const hl_rmsnorm_bwd_args_t &, hl_strea
 extern template hl_status_t bwd_x<__half>(const hl_rmsnorm_bwd_args_t &, hl_stream_t);
 extern template hl_status_t bwd_x<__nv_bfloat16>(const hl_rmsnorm_bwd_args_t &, hl_stream_t);
 
-}  // namespace hl::rmsnorm
+}  // namespace hl::rmsnorm::dev

@@ -9,8 +9,8 @@
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
 
-namespace hl::rmsnorm {
-using namespace hl::cuda;
+namespace hl::rmsnorm::dev {
+using namespace hl::dev;
 
 // offset + w[col] as the casting mode uses it (rounded to x's dtype in NONE mode); 1 without a
 // weight. Read once per thread and kept in registers across rows.
@@ -276,4 +276,4 @@ inline bool rows_aligned(const void *p, int64_t stride, size_t elem, size_t byte
   return !p || (reinterpret_cast<uintptr_t>(p) % bytes == 0 && (uint64_t(stride) * elem) % bytes == 0);
 }
 
-}  // namespace hl::rmsnorm
+}  // namespace hl::rmsnorm::dev

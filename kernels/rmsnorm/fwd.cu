@@ -2,7 +2,9 @@
 // fwd_<dtype>.cu.
 #include "rmsnorm/fwd.cuh"
 
+// The entry point src/rmsnorm/api.cpp calls.
 namespace hl::rmsnorm {
+using namespace dev;
 
 hl_status_t cuda_fwd(const hl_rmsnorm_fwd_args_t &a, hl_stream_t stream) {
   const FwdParams p{a.rows, a.cols, a.x, a.x_stride, a.residual, a.residual_stride,

@@ -10,9 +10,9 @@
 
 #include "common/cuda_util.h"
 #include "rmsnorm/common.cuh"
-#include "rmsnorm/rmsnorm.h"
+#include "rmsnorm/launch.h"
 
-namespace hl::rmsnorm {
+namespace hl::rmsnorm::dev {
 
 struct FwdParams {
   int64_t rows, cols;
@@ -273,4 +273,4 @@ extern template hl_status_t fwd_x<float>(const FwdParams &, hl_dtype_t, hl_strea
 extern template hl_status_t fwd_x<__half>(const FwdParams &, hl_dtype_t, hl_stream_t);
 extern template hl_status_t fwd_x<__nv_bfloat16>(const FwdParams &, hl_dtype_t, hl_stream_t);
 
-}  // namespace hl::rmsnorm
+}  // namespace hl::rmsnorm::dev

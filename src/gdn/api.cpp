@@ -4,9 +4,10 @@
 #include <utility>
 #include <vector>
 
-#include "../common.h"
-#include "../cpu/scalar.h"
+#include "common.h"
+#include "cpu/scalar.h"
 #include "gdn.h"
+#include "kernels/gdn/launch.h"
 
 namespace hl::gdn {
 namespace {

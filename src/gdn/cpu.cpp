@@ -4,7 +4,7 @@
 #include <cmath>
 #include <vector>
 
-#include "../cpu/scalar.h"
+#include "cpu/scalar.h"
 #include "gdn.h"
 
 namespace hl::gdn {

@@ -8,8 +8,9 @@
 #include <utility>
 #include <vector>
 
-#include "../common.h"
-#include "../cpu/scalar.h"
+#include "common.h"
+#include "cpu/scalar.h"
+#include "kernels/loss/launch.h"
 #include "loss.h"
 
 namespace hl::loss {
@@ -689,6 +690,14 @@ hl_status_t check_topk_row(const char *fn, const hl_loss_plan_st &p, int64_t i, 
     return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_topk_ids row %lld holds id %lld twice (the "
                 "rest bucket needs distinct ids)", fn, (long long)i, (long long)*dup);
   return HL_STATUS_SUCCESS;
+}
+
+void CudaPlanDeleter::operator()(dev::CudaPlan *state) const {
+#if HL_HAVE_CUDA
+  cuda_plan_destroy(state);
+#else
+  (void)state;  // a build without CUDA makes no CUDA plan
+#endif
 }
 
 size_t record_bytes(const hl_loss_plan_st &p) {

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <vector>
 
-#include "../cpu/scalar.h"
+#include "cpu/scalar.h"
 #include "loss.h"
 
 namespace hl::loss {

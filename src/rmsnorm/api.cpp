@@ -1,7 +1,8 @@
 // rmsnorm_fwd / rmsnorm_bwd entry points: validate everything, then hand over to a backend.
 #include <cmath>
 
-#include "../common.h"
+#include "common.h"
+#include "kernels/rmsnorm/launch.h"
 #include "rmsnorm.h"
 
 namespace hl::rmsnorm {

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <vector>
 
-#include "../cpu/scalar.h"
+#include "cpu/scalar.h"
 #include "rmsnorm.h"
 
 namespace hl::rmsnorm {

@@ -2,15 +2,18 @@
 // step and a second one), finish (and for the fused linear form an in-place ncclAllReduce of
 // grad_hidden), on the caller's communicator and stream. NCCL is loaded at run time (dlopen), so the library needs it neither to
 // build nor to load; only this call does.
-#if HL_HAVE_CUDA
 #include <cuda_runtime.h>
 
-#include "../common.h"
-#include "../dynlib.h"
 #include "common/cuda_util.h"
-#include "loss.h"
+#include "common/dynlib.h"
+#include "hl/loss/plan.h"
+#include "hl/status.h"
+#include "loss/launch.h"
+#include "loss/steps.h"
 
-namespace hl::loss {
+namespace hl::loss::dev {
+using namespace hl::dev;  // dynlib.h
+
 namespace {
 
 // The NCCL entry points used, with nccl.h's ABI: results are ints (0: ncclSuccess), ncclUint8 is 1.
@@ -44,6 +47,7 @@ const Nccl &nccl() {
 }
 
 }  // namespace
+}  // namespace hl::loss::dev
 
 #define HL_NCCL_TRY(call)                                                                      \
   do {                                                                                         \
@@ -52,6 +56,9 @@ const Nccl &nccl() {
       return fail(HL_STATUS_NCCL_ERROR, "%s: %s failed: %s (%d)", fn, #call,                   \
                   n.error_string(hl_nccl_r_), hl_nccl_r_);                                    \
   } while (0)
+
+namespace hl::loss {
+using namespace dev;
 
 hl_status_t nccl_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
                          void *comm, void *workspace, size_t workspace_bytes, hl_stream_t stream) {
@@ -96,4 +103,3 @@ hl_status_t nccl_execute(const char *fn, const hl_loss_plan_st &p, const hl_loss
 }
 
 }  // namespace hl::loss
-#endif  // HL_HAVE_CUDA

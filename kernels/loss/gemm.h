@@ -1,10 +1,9 @@
-// The fused linear form's matrix products on cuBLASLt, loaded at run time (dynlib.h). One Gemms
+// The fused linear form's matrix products on cuBLASLt, loaded at run time (common/dynlib.h). One Gemms
 // object per plan: its handle, and the algorithm of each product shape chosen once (among the
 // heuristic's deterministic answers, split-K only with fp32 partials in the workspace: its first,
 // or a tile measured faster for the product's form; gemm.cpp's preferred()).
 #pragma once
 
-#if HL_HAVE_CUDA
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -12,7 +11,7 @@
 
 #include "headloss.h"
 
-namespace hl::loss {
+namespace hl::loss::dev {
 
 // D = op(A) op(B) (+ D), column-major as cuBLASLt sees it: op(A) is m x k, op(B) k x n, D m x n.
 // A and B share the plan's operand dtype; accumulation is fp32.
@@ -42,5 +41,4 @@ hl_status_t run_gemm(const char *fn, Gemms &g, const GemmCall &c, void *workspac
 // The cuBLASLt workspace each product may use.
 constexpr size_t kGemmWorkspace = size_t(32) << 20;
 
-}  // namespace hl::loss
-#endif
+}  // namespace hl::loss::dev

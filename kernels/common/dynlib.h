@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-namespace hl {
+namespace hl::dev {
 
 // Why a library is unusable (empty while it is usable).
 struct DynlibError {
@@ -34,4 +34,4 @@ bool bind(void *lib, const char *name, F &f, DynlibError &err) {
   return f != nullptr;
 }
 
-}  // namespace hl
+}  // namespace hl::dev

@@ -1,16 +1,17 @@
 // cuBLASLt, loaded at run time; the product shapes' algorithms, chosen once per plan.
-#if HL_HAVE_CUDA
-#include "gemm.h"
+#include "loss/gemm.h"
 
 #include <cublasLt.h>
 
 #include <mutex>
 #include <vector>
 
-#include "../common.h"
-#include "../dynlib.h"
+#include "common/dynlib.h"
+#include "hl/status.h"
 
-namespace hl::loss {
+namespace hl::loss::dev {
+using namespace hl::dev;  // dynlib.h
+
 namespace {
 
 // The cuBLASLt entry points used (cublasLt.h's declarations give their types).
@@ -225,5 +226,4 @@ hl_status_t run_gemm(const char *fn, Gemms &g, const GemmCall &c, void *workspac
   return HL_STATUS_SUCCESS;
 }
 
-}  // namespace hl::loss
-#endif  // HL_HAVE_CUDA
+}  // namespace hl::loss::dev

@@ -10,7 +10,7 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 
-namespace hl::cuda::gdn {
+namespace hl::dev {
 
 // Matrix descriptor of a K-major, 128-byte swizzled operand starting at p (shared memory):
 // 8-row groups 1024 bytes apart. Adding 2 moves it 16 elements (32 bytes) along K.
@@ -118,4 +118,4 @@ HL_WGMMA_128(__half, "f16")
 #undef HL_WGMMA_64
 #undef HL_WGMMA_128
 
-}  // namespace hl::cuda::gdn
+}  // namespace hl::dev
