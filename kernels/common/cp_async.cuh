@@ -14,7 +14,7 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_b
 }
 // BYTES (4, 8 or 16) global -> shared, zeros instead when !valid (src must still be an address).
 // PF256 (4 or 8 bytes): L2 fetches the 256 bytes around src from memory at once, a hint for rows read in
-// many small copies, which otherwise wait on memory a sector at a time (bench/NOTES.md "GDN v21").
+// many small copies, which otherwise wait on memory a sector at a time (bench/notes/gdn.md "GDN v21").
 template <int BYTES, bool PF256 = false>
 __device__ __forceinline__ void cp_async_bytes(void *dst, const void *src, bool valid) {
   static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");

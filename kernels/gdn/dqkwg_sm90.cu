@@ -266,7 +266,7 @@ __device__ __forceinline__ void copy_via_registers(unsigned char *dst, int t, Un
 // wholly in or out), zeros elsewhere (safe: any readable address, given for those). A thread's rows are
 // r0 + 8 o + kStep u (kStep = 8 or 4 divides 8): its swizzled offsets and source addresses step by constants,
 // set up once, ~8 instructions a copy (recomputed per row they took ~15-20, and the producer warpgroup was the
-// limit where everything is copied by hand: bench/NOTES.md "GDN v18"). The copies wait on memory, not on their
+// limit where everything is copied by hand: bench/notes/gdn.md "GDN v18"). The copies wait on memory, not on their
 // issue: each asks L2 for the 256 bytes around it (4.6-6% off the 15-head rows on the H100, "GDN v21").
 template <int W>
 __device__ __forceinline__ void copy_box(unsigned char *dst, const unsigned short *src, int64_t ld, int rlo, int rhi,
@@ -306,7 +306,7 @@ __device__ __forceinline__ void hand_box(unsigned char *dst, const unsigned shor
 }
 
 // Odd K or V: 2-byte pieces, out of line (inlined at both call sites it grows the kernel by ~900
-// instructions; the ODD kernels' size is what costs, bench/NOTES.md "GDN v14").
+// instructions; the ODD kernels' size is what costs, bench/notes/gdn.md "GDN v14").
 [[maybe_unused]] __device__ __noinline__ void hand_box_2byte(unsigned char *dst, const unsigned short *src, int64_t ld,
                                                              int n, int nc, int t) {
   hand_box<1>(dst, src, ld, n, nc, t);
@@ -394,7 +394,7 @@ __device__ __forceinline__ void hand_states(const Sm90Params &P, unsigned char *
 // of warp 12 arrives on a stage's full barrier, after its gate writes: the consumers read the gates
 // once the pass's first stage has landed. With fp32 states (S32) all four warps also convert h and
 // dh into the slot and arrive. (No L2 prefetch of the next pass's states: a bulk prefetch a pass
-// ahead cost 13% there, 1.104 -> 0.957 ms without it; bench/NOTES.md "GDN v10".)
+// ahead cost 13% there, 1.104 -> 0.957 ms without it; bench/notes/gdn.md "GDN v10".)
 // ODD: all four warps walk the stages and arrive once a warp (5 arrivals with lane 0's expect_tx);
 // with hand states or hand do, v, dv each thread also copies its part (and arrives once its cp.async
 // copies land, once after its stores through registers: P.stage_async, stage_regs); hand q, k are the
@@ -620,7 +620,7 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 // head a q/k head; otherwise (dw with GVA; q, k by hand: ld = H K not a multiple of 8) rows start 4- or
 // 8-byte aligned for even K. The 16-byte pieces wholly inside [lo, nc) are stored in the widest stores
 // their address allows, the partial ones at both ends element by element (one small loop: the ODD
-// kernels' size is what costs, bench/NOTES.md).
+// kernels' size is what costs, bench/notes/gdn.md).
 template <class T, int KH, int ODD>
 __device__ __forceinline__ void store_rows(T *out, int64_t ld, int nr, int lo, int nc, const float (&acc)[KH / 8][4],
                                            float mul, int m0, T *stage, int lane) {
@@ -1055,7 +1055,7 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
   p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;
   // ODD = 1 for K or V not a multiple of 8; 2 where pieces under 4 bytes are copied (kernels of their own:
-  // that code in every ODD kernel slowed those that never run it by 4-14%, bench/NOTES.md "GDN v17")
+  // that code in every ODD kernel slowed those that never run it by 4-14%, bench/notes/gdn.md "GDN v17")
   const bool narrow = (hand_qk && p.qw == 1) || (hand_v && p.vw == 1) || (s32 && p.sw < 4);
   const int odd = narrow ? 2 : a.K % 8 || a.V % 8 ? 1 : 0;
   if (a.dtype == HL_DTYPE_BF16) return launch_sm90<__nv_bfloat16>(p, int(KH), vf, s32, odd, stream);

@@ -131,7 +131,7 @@ int algo_attr(const cublasLtMatmulAlgo_t &a, cublasLtMatmulAlgoConfigAttributes_
 
 // Which answer to take: the first, but where the heuristic also offers a tile that measured faster
 // for the product's form (H100, cuBLAS 13.0, every candidate timed at the bench shapes by
-// bench/experiments/lt_algos.cu; bench/NOTES.md "cuBLASLt's answers"; all gave the same bits):
+// bench/experiments/lt_algos.cu; bench/notes/linear.md "cuBLASLt's answers"; all gave the same bits):
 // - logits = W X^T (A transposed): 176 x 128, then 168 x 128, 5-7% faster than the first (320 x 128);
 // - grad_weight (+)= G^T X (B transposed): 128 x 160 where m (the hidden size) <= 4096, else 256 x 128,
 //   3-8% faster than the first (320 x 128, 192 x 192).

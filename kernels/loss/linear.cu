@@ -24,7 +24,7 @@ namespace {
 
 // The rows a chunk takes when the workspace allows, for a plan of one rank. Each chunk after the
 // first reads and writes grad_weight once more (its product adds to it): at c rows a chunk that
-// costs about 50 / c of the three products' time (H100, bf16; bench/NOTES.md "Fused linear"), so
+// costs about 50 / c of the three products' time (H100, bf16; bench/notes/linear.md "Fused linear"), so
 // 1.3% here, and more rows buy little for their memory.
 constexpr int64_t kFastRows = 4096;
 

@@ -10,7 +10,7 @@
 // BULK (sm_90, 16-byte aligned rows; no sparse teacher; a dense teacher only in the whole-row
 // step, its slice beside the student's): the slice is not loaded through registers but copied
 // into shared memory by bulk copies, so the whole slice is in flight at once (1.23x faster at
-// 8192 x 128256 than kBatch register loads; dense JSD 1.4x; see bench/NOTES.md). The slice streams in
+// 8192 x 128256 than kBatch register loads; dense JSD 1.4x; see bench/notes/loss.md). The slice streams in
 // chunks, each with a `full` barrier (landed) and an `empty` one (the row's last pass has read
 // it): the next row's chunk is requested as soon as it is free, so its load overlaps this row's
 // gradient pass, and pass 1 starts on the first chunk that lands.
@@ -530,7 +530,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   // Rows: a cluster takes its first two in grid order, then the next free one from a counter, so
   // that clusters on SMs that get less memory bandwidth take fewer rows and all finish within
   // about a row of each other (with rows in grid order the first cluster finished at 2/3 of the
-  // kernel's time; bench/NOTES.md "Loss v7"). Thread 0 knows the row after the current one (nxt)
+  // kernel's time; bench/notes/loss.md "Loss v7"). Thread 0 knows the row after the current one (nxt)
   // from the row's start, for its bulk requests; the one after that (after) is taken at the
   // row's finish, and its round trip hides behind pass 2. kWhole: rank 0 takes rows and hands
   // them to its peers (next_mail); kFinish: the CTAs of a cluster do not talk, each takes rows

@@ -6,7 +6,7 @@
 // With one shift per row over the whole vocabulary, the loss's gradient G = p cp + [v = y] cy
 // (row_math.h's form without entropy, smoothing or distillation) is diag(alpha) E with alpha_r =
 // cp exp(shift_r - lse_r) once the label's element is patched, so dX and dW run as plain products
-// on E (bench/NOTES.md "Fused linear + loss"). The logits themselves are never stored.
+// on E (bench/notes/linear.md "Fused linear + loss"). The logits themselves are never stored.
 //
 // Persistent CTAs of 384 threads over 128 x 256 tiles, M fastest within groups of row blocks whose X
 // stays in L2 while the group runs over W (so a wave shares W's tiles, and X is read from memory once);

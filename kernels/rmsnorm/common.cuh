@@ -191,7 +191,7 @@ __device__ __forceinline__ void prefetch_rows(const void *base, int64_t stride, 
 // In the backward (a persistent grid), blocks of up to 256 threads keep the weight in registers
 // across the rows they visit; larger blocks, and the forward, read it per row from L1. One table
 // per direction (the backward holds x and dy and sums dw); the choices are measured on H100
-// (bench/NOTES.md).
+// (bench/notes/rmsnorm.md).
 struct Shape {
   int tpr, vpt, rows_at_once, block;
   bool staged = false;  // (backward) the next rows load through Staging
@@ -233,7 +233,7 @@ struct Shapes {
       // 32768: 106 us in clusters of 2, 111 reading the row twice, 96.6 so; the fused residual
       // spills 60-100 bytes there). Longer rows span a cluster of blocks, up to 8 (the portable
       // most): 128K bf16 columns in the forward, 64K in the backward, where 4 packs a thread
-      // spill (bench/NOTES.md, "RMSNorm v9": forward 1024 x 65536 140 -> 119 us, 512 x 131072 153
+      // spill (bench/notes/rmsnorm.md, "RMSNorm v9": forward 1024 x 65536 140 -> 119 us, 512 x 131072 153
       // -> 124; backward 2048 x 32768 268 -> 231, 1024 x 65536 255 -> 241).
       {BWD ? 512 : 1024, BWD ? 2 : 4, 1, BWD ? 512 : 1024, false, 0, BWD ? 4 : 1},
       {512, BWD ? 2 : 4, 1, 512, false, 0, BWD ? 8 : 4, !BWD},  // <= 8192 packs (64K)

@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_rows(const FwdParams p) {
 
 // One block per row group, not a persistent grid of SMs x occupancy blocks: the block scheduler
 // then overlaps one block's reduction and stores with the next one's loads (83-89% -> 90-97% of
-// the copy bandwidth on H100, bench/NOTES.md). `blocks` row groups, each a block or a cluster.
+// the copy bandwidth on H100, bench/notes/rmsnorm.md). `blocks` row groups, each a block or a cluster.
 template <class Kernel>
 hl_status_t launch(Kernel kernel, int block, int64_t blocks, const FwdParams &p, hl_stream_t stream,
                    int cluster = 1) {
