@@ -30,6 +30,10 @@ hl_status_t check_finite(const char *fn, const char *arg, float v) {
   return HL_STATUS_SUCCESS;
 }
 
+// Defaults that the validation of an option that is off must recognise too (HL_LOSS_PLAN_DESC_INIT
+// spells them out).
+constexpr float kRolloutCap = 2.0f, kJsdBeta = 0.5f;
+
 // A field of a group, for the checks that a group is absent: its name and whether it is set.
 struct Field {
   const char *name;
@@ -140,7 +144,8 @@ hl_status_t validate_sequence_options(const char *fn, hl_loss_plan_desc_t &d, Op
   const bool correct = d.rollout_correction != HL_LOSS_ROLLOUT_NONE;
   // Without a correction its options must be off: 0, or the value 0 stands for (spelled out by
   // HL_LOSS_PLAN_DESC_INIT), not a setting that would silently do nothing.
-  if (!correct && (d.rollout_level || (d.rollout_cap != 0.0f && d.rollout_cap != 2.0f) || d.rollout_floor != 0.0f))
+  const bool cap_set = d.rollout_cap != 0.0f && d.rollout_cap != kRolloutCap;
+  if (!correct && (d.rollout_level || cap_set || d.rollout_floor != 0.0f))
     return fail(HL_STATUS_INVALID_VALUE, "%s: rollout_level / rollout_cap / rollout_floor are set "
                 "but rollout_correction is NONE", fn);
   if (correct && !(d.terms & (HL_LOSS_GRPO | HL_LOSS_CISPO)))
@@ -155,7 +160,7 @@ hl_status_t validate_sequence_options(const char *fn, hl_loss_plan_desc_t &d, Op
     return fail(HL_STATUS_INVALID_VALUE, wants ? "%s: a sequence-level ratio_level or rollout_level "
                 "needs sequences: set cu_seqlens_dtype (I32 or I64)" : "%s: cu_seqlens_dtype is set "
                 "but no option is sequence-level (ratio_level, rollout_level)", fn);
-  HL_TRY(positive_or_default(fn, "rollout_cap", d.rollout_cap, 2.0f, &o.rollout_cap));
+  HL_TRY(positive_or_default(fn, "rollout_cap", d.rollout_cap, kRolloutCap, &o.rollout_cap));
   HL_TRY(check_finite(fn, "rollout_floor", d.rollout_floor));
   o.rollout_floor = d.rollout_floor == 0.0f ? 1.0f / o.rollout_cap : d.rollout_floor;
   if (d.rollout_floor < 0.0f || o.rollout_floor >= o.rollout_cap)
@@ -172,13 +177,13 @@ hl_status_t validate_sequence_options(const char *fn, hl_loss_plan_desc_t &d, Op
 hl_status_t validate_distill_desc(const char *fn, const hl_loss_plan_desc_t &d, float tt, Options &o) {
   const bool jsd = d.terms & HL_LOSS_DISTILL_JSD;
   HL_TRY(check_finite(fn, "jsd_beta", d.jsd_beta));
-  if (!jsd && d.jsd_beta != 0.0f && d.jsd_beta != 0.5f)  // 0.5: the default spelled out
+  if (!jsd && d.jsd_beta != 0.0f && d.jsd_beta != kJsdBeta)
     return fail(HL_STATUS_INVALID_VALUE, "%s: jsd_beta is %g but the plan has no HL_LOSS_DISTILL_JSD",
                 fn, double(d.jsd_beta));
   if (d.jsd_beta < 0.0f || d.jsd_beta > 1.0f)
     return fail(HL_STATUS_INVALID_VALUE, "%s: jsd_beta is %g; must be in (0, 1] (0: the default 0.5; "
                 "forward KL is HL_LOSS_DISTILL_FWD)", fn, double(d.jsd_beta));
-  o.jsd_beta = !jsd ? 0.0f : d.jsd_beta == 0.0f ? 0.5f : d.jsd_beta;
+  o.jsd_beta = !jsd ? 0.0f : d.jsd_beta == 0.0f ? kJsdBeta : d.jsd_beta;
   o.divergence = (d.terms & HL_LOSS_DISTILL_FWD) ? kDistillFwd
                  : (d.terms & HL_LOSS_DISTILL_REV) || (jsd && o.jsd_beta == 1.0f) ? kDistillRev
                  : jsd ? kDistillJsd : kDistillNone;
