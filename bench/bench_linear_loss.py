@@ -43,7 +43,8 @@ RL_OPTS = dict(z_weight=1e-4, kl_ref_beta=0.04)
 class Direct:
     """One linear plan with its arguments and outputs built once: the timed call is the C call."""
 
-    def __init__(self, x, w, labels, terms, *, extra=None, chunk=None, gw_dtype=None, tokens=False, **opts):
+    def __init__(self, x, w, labels, terms, *, extra=None, chunk=None, nbytes=None, gw_dtype=None, tokens=False,
+                 **opts):
         N, H = x.shape
         V = w.shape[0]
         self.plan = hloss.LinearLossPlan(V, H, "bfloat16", terms=terms, device="cuda", check=False,
@@ -65,7 +66,7 @@ class Direct:
         self.args = a
         lo, hi = self.plan.workspace_sizes(N)
         row = (V * 2 + 15) // 16 * 16
-        self.nbytes = hi if chunk is None else lo + (min(chunk, N) - 1) * row  # lo holds one row
+        self.nbytes = nbytes or (hi if chunk is None else lo + (min(chunk, N) - 1) * row)  # lo holds one row
         self.ws = torch.empty(self.nbytes // 4 + 4, device="cuda")
 
     def __call__(self):  # on the current stream (a graph capture's, when capturing)
@@ -165,12 +166,62 @@ def peak_memory(N, H, V, y, x, w, peer_fns) -> tuple:
     return bound, mem
 
 
+def matched_memory(N, H, V, y, x, w, peer_name, peer_fn, iters) -> str:
+    """A table row: the largest workspace that keeps headloss's peak at or below the peer's, and
+    the times (forward + backward) of headloss there, at MEM_WORKSPACE and at fast_bytes, of the
+    peer and of the three products, all in one run. headloss's peak is its gradients plus the
+    workspace (the bound above), so the workspace that matches is the peer's peak less those."""
+    xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    run = fwd_bwd(peer_fn, xr, wr, y)
+    run()
+    peer_peak = peak_extra_gib(run, xr, wr)
+    peer_ms = median_ms(run, warmup=1, iters=iters)
+    del xr, wr, run
+    torch.cuda.empty_cache()
+    plan = hloss.LinearLossPlan(V, H, "bfloat16", terms=("ce",), device="cuda", check=False)
+    lo, hi = plan.workspace_sizes(N)
+    grads = (x.numel() + w.numel()) * 2
+    fit = int(peer_peak * 2**30) - grads
+    ours = {}
+    if fit >= lo:
+        cap = min(fit, MEM_WORKSPACE) // 256 * 256
+        capped = lambda x, w, y: torch_ops.linear_loss(x, w, y, check=False, max_workspace_bytes=cap)[0]  # noqa: E731
+        xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        run = fwd_bwd(capped, xr, wr, y)
+        run()
+        ours["peak"] = peak_extra_gib(run, xr, wr)
+        del xr, wr, run
+        torch.cuda.empty_cache()
+        ours["matched"] = Direct(x, w, y, ("ce",), nbytes=cap)
+    ours["cap"] = Direct(x, w, y, ("ce",), nbytes=min(hi, max(lo, MEM_WORKSPACE)))
+    ours["fast"] = Direct(x, w, y, ("ce",))
+    z = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(N, V, device="cuda").to(torch.bfloat16)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+
+    def products():
+        torch.matmul(x, w.T, out=z)
+        torch.matmul(g, w, out=dx)
+        torch.matmul(g.T, x, out=dw)
+    fns = {k: v for k, v in ours.items() if k in ("matched", "cap", "fast")}
+    t = interleaved_ms({"floor": products, **fns}, warmup=1, iters=iters)
+    del z, g, dx, dw, fns
+    ours.pop("matched", None), ours.pop("cap"), ours.pop("fast")
+    torch.cuda.empty_cache()
+    f = lambda k: f"{t[k]:.2f} ({t[k] / t['floor']:.2f}x)" if k in t else "n/a"  # noqa: E731
+    matched = f"{cap / 2**20:.1f} MiB: {ours['peak']:.3f} GiB, {f('matched')}" if "peak" in ours else \
+        f"below min_bytes ({lo / 2**20:.1f} MiB)"
+    return (f"| {N} x {H} x {V} | {peer_peak:.3f} GiB, {peer_ms:.2f} ms ({peer_ms / t['floor']:.2f}x) | {matched} | "
+            f"{f('cap')} | {f('fast')} | {t['floor']:.2f} |")
+
+
 def memory_table(args):
     peer_fns = {} if args.no_peers else peers()
     lines = [header() + f"; headloss {headloss.version()}; bf16 hidden and weight; peak device memory above the "
              "inputs during one forward + backward through each library's PyTorch front end (GiB)", "",
              "| N x H x V | headloss (torch_ops.linear_loss, 256 MiB workspace) | " + " | ".join(peer_fns) +
              " | headloss's bound: grad_hidden + grad_weight + workspace |", "|" + "---|" * (3 + len(peer_fns))]
+    matched = []
     for shape in args.shapes.split(","):
         N, H, V = map(int, shape.split("x"))
         x = torch.randn(N, H, device="cuda").to(torch.bfloat16)
@@ -181,8 +232,19 @@ def memory_table(args):
         lines.append(f"| {N} x {H} x {V} | " + " | ".join("n/a" if m is None else f"{m:.3f}" for m in mem) +
                      f" | {bound:.3f} |")
         print(lines[-1], flush=True)
+        if args.matched in peer_fns:
+            matched.append(matched_memory(N, H, V, y, x, w, args.matched, peer_fns[args.matched], args.iters))
+            print(matched[-1], flush=True)
         del x, w, y
         torch.cuda.empty_cache()
+    if matched:
+        lines += ["", f"At {args.matched}'s memory: the largest workspace (at most 256 MiB) under which headloss's "
+                  f"peak stays at or below {args.matched}'s, and the forward + backward times (ms; x the three "
+                  "products) of both, of headloss at the 256 MiB workspace and at fast_bytes, and of the products, "
+                  "in one run (headloss's times of the C call with that workspace; the peer's through its module):",
+                  "", f"| N x H x V | {args.matched}: peak, time | headloss at that memory: workspace, peak, time | "
+                  "headloss, 256 MiB workspace | headloss, fast_bytes | 3 products (ms) |",
+                  "|---|---|---|---|---|---|"] + matched
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
 
@@ -198,6 +260,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="kernel times of the floor and headloss (first shape)")
     ap.add_argument("--graphs", action="store_true", help="also time the floor and headloss CE from CUDA graphs")
     ap.add_argument("--memory-only", action="store_true", help="the peak-memory comparison alone (no timing)")
+    ap.add_argument("--matched", default=None, metavar="PEER",
+                    help="with --memory-only: also headloss at PEER's memory (e.g. 'Liger FLCE'), both timed")
     args = ap.parse_args()
     if args.memory_only:
         return memory_table(args)

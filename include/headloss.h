@@ -664,8 +664,9 @@ typedef struct {
  * store, no rounding between the products: the reference.
  *
  * Workspace. The CUDA linear form runs chunks of as many rows as the workspace holds: any size
- * from min_bytes (hl_loss_plan_get_workspace_sizes) works, and up to fast_bytes more is faster
- * (fewer passes over grad_weight).
+ * from min_bytes (hl_loss_plan_get_workspace_sizes: one row) works, and up to fast_bytes more is
+ * faster (fewer passes over grad_weight). Below fast_bytes an eighth of what passes one row (at
+ * most 32 MiB) goes to cuBLASLt's own workspace, whose split-K algorithms it enables.
  *
  * Tensor parallelism: W sharded by vocabulary rows (vocab = the shard's rows, vocab_start etc. as
  * for logits); the same stats / gather / finish protocol, one all-gather for the loss. Give stats

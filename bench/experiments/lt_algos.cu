@@ -2,7 +2,7 @@
 // heuristic's first answer (what kernels/loss/gemm.cpp takes) is the fastest at a chunk's shape.
 //   dw c V H: grad_weight (+)= E^T (alpha X), K = c rows, bf16 out; the time with beta 0 and beta 1
 //   dx c V H: E W with an fp32 output, K = V
-// Each algorithm's configuration (tile, stages, split-K, swizzle, cluster) and its median time; split-K only
+// Each algorithm's configuration (tile, stages, split-K, swizzle, cluster), the workspace it asks for and its median time; split-K only
 // with fp32 partials (the library's reduction mask).
 //   nvcc -std=c++17 -O3 -arch=sm_90a -o /tmp/lt_algos bench/experiments/lt_algos.cu -lcublasLt
 //   /tmp/lt_algos dw 4096 128256 4096 dw 8192 128256 4096 dx 4096 128256 4096
@@ -131,7 +131,8 @@ int main(int argc, char **argv) {
         }
     const double flops = 2.0 * m * n * k;
     std::printf("\n%s c=%ld V=%ld H=%ld (m %ld n %ld k %ld): %d algorithms\n| # | algo id | tile | stages | split-k | "
-                "swizzle | cluster | ms (beta 0) | TFLOP/s | ms (beta 1) | words unlike #0 |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+                "swizzle | cluster | workspace KiB | ms (beta 0) | TFLOP/s | ms (beta 1) | words unlike #0 |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|\n",
                 argv[i], c, V, H, m, n, k, found);
     for (int j = 0; j < found; ++j) {
       auto med = [&](int b) {
@@ -140,11 +141,11 @@ int main(int argc, char **argv) {
         std::sort(v.begin(), v.end());
         return v[v.size() / 2];
       };
-      std::printf("| %d | %d | %d | %d | %d | %d | %d | %.3f | %.0f | %.3f | %llu |\n", j,
+      std::printf("| %d | %d | %d | %d | %d | %d | %d | %zu | %.3f | %.0f | %.3f | %llu |\n", j,
                   cfg<int>(r[j].algo, CUBLASLT_ALGO_CONFIG_ID), cfg<int>(r[j].algo, CUBLASLT_ALGO_CONFIG_TILE_ID),
                   cfg<int>(r[j].algo, CUBLASLT_ALGO_CONFIG_STAGES_ID), cfg<int>(r[j].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
                   cfg<int>(r[j].algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
-                  cfg<int>(r[j].algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID), med(0), flops / med(0) * 1e-9,
+                  cfg<int>(r[j].algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID), r[j].workspaceSize >> 10, med(0), flops / med(0) * 1e-9,
                   dw ? med(1) : 0.f, diff[j]);
     }
     cublasLtMatmulPreferenceDestroy(pref);

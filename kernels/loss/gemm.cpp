@@ -74,10 +74,11 @@ struct Shape {
   int64_t m, n, k, lda, ldb, ldd;
   hl_dtype_t d_dtype;
   uint32_t align_a, align_b, align_d;
+  size_t ws;  // the workspace the algorithm may use
   bool operator==(const Shape &o) const {
     return ta == o.ta && tb == o.tb && m == o.m && n == o.n && k == o.k && lda == o.lda &&
            ldb == o.ldb && ldd == o.ldd && d_dtype == o.d_dtype && align_a == o.align_a &&
-           align_b == o.align_b && align_d == o.align_d;
+           align_b == o.align_b && align_d == o.align_d && ws == o.ws;
   }
 };
 
@@ -167,7 +168,7 @@ hl_status_t prepare(const char *fn, Gemms &g, const Shape &s, Prepared &p) {
     cublasLtMatmulPreference_t p;
     ~Release() { lt().pref_destroy(p); }
   } release{pref};
-  const size_t ws = kGemmWorkspace;
+  const size_t ws = s.ws;
   // Split-K only with fp32 partials in the workspace (not summed in place in a 16-bit output).
   const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
   HL_LT_TRY(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
@@ -205,9 +206,9 @@ hl_status_t make_gemms(const char *fn, hl_dtype_t operand, std::shared_ptr<Gemms
 
 int gemms_device(const Gemms &g) { return g.device; }
 
-hl_status_t run_gemm(const char *fn, Gemms &g, const GemmCall &c, void *workspace, cudaStream_t stream) {
+hl_status_t run_gemm(const char *fn, Gemms &g, const GemmCall &c, GemmSpace ws, cudaStream_t stream) {
   const Shape s{c.ta, c.tb, c.m, c.n, c.k, c.lda, c.ldb, c.ldd, c.d_dtype,
-                alignment(c.a), alignment(c.b), alignment(c.d)};
+                alignment(c.a), alignment(c.b), alignment(c.d), ws.bytes};
   const Prepared *p = nullptr;
   {
     std::lock_guard<std::mutex> lock(g.mu);
@@ -222,7 +223,7 @@ hl_status_t run_gemm(const char *fn, Gemms &g, const GemmCall &c, void *workspac
   }
   const float one = 1.0f, beta = c.accumulate ? 1.0f : 0.0f;
   HL_LT_TRY(lt().matmul(g.handle, p->desc, &one, c.a, p->a, c.b, p->b, &beta, c.d, p->d, c.d, p->d,
-                        &p->algo, workspace, kGemmWorkspace, stream));
+                        &p->algo, ws.ptr, ws.bytes, stream));
   return HL_STATUS_SUCCESS;
 }
 

@@ -35,10 +35,16 @@ struct Gemms;
 hl_status_t make_gemms(const char *fn, hl_dtype_t operand, std::shared_ptr<Gemms> *out);
 // The device the state was made on (its plan runs there only).
 int gemms_device(const Gemms &g);
-// Runs one product on `stream` with the cuBLASLt workspace given (kGemmWorkspace bytes).
-hl_status_t run_gemm(const char *fn, Gemms &g, const GemmCall &c, void *workspace, cudaStream_t stream);
+// cuBLASLt's workspace for the products (split-K partials; the algorithms without them need none).
+struct GemmSpace {
+  void *ptr;
+  size_t bytes;
+};
+// Runs one product on `stream`: the algorithm chosen for its shape among those that fit the workspace.
+hl_status_t run_gemm(const char *fn, Gemms &g, const GemmCall &c, GemmSpace ws, cudaStream_t stream);
 
-// The cuBLASLt workspace each product may use.
+// The most cuBLASLt workspace a product may use (the fused linear form gives it less where the
+// caller's workspace is tight: linear.cu's layout()).
 constexpr size_t kGemmWorkspace = size_t(32) << 20;
 
 }  // namespace hl::loss::dev

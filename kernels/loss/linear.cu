@@ -32,15 +32,21 @@ constexpr int64_t kFastRows = 4096;
 // chunk (or the shifted path's buffers) start 256-byte aligned after the logits': kSlack bytes
 // cover that rounding.
 constexpr size_t kSlack = 256;
+// cuBLASLt's share of a workspace too small for every row: an eighth of what is left past one row,
+// at most kGemmWorkspace. Its split-K partials make a few products a few percent faster
+// (bench/notes/linear.md, "cuBLASLt's workspace"); rows a chunk save a pass over grad_weight each:
+// where memory is tight, rows win.
+constexpr size_t kGemmShare = 8;
 struct Layout {
   int64_t ldz, ldt;      // row strides of the logits and teacher chunks (16-byte multiples)
-  size_t gemm, logits, teacher;  // byte offsets: cuBLASLt's workspace, the chunks
+  size_t gemm, gemm_bytes, logits, teacher;  // cuBLASLt's workspace (offset, size), the chunks' offsets
   size_t row_bytes;      // a chunk's bytes per row
   size_t fixed;          // bytes before the first row's (base, cuBLASLt's, the alignments)
   int64_t chunk;         // rows a chunk (at most the call's)
   bool keep;             // every row fits: a split's finish reuses its statistics step's logits
 };
 
+// bytes: the workspace passed; 0 lays out the least one (one row, no cuBLASLt workspace).
 Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes) {
   const hl_loss_plan_desc_t &d = p.desc;
   const size_t elt = dtype_size(d.weight_dtype);
@@ -50,8 +56,13 @@ Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes) {
   const bool shifted = p.cuda->shifted;  // room for its buffers (shifted.h), after the logits
   L.row_bytes = size_t(L.ldz + L.ldt) * elt + (shifted ? shifted_row_bytes(p) : 0);
   L.gemm = round_up(cuda_base_workspace(p, rows), 256);  // saturated sizes stay so (refused)
-  L.logits = sat_add(L.gemm, kGemmWorkspace);
-  L.fixed = sat_add(L.logits, kSlack + (shifted ? kShiftedSlack : 0));
+  // past the base, the slack and one row (so that a workspace of min_bytes holds one row)
+  const size_t slack = kSlack + (shifted ? kShiftedSlack : 0), least = sat_add(sat_add(L.gemm, slack), L.row_bytes);
+  const size_t spare = bytes > least ? bytes - least : 0;
+  const bool every_row = spare >= sat_add(kGemmWorkspace, sat_mul(size_t(rows - 1), L.row_bytes));
+  L.gemm_bytes = every_row ? kGemmWorkspace : std::min(kGemmWorkspace, spare / kGemmShare / 256 * 256);
+  L.logits = sat_add(L.gemm, L.gemm_bytes);
+  L.fixed = sat_add(L.logits, slack);
   const int64_t fit = bytes > L.fixed ? int64_t((bytes - L.fixed) / L.row_bytes) : 0;
   L.keep = fit >= rows;
   L.chunk = std::min(rows, fit);
@@ -101,7 +112,7 @@ void linear_workspace(const hl_loss_plan_st &p, int64_t rows, size_t *min_bytes,
   // A split (ranks, or GSPO's statistics first) keeps every row's logits for its finish.
   const int64_t fast_rows = p.desc.ranks > 1 || p.seq_stats ? rows : std::min(rows, kFastRows);
   *min_bytes = sat_add(L.fixed, L.row_bytes);  // a chunk of one row
-  *fast_bytes = sat_add(L.fixed, sat_mul(size_t(fast_rows), L.row_bytes));
+  *fast_bytes = sat_add(sat_add(L.fixed, kGemmWorkspace), sat_mul(size_t(fast_rows), L.row_bytes));
 }
 
 hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_args_t &a,
@@ -126,7 +137,8 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   }
   const Layout L = layout(p, N, workspace_bytes);
   char *w = static_cast<char *>(workspace);
-  void *gemm_ws = w + L.gemm, *z = w + L.logits, *t = w + L.teacher;
+  const GemmSpace gemm_ws{w + L.gemm, L.gemm_bytes};
+  void *z = w + L.logits, *t = w + L.teacher;
   ShiftedBuffers sb{};
   const bool shifted = p.cuda->shifted && phase != kMiddle && shifted_call(a);
   if (shifted) {  // E where the logits chunk would be, its buffers after it

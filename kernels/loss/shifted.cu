@@ -260,7 +260,7 @@ void shifted_buffers(const hl_loss_plan_st &p, int64_t chunk, char *workspace, s
 hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, const hl_loss_args_t &c,
                           const void *x, int64_t i0, int64_t total, Phase phase, bool form, Gathered gathered,
                           void *block, void *grad_hidden, void *grad_weight, bool accumulate_weight,
-                          const ShiftedBuffers &b, void *gemm_ws, void *workspace, cudaStream_t stream) {
+                          const ShiftedBuffers &b, GemmSpace gemm_ws, void *workspace, cudaStream_t stream) {
   const hl_loss_plan_desc_t &d = p.desc;
   const int64_t n = c.rows, V = d.vocab, H = d.hidden;
   const int64_t row_ctas = tiles_of(n, kRowWarps);

@@ -363,11 +363,11 @@ class LossPlan:
 
 
 # The framework front ends' workspace cap for the fused linear form (PyTorch's and JAX's
-# max_workspace_bytes default; None lifts it): 1.05-1.22x the time of the plan's fast size at the
+# max_workspace_bytes default; None lifts it): 1.0-1.3x the time of the plan's fast size at the
 # benchmark shapes; the peak is the gradients + 256 MiB, at or below Liger's fused linear CE where
-# grad_hidden >= 256 MiB, up to 241 MiB above it at smaller shapes (H200, 2026-11-28,
-# bench/notes/linear.md "Memory through PyTorch", docs/python.md). LinearLossPlan itself takes the
-# fast size unless told otherwise.
+# grad_hidden >= 256 MiB, up to 240 MiB above it at smaller shapes, where Liger's memory costs
+# 1.7-10.5x in time (H200, 2026-11-28, docs/python.md "The workspace cap"). LinearLossPlan itself
+# takes the fast size unless told otherwise.
 DEFAULT_MAX_WORKSPACE_BYTES = 256 << 20
 
 

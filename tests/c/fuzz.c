@@ -27,7 +27,7 @@ enum { CANARY = 64, DEV_CANARY = 256, FAULT_EXIT = 86, CHILD_SECONDS = 20 };
 
 /* ---- small helpers ---------------------------------------------------------------------------- */
 
-static void die(const char *what) {
+void die(const char *what) {
   fprintf(stderr, "test_fuzz: %s\n", what);
   exit(2);
 }

@@ -249,6 +249,8 @@ uint64_t seed_of(const char *a, const char *b);
 /* Device memory for a case's own library calls (the gathered blocks on CUDA). */
 void *dev_alloc(size_t bytes);
 void *query_scratch(int cuda);
+/* Stops the harness (exit 2) on its own error, naming it. */
+void die(const char *what);
 void dev_free(void *p);
 void to_dev(void *dst, const void *src, size_t bytes);
 void from_dev(void *dst, const void *src, size_t bytes);

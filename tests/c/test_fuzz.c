@@ -129,15 +129,17 @@ static void bwd_declare(Call *c) {
 }
 
 /* The CUDA backward's workspace, as its size query answers. The query takes the call's pointers
- * (the kernel, and so the workspace, depends on their alignment), which are placed later: the
- * larger answer of the two kernel paths, 16-byte aligned rows (as declared: NULL) or not (x one
- * element off, in memory of the call's kind). */
+ * (the kernel, and so the workspace, depends on their alignment, and a weight adds dw's partial
+ * sums), which are placed later: stand-ins for the weight, and the larger answer of the two kernel
+ * paths, 16-byte aligned rows (as declared: NULL) or not (x one element off, in memory of the
+ * call's kind). */
 static void bwd_prepare(Call *c) {
   hl_rmsnorm_bwd_args_t q = *DESC(c, hl_rmsnorm_bwd_args_t);
   size_t aligned = 0, unaligned = 0;
-  (void)hl_rmsnorm_bwd_workspace_size(&q, &aligned);
+  if (buf_find(c, "weight")) q.weight = query_scratch(c->cuda);
+  if (hl_rmsnorm_bwd_workspace_size(&q, &aligned) != HL_STATUS_SUCCESS) die(hl_get_last_error());
   q.x = (const char *)query_scratch(c->cuda) + 4; /* aligned for every dtype, not to 16 bytes */
-  (void)hl_rmsnorm_bwd_workspace_size(&q, &unaligned);
+  if (hl_rmsnorm_bwd_workspace_size(&q, &unaligned) != HL_STATUS_SUCCESS) die(hl_get_last_error());
   const size_t ws = aligned > unaligned ? aligned : unaligned;
   if (!ws) return;
   c->ws_need = ws;
@@ -302,13 +304,17 @@ static void gdn_declare(Call *c) {
   if (per_token) buf_mat(c, "dg", R_OUT, HL_DTYPE_F32, tok, s->HV, 0);
 }
 
-/* The CUDA backend's workspace (varlen), as its size query answers for the call's cu_seqlens (placed
- * later: a stand-in pointer here). */
+/* The CUDA backend's workspace (varlen), as its size query answers for the call's cu_seqlens, with
+ * stand-ins for the pointers the query checks (placed later). */
 static void gdn_prepare(Call *c) {
   size_t ws = 0;
   hl_gdn_bwd_dqkwg_args_t q = *DESC(c, hl_gdn_bwd_dqkwg_args_t);
-  if (q.num_seqs) q.cu_seqlens = query_scratch(c->cuda);
-  if (hl_gdn_bwd_dqkwg_workspace_size(&q, &ws) != HL_STATUS_SUCCESS || !ws) return;
+  void *s = query_scratch(c->cuda);
+  if (q.num_seqs) q.cu_seqlens = s;
+  if (buf_find(c, "g")) q.g = s, q.dg = s;
+  if (buf_find(c, "g_gamma")) q.g_gamma = s;
+  if (hl_gdn_bwd_dqkwg_workspace_size(&q, &ws) != HL_STATUS_SUCCESS) die(hl_get_last_error());
+  if (!ws) return;
   c->ws_need = ws;
   buf_raw(c, "workspace", R_SCRATCH, EK_BYTES, (int64_t)ws);
 }
