@@ -197,6 +197,7 @@ LOSS_TP_ROWS = {
     "finish alone": ("", "headloss", "finish alone"),
     "headloss: hl_loss_plan_execute_nccl": ("", "headloss", "hl_loss_plan_execute_nccl"),
     "PyTorch, an all-reduce per statistic": ("", "pytorch", "an all-reduce per statistic"),
+    "Megatron-core vocab_parallel_cross_entropy": ("", "megatron-core", "vocab_parallel_cross_entropy"),
     "JSD unsharded, 1 GPU": ("_jsd", "headloss", "unsharded, 1 GPU"),
     "JSD: hl_loss_plan_execute_nccl": ("_jsd", "headloss", "hl_loss_plan_execute_nccl"),
     "linear unsharded, 1 GPU": ("_linear", "headloss", "unsharded, 1 GPU"),
@@ -247,10 +248,11 @@ def rows_of(family: str, text: str, ctx: dict, config: str = "") -> list[dict]:
                 shape += "x" + re.search(r"the weight's (\d+) rows", para).group(1)
             if head[0] != "per rank":
                 continue
+            ce_alone = "beside Megatron-core" in para  # the CE table (CE+z+H before it had one)
             for r in body:
                 if r[0] in LOSS_TP_ROWS:
                     suffix, impl, cfg = LOSS_TP_ROWS[r[0]]
-                    base = {"": "CE+z+H", "_jsd": "CE + JSD", "_linear": "CE"}[suffix]
+                    base = "CE" if ce_alone else {"": "CE+z+H", "_jsd": "CE + JSD", "_linear": "CE"}[suffix]
                     emit("loss_tp" + suffix, shape, f"{base}; {cfg}", impl, "time_ms", number(r[1]))
             continue
         if family == "hf_llama":
