@@ -113,6 +113,7 @@ def _(logits, labels, g_logp, g_entropy, g_lse, options):
 def _fwd_setup(ctx, inputs, output):
     logits, labels, ctx.options = inputs
     ctx.save_for_backward(logits, labels)
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no flag, no work
 
 
 def _fwd_backward(ctx, g_logp, g_entropy, g_lse):
@@ -172,6 +173,8 @@ def _(hidden, weight, labels, g_logp, g_entropy, g_lse, options, need_grad_hidde
 def _linear_setup(ctx, inputs, output):
     hidden, weight, labels, ctx.options, ctx.max_workspace_bytes = inputs
     ctx.save_for_backward(hidden, weight, labels)
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None (e.g. the entropy's:
+    # the shifted path stays eligible)
 
 
 def _linear_backward(ctx, g_logp, g_entropy, g_lse):
