@@ -54,10 +54,10 @@ extern "C" {
 /* ------------------------------------------------------------------------------------------------ */
 
 #define HL_VERSION_MAJOR 0
-#define HL_VERSION_MINOR 5
+#define HL_VERSION_MINOR 6
 #define HL_VERSION_PATCH 0
 /* HL_VERSION_MAJOR * 10000 + HL_VERSION_MINOR * 100 + HL_VERSION_PATCH */
-#define HL_VERSION 500
+#define HL_VERSION 600
 
 /* The limits of the conventions above. */
 #define HL_MAX_EXTENT ((int64_t)0xFFFFFFFFFFFF)          /* 2^48 - 1: any size, count or stride */
@@ -395,7 +395,19 @@ HL_API hl_status_t hl_gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stre
  * conventional weight (an entropy bonus is negative; KL coefficients run from 1e-3 to 0.04):
  * with those terms entropy_weight / kl_ref_beta must be set (nonzero, finite), else INVALID_VALUE.
  * A term's weight is unused when the term is off. A plan with no term (terms = 0) computes the
- * metrics and per-token outputs alone; it has no gradient (grad modes must be NONE).
+ * metrics and per-token outputs alone; it has no gradient (grad modes must be NONE) unless it takes
+ * per-token gradients.
+ * Per-token gradients (flags HL_LOSS_GRAD_TOKEN_LOGP, _ENTROPY, _LSE; for a caller that forms its
+ * own loss from token_logp, token_entropy, token_lse, as RL frameworks do): the call passes the
+ * upstream gradients g_logp, g_ent, g_lse [rows] (args.grad_token_*), and the gradient adds the
+ * vector-Jacobian product sum_t (g_logp_t dlogp_t + g_ent_t dH_t + g_lse_t dlse_t) / dz, with
+ * (w.r.t. z_hat, then through the logit scale and soft cap as the terms' gradient)
+ *   dlogp_t / dz_hat_j = [j = y] - p_j,  dH_t / dz_hat_j = p_j (lse - H - z_hat_j),  dlse_t / dz_hat_j = p_j.
+ * It is a plain product: neither w_t, D nor grad_scale multiplies it. An ignored row's logp is 0
+ * (a constant: its g_logp adds nothing), its entropy and lse are its own (their gradients count,
+ * as for any row). With terms = 0 the gradient is the product alone; with terms, the sum of both. A flag needs a gradient (a grad mode); the fused
+ * linear form's logits then come again chunk by chunk as for any gradient (a forward-only call,
+ * terms = 0 and no gradient, is one product a chunk). Temperature: logit_scale = 1 / T.
  * Sequence-level options (the rows grouped into sequences by args.cu_seqlens, each sequence's
  * "tokens" being its rows that are not ignored; weights do not enter these means):
  *   ratio_level = SEQ_MEAN (GSPO, as verl's gspo loss / GSPO-token): GRPO's and CISPO's r is the
@@ -470,6 +482,11 @@ typedef struct hl_loss_plan_st *hl_loss_plan_t;
 /* CUDA: skip the checks of device data that need a stream synchronisation (labels in range, the
  * headers of gathered statistics); execution is then fully asynchronous (CUDA-graph capturable). */
 #define HL_LOSS_UNCHECKED (1u << 0)
+/* The gradient also takes per-token upstream gradients (see "Per-token gradients" below): calls
+ * pass args.grad_token_logp / _entropy / _lse, one flag each. */
+#define HL_LOSS_GRAD_TOKEN_LOGP (1u << 1)
+#define HL_LOSS_GRAD_TOKEN_ENTROPY (1u << 2)
+#define HL_LOSS_GRAD_TOKEN_LSE (1u << 3)
 
 typedef enum {
   HL_LOSS_GRAD_NONE = 0,      /* evaluation: no gradient */
@@ -484,7 +501,7 @@ typedef struct {
   hl_dtype_t logits_dtype; /* F32, F16 or BF16; teacher logits share it */
   hl_dtype_t labels_dtype; /* I32 or I64; NONE when no labels are passed */
   unsigned terms;          /* HL_LOSS_CE | ... */
-  unsigned flags;          /* HL_LOSS_UNCHECKED */
+  unsigned flags;          /* HL_LOSS_UNCHECKED, HL_LOSS_GRAD_TOKEN_* */
   /* Term weights; 0: the term's default (above): 1, 1e-4, none (set it), 1, 1, none (set it). */
   float ce_weight, z_weight, entropy_weight, distill_weight, grpo_weight, kl_ref_beta;
   float label_smoothing;     /* in [0, 1) */
@@ -582,7 +599,7 @@ typedef enum {
 HL_API const char *hl_loss_scalar_name(int index);
 
 typedef struct {
-  size_t struct_size; /* sizeof(hl_loss_args_t); earlier: 160 (0.1), 256 (0.2, 0.3) */
+  size_t struct_size; /* sizeof(hl_loss_args_t); earlier: 160 (0.1), 256 (0.2, 0.3), 312 (0.4, 0.5) */
   int64_t rows;
   const void *logits; /* [rows, vocab] */
   int64_t logits_stride;
@@ -626,6 +643,10 @@ typedef struct {
   int64_t teacher_topk_ids_stride;
   const float *teacher_topk_logprobs;  /* [rows, k] the teacher's log-probs of those ids */
   int64_t teacher_topk_logprobs_stride;
+  /* Per-token upstream gradients (0.6), [rows] each, with the plan's HL_LOSS_GRAD_TOKEN_* flag. */
+  const float *grad_token_logp;
+  const float *grad_token_entropy;
+  const float *grad_token_lse;
 } hl_loss_args_t;
 
 /* No field has a nonzero default: divisor 0 (the sum of valid weights), grad_scale 0 (1). */

@@ -98,6 +98,8 @@ hl_loss_args_t chunk_args(const hl_loss_plan_st &p, const hl_loss_args_t &a, int
   c.rollout_logprobs = at(a.rollout_logprobs);
   c.token_loss = at(a.token_loss), c.token_logp = at(a.token_logp);
   c.token_entropy = at(a.token_entropy), c.token_lse = at(a.token_lse);
+  c.grad_token_logp = at(a.grad_token_logp), c.grad_token_entropy = at(a.grad_token_entropy);
+  c.grad_token_lse = at(a.grad_token_lse);
   return c;
 }
 

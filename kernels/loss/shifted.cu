@@ -219,8 +219,9 @@ bool shifted_plan(const hl_loss_plan_st &p) {
   const char *env = std::getenv("HEADLOSS_LINEAR_PATH");
   if (env && std::strcmp(env, "rows") == 0) return false;
   return p.linear && d.weight_dtype == HL_DTYPE_BF16 && d.teacher_hidden == 0 && o.distill == kDistillNone &&
-         o.topk == 0 && !p.seq_stats && o.cap == 0.0f && o.smoothing == 0.0f &&
-         o.ent_w == 0.0f && o.scale > 0.0f && d.vocab < INT32_MAX && d.hidden < INT32_MAX;
+         o.topk == 0 && !p.seq_stats && o.cap == 0.0f && o.smoothing == 0.0f && o.ent_w == 0.0f &&
+         !(d.flags & HL_LOSS_GRAD_TOKEN_ENTROPY) && o.scale > 0.0f && d.vocab < INT32_MAX &&
+         d.hidden < INT32_MAX;
 #else
   (void)p;
   return false;

@@ -1,7 +1,8 @@
 // The fused linear form's shifted path (sm_90a): for plans whose logits gradient is
-// G = p cp + [v = y] cy (no entropy term, label smoothing, soft cap or distillation), the first
-// product stores E = exp(z_hat - shift_r) with its tile statistics (shifted_logits_sm90.cuh), a
-// per-row kernel finishes the loss from those statistics and patches E's label elements, and the
+// G = p cp + [v = y] cy (no entropy term or entropy gradient, label smoothing, soft cap or
+// distillation), the first product stores E = exp(z_hat - shift_r) with its tile statistics
+// (shifted_logits_sm90.cuh), a per-row kernel finishes the loss from those statistics and patches
+// E's label elements, and the
 // other two products run on E: grad_hidden = alpha (E W), grad_weight (+)= E^T (alpha X), with
 // alpha_r = cp exp(shift_r - lse_r). No pass over the logits between the products.
 #pragma once

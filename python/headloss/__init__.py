@@ -10,7 +10,8 @@ LossPlan's docstring lists its options and their defaults.
 
 Framework front ends (imported on demand, so the package needs neither): headloss.torch_ops
 (PyTorch custom ops and the RMSNorm module, torch.compile-ready; linear_loss for the fused linear
-form), headloss.torch_loss (the loss plan as autograd functions and a module), headloss.jax (XLA
+form), headloss.torch_tokens (per-token log-probs, entropies and lse with a backward, both
+forms), headloss.torch_loss (the loss plan as autograd functions and a module), headloss.jax (XLA
 FFI custom calls for jax.jit) and headloss.fla_backend (gdn_bwd_dqkwg as a drop-in for
 flash-linear-attention's chunked backward).
 """

@@ -30,8 +30,13 @@ _Desc, _Args = _abi.hl_loss_plan_desc_t, _abi.hl_loss_args_t
 # The optional per-row inputs of a call, by keyword (cu_seqlens: [sequences + 1]; a sparse
 # teacher's ids and log-probs: [rows, teacher_topk]).
 INPUTS = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs",
-          "rollout_logprobs", "cu_seqlens", "teacher_topk_ids", "teacher_topk_logprobs")
-_PER_ROW_F32 = ("weights", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+          "rollout_logprobs", "cu_seqlens", "teacher_topk_ids", "teacher_topk_logprobs",
+          "grad_token_logp", "grad_token_entropy", "grad_token_lse")
+_PER_ROW_F32 = ("weights", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
+                "grad_token_logp", "grad_token_entropy", "grad_token_lse")
+# token_grads= names: the per-token outputs whose upstream gradients calls pass (grad_token_<name>).
+TOKEN_GRADS = {"logp": _abi.HL_LOSS_GRAD_TOKEN_LOGP, "entropy": _abi.HL_LOSS_GRAD_TOKEN_ENTROPY,
+               "lse": _abi.HL_LOSS_GRAD_TOKEN_LSE}
 TOKEN_OUTPUTS = ("token_loss", "token_logp", "token_entropy", "token_lse")
 DEVICES = {"cpu": BACKEND_CPU, "cuda": BACKEND_CUDA}
 
@@ -70,6 +75,14 @@ def _given(code: int, name: str, what: str) -> int:
     return code
 
 
+def _token_grad_bits(names) -> int:
+    names = (names,) if isinstance(names, str) else tuple(names)
+    for n in names:
+        if n not in TOKEN_GRADS:
+            raise HeadlossValueError(f"token_grads: unknown output {n!r}; expected names of {', '.join(TOKEN_GRADS)}")
+    return sum({TOKEN_GRADS[n] for n in names})
+
+
 class LossOutput(NamedTuple):
     scalars: Any                  # fp32 [len(SCALARS)] array on the logits' device
     grad: Optional[Any]           # the gradient, when the plan has one
@@ -106,6 +119,10 @@ class LossPlan:
     sparse teacher, its top-k ids (topk_ids_dtype, default "int64") and log-probs passed as
     teacher_topk_ids= / teacher_topk_logprobs= [rows, k] instead of teacher_logits (ids < 0:
     padding).
+    token_grads: a name or names of "logp", "entropy", "lse" (TOKEN_GRADS): calls pass the upstream
+    gradients of those per-token outputs, grad_token_logp= etc. [rows] fp32, and the gradient adds
+    their vector-Jacobian product (unweighted: neither weights, divisor nor grad_scale apply; with
+    terms=() it is the product alone). Temperature T: logit_scale = 1 / T.
 
     Tensor parallelism: with vocab_global and ranks set, the plan is the shard [vocab_start,
     vocab_start + vocab) of the vocabulary; run it with stats(), an all-gather of the blocks, and
@@ -126,7 +143,7 @@ class LossPlan:
                  kl_estimator=None, ratio_level=None, rollout_correction=None, rollout_level=None,
                  rollout_cap=None, rollout_floor=None, cu_seqlens_dtype=None, jsd_beta=None,
                  teacher_topk=None, topk_ids_dtype="int64", vocab_start=None, vocab_global=None,
-                 ranks=None, _linear: Optional[dict] = None, **unknown):
+                 ranks=None, token_grads=(), _linear: Optional[dict] = None, **unknown):
         plan_fields(unknown)  # HeadlossTypeError naming the first unknown option
         local = locals()
         fields = plan_fields({k: local[k] for k in PLAN_OPTIONS})
@@ -137,7 +154,8 @@ class LossPlan:
         d = descriptor(_Desc, backend=DEVICES[device], vocab=vocab, terms=terms_bits(terms),
                        logits_dtype=_optional_dtype(dtype, "dtype"),
                        labels_dtype=_optional_dtype(labels_dtype, "labels_dtype"),
-                       flags=0 if check else _abi.HL_LOSS_UNCHECKED, grad_mode=_grad_mode(grad, "grad"),
+                       flags=(0 if check else _abi.HL_LOSS_UNCHECKED) | _token_grad_bits(token_grads),
+                       grad_mode=_grad_mode(grad, "grad"),
                        grad_dtype=_optional_dtype(grad_dtype, "grad_dtype"),
                        cu_seqlens_dtype=_optional_dtype(cu_seqlens_dtype, "cu_seqlens_dtype"), **fields)
         if ignore_index is not None:
@@ -175,7 +193,8 @@ class LossPlan:
                  old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, cu_seqlens=None,
                  divisor: Optional[float] = None, grad_scale: Optional[float] = None, grad=None,
                  token_outputs: bool = False, in_place: bool = False, scalars=None, tokens=None,
-                 teacher_topk_ids=None, teacher_topk_logprobs=None) -> LossOutput:
+                 teacher_topk_ids=None, teacher_topk_logprobs=None, grad_token_logp=None,
+                 grad_token_entropy=None, grad_token_lse=None) -> LossOutput:
         """Runs the plan on logits [..., vocab] (leading dims flattened to rows; rows may have a
         stride, the last dimension contiguous). labels and the per-row fp32 inputs (weights,
         advantages, old / ref / rollout log-probs) have one packed element a row; teacher_logits
@@ -185,11 +204,14 @@ class LossPlan:
         grad: an existing gradient [rows, vocab] (written, or accumulated into with
         grad='accumulate'); in_place writes the gradient over the logits. scalars ([len(SCALARS)])
         / tokens (4 arrays [rows]: loss, logp, entropy, lse): optional preallocated fp32 outputs.
+        grad_token_logp / _entropy / _lse: the upstream gradients the plan's token_grads name.
         Every array is checked before the call: HeadlossError naming the one at fault."""
         inputs = dict(weights=weights, teacher_logits=teacher_logits, advantages=advantages,
                       old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                       rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens,
-                      teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs)
+                      teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs,
+                      grad_token_logp=grad_token_logp, grad_token_entropy=grad_token_entropy,
+                      grad_token_lse=grad_token_lse)
         a, lv, out = self._args(logits, labels, inputs, divisor, grad_scale, grad, token_outputs,
                                 in_place, scalars, tokens)
         ws, wp, nbytes = self._workspace(lv, a.rows)

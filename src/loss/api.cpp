@@ -1,6 +1,7 @@
 // hl_loss_plan_* entry points: validate the description once at creation and every call's
 // arguments at execution, then hand over to a backend.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -23,7 +24,9 @@ constexpr unsigned kDistillTerms = HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV | H
 constexpr unsigned kLabelTerms = HL_LOSS_CE | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF | HL_LOSS_CISPO;
 // struct_size of earlier headers' descriptors (headloss.h lists them).
 constexpr std::initializer_list<size_t> kEarlierDescSizes = {128, 136, 176, 192};
-constexpr std::initializer_list<size_t> kEarlierArgsSizes = {160, 256};
+constexpr std::initializer_list<size_t> kEarlierArgsSizes = {160, 256, 312};
+constexpr unsigned kTokenGradFlags = HL_LOSS_GRAD_TOKEN_LOGP | HL_LOSS_GRAD_TOKEN_ENTROPY | HL_LOSS_GRAD_TOKEN_LSE;
+constexpr unsigned kAllFlags = HL_LOSS_UNCHECKED | kTokenGradFlags;
 
 hl_status_t check_finite(const char *fn, const char *arg, float v) {
   if (!std::isfinite(v)) return fail(HL_STATUS_INVALID_VALUE, "%s: %s is not finite", fn, arg);
@@ -230,9 +233,17 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
                           enum_field("teacher_topk_ids_dtype", d.teacher_topk_ids_dtype)}));
   HL_TRY(check_backend(fn, d.backend));
   HL_TRY(validate_linear_desc(fn, d));
-  if (!d.terms && (d.grad_mode || d.grad_hidden_mode || d.grad_weight_mode))
-    return fail(HL_STATUS_INVALID_VALUE, "%s: terms is 0 (metrics only), so there is no loss to "
-                "differentiate: the grad modes must be NONE", fn);
+  const bool grads = d.grad_mode || d.grad_hidden_mode || d.grad_weight_mode;
+  const bool token_grads = d.flags & kTokenGradFlags;
+  if (!d.terms && !token_grads && grads)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: terms is 0 (metrics only) and no HL_LOSS_GRAD_TOKEN_* "
+                "flag is set, so there is nothing to differentiate: the grad modes must be NONE", fn);
+  if (token_grads && !grads)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: flags has HL_LOSS_GRAD_TOKEN_* bits but no gradient is "
+                "formed: set a grad mode", fn);
+  if ((d.flags & HL_LOSS_GRAD_TOKEN_LOGP) && d.labels_dtype == HL_DTYPE_NONE)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: HL_LOSS_GRAD_TOKEN_LOGP needs labels (the label's "
+                "log-prob), but labels_dtype is NONE", fn);
   if (d.vocab < 1)
     return fail(HL_STATUS_INVALID_VALUE, "%s: vocab is %lld; must be >= 1", fn, (long long)d.vocab);
   HL_TRY(check_float_dtype(fn, "logits_dtype", d.logits_dtype));
@@ -242,9 +253,8 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
                 fn, dtype_name(d.labels_dtype), int(d.labels_dtype));
   if (d.terms & ~kAllTerms)
     return fail(HL_STATUS_INVALID_VALUE, "%s: terms has unknown bits 0x%x", fn, d.terms & ~kAllTerms);
-  if (d.flags & ~unsigned(HL_LOSS_UNCHECKED))
-    return fail(HL_STATUS_INVALID_VALUE, "%s: flags has unknown bits 0x%x", fn,
-                d.flags & ~unsigned(HL_LOSS_UNCHECKED));
+  if (d.flags & ~kAllFlags)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: flags has unknown bits 0x%x", fn, d.flags & ~kAllFlags);
   const unsigned distill = d.terms & kDistillTerms;
   if (distill & (distill - 1))
     return fail(HL_STATUS_INVALID_VALUE, "%s: terms has more than one of HL_LOSS_DISTILL_FWD, "
@@ -384,6 +394,9 @@ std::vector<Buffer> arg_buffers(const hl_loss_plan_st &p, const hl_loss_args_t &
       {"token_logp", a.token_logp, N, 1, 1, f32, true},
       {"token_entropy", a.token_entropy, N, 1, 1, f32, true},
       {"token_lse", a.token_lse, N, 1, 1, f32, true},
+      {"grad_token_logp", a.grad_token_logp, N, 1, 1, f32, false},
+      {"grad_token_entropy", a.grad_token_entropy, N, 1, 1, f32, false},
+      {"grad_token_lse", a.grad_token_lse, N, 1, 1, f32, false},
   });
   return used;
 }
@@ -432,6 +445,19 @@ hl_status_t check_rows(const char *fn, const hl_loss_plan_st &p, int64_t rows) {
   return HL_STATUS_SUCCESS;
 }
 
+// The per-token upstream gradients of a call, each with its flag.
+struct TokenGrad {
+  const char *name;
+  const float *ptr;
+  unsigned flag;
+  const char *flag_name;
+};
+std::array<TokenGrad, 3> token_grads(const hl_loss_args_t &a) {
+  return {{{"grad_token_logp", a.grad_token_logp, HL_LOSS_GRAD_TOKEN_LOGP, "HL_LOSS_GRAD_TOKEN_LOGP"},
+           {"grad_token_entropy", a.grad_token_entropy, HL_LOSS_GRAD_TOKEN_ENTROPY, "HL_LOSS_GRAD_TOKEN_ENTROPY"},
+           {"grad_token_lse", a.grad_token_lse, HL_LOSS_GRAD_TOKEN_LSE, "HL_LOSS_GRAD_TOKEN_LSE"}}};
+}
+
 // The arguments of a call with rows: what its terms and form require, row strides resolved.
 hl_status_t check_row_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args_t &a, Phase phase) {
   const hl_loss_plan_desc_t &d = p.desc;
@@ -472,6 +498,9 @@ hl_status_t check_row_args(const char *fn, const hl_loss_plan_st &p, hl_loss_arg
       HL_TRY(require(fn, "old_logprobs", a.old_logprobs, term));
     }
   if (d.terms & HL_LOSS_GRPO_KL_REF) HL_TRY(require(fn, "ref_logprobs", a.ref_logprobs, "GRPO_KL_REF"));
+  if (d.flags & HL_LOSS_GRAD_TOKEN_LOGP) HL_TRY(require(fn, "labels", a.labels, "HL_LOSS_GRAD_TOKEN_LOGP"));
+  for (const TokenGrad &t : token_grads(a))
+    if (d.flags & t.flag) HL_TRY(require(fn, t.name, t.ptr, t.flag_name));
   if (p.opt.rollout != HL_LOSS_ROLLOUT_NONE) {
     HL_TRY(require(fn, "rollout_logprobs", a.rollout_logprobs, "a rollout correction"));
     HL_TRY(require(fn, "old_logprobs", a.old_logprobs, "a rollout correction"));
@@ -523,6 +552,10 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
     return fail(HL_STATUS_INVALID_VALUE, "%s: %s is set, but the plan's teacher is dense "
                 "(teacher_topk = 0)", fn, sparse);
   HL_TRY(check_form(fn, p, a));
+  for (const TokenGrad &t : token_grads(a))
+    if (t.ptr && !(d.flags & t.flag))
+      return fail(HL_STATUS_INVALID_VALUE, "%s: %s is set but the plan's flags lack %s", fn, t.name,
+                  t.flag_name);
   HL_TRY(check_output(fn, "grad", a.grad, a.rows, d.grad_mode, "grad_mode", phase));
   HL_TRY(check_output(fn, "grad_hidden", a.grad_hidden, a.rows, d.grad_hidden_mode, "grad_hidden_mode", phase));
   // grad_weight has vocab rows whatever the call's rows (zeros for none: the empty sum).

@@ -1,6 +1,7 @@
 /* The loss plan's cases of the ABI fuzz harness (test_fuzz.c): every hl_loss_plan_* entry point on
  * six controls, each checked against an independent computation or an equivalent call form:
- *   ce      CE + Z, I32 labels (one ignored), per-token outputs, gradient written: checked in full
+ *   ce      CE + Z, I32 labels (one ignored), per-token outputs, gradient written with the per-token
+ *           upstream gradients' product: checked in full
  *   full    every term but the exclusive ones, every optional input (teacher logits, weights,
  *           advantages, old / ref / rollout log-probs, sequences), padded strides, gradient
  *           accumulated: per-token outputs, metrics and the closed-form terms checked
@@ -55,7 +56,10 @@ typedef struct {
   int index;
 } LossParams;
 
-static void ce_opts(hl_loss_plan_desc_t *d, hl_loss_args_t *a) { (void)d, a->grad_scale = 0.5f; }
+static void ce_opts(hl_loss_plan_desc_t *d, hl_loss_args_t *a) {
+  d->flags = HL_LOSS_GRAD_TOKEN_LOGP | HL_LOSS_GRAD_TOKEN_ENTROPY | HL_LOSS_GRAD_TOKEN_LSE;
+  a->grad_scale = 0.5f;
+}
 
 static void full_opts(hl_loss_plan_desc_t *d, hl_loss_args_t *a) {
   d->label_smoothing = 0.1f, d->logit_scale = 0.9f, d->softcap = 20.0f, d->teacher_temperature = 2.0f;
@@ -269,6 +273,16 @@ static void loss_declare(Call *c) {
     for (int64_t i = 0; i < s->N; ++i) buf_set(w, 0, i, 0.5 + gval(s, "w", i, 0));
   }
   if (s->rl) declare_rl(c, s, d);
+  static const struct {
+    const char *name;
+    unsigned flag;
+  } token_grads[] = {{"grad_token_logp", HL_LOSS_GRAD_TOKEN_LOGP}, {"grad_token_entropy", HL_LOSS_GRAD_TOKEN_ENTROPY},
+                     {"grad_token_lse", HL_LOSS_GRAD_TOKEN_LSE}};
+  for (int t = 0; t < NF(token_grads); ++t)
+    if (d->flags & token_grads[t].flag) {
+      Buf *g = row_input(c, token_grads[t].name, 1);
+      for (int64_t i = 0; i < s->N; ++i) buf_set(g, 0, i, 2 * gval(s, token_grads[t].name, i, 0) - 1);
+    }
   if (s->seqs) {
     Buf *cu = buf_vec(c, "cu_seqlens", R_IN, HL_DTYPE_I64, 4);
     const int64_t v[] = {0, 3, 3, s->N};
@@ -525,7 +539,8 @@ static const float *out_f32(Call *c, const char *name) {
   return b ? (const float *)(const void *)buf_out(b) : NULL;
 }
 
-/* CE + Z on F32 logits by hand: losses, metrics, per-token outputs and the gradient. */
+/* CE + Z on F32 logits by hand: losses, metrics, per-token outputs and the gradient (with the
+ * per-token upstream gradients' product, unweighted). */
 static void check_ce(Call *c, Chk *k) {
   const LossSpec *s = c->cs->spec;
   const hl_loss_plan_desc_t *d = ldesc(c);
@@ -545,9 +560,13 @@ static void check_ce(Call *c, Chk *k) {
     tl[i] = d->ce_weight * (r[i].lse - r[i].zy) + d->z_weight * r[i].lse * r[i].lse, tp[i] = r[i].zy - r[i].lse;
   }
   for (int64_t i = 0; i < N; ++i)
-    for (int64_t j = 0; valid_row(s, i) && j < V; ++j) {
-      const double p = exp(buf_in(c, "logits", i, j) - r[i].lse), w = buf_in(c, "weights", 0, i);
-      grad[i * V + j] = gs / D * w * (d->ce_weight * (p - (j == label_at(s, i))) + d->z_weight * 2 * r[i].lse * p);
+    for (int64_t j = 0; j < V; ++j) { /* an ignored row: the entropy's and lse's products alone */
+      const double zj = buf_in(c, "logits", i, j), p = exp(zj - r[i].lse), w = buf_in(c, "weights", 0, i);
+      const double ge = buf_in(c, "grad_token_entropy", 0, i), dy = j == label_at(s, i);
+      grad[i * V + j] = ge * p * (r[i].lse - r[i].ent - zj) + buf_in(c, "grad_token_lse", 0, i) * p;
+      if (valid_row(s, i))
+        grad[i * V + j] += gs / D * w * (d->ce_weight * (p - dy) + d->z_weight * 2 * r[i].lse * p) +
+                           buf_in(c, "grad_token_logp", 0, i) * (dy - p);
     }
   sc[HL_LOSS_OUT_LOSS] = (d->ce_weight * ce + d->z_weight * z) / D, sc[HL_LOSS_OUT_CE] = ce / D, sc[HL_LOSS_OUT_Z] = z / D;
   sc[HL_LOSS_OUT_DIVISOR] = D, sc[HL_LOSS_OUT_WEIGHT_SUM] = D, sc[HL_LOSS_OUT_VALID_ROWS] = n;
@@ -1110,7 +1129,8 @@ static void create_full_extra(Gen *g) {
 static const Field kDescFields[] = {
     LD(struct_size, F_STRUCT_SIZE, .lo = 0), LD(backend, F_ENUM, .lo = 1, .bad1 = 3), LD(vocab, F_SIZE, .lo = 0),
     LD(logits_dtype, F_ENUM, .lo = 1, .bad1 = HL_DTYPE_I32), LD(labels_dtype, F_ENUM, .bad1 = HL_DTYPE_F32, .buf = "labels"),
-    LD(terms, F_FLAGS, .hi = 0x1FF), LD(flags, F_FLAGS, .hi = HL_LOSS_UNCHECKED, .lo = HL_LOSS_UNCHECKED),
+    LD(terms, F_FLAGS, .hi = 0x1FF), LD(flags, F_FLAGS, .hi = HL_LOSS_UNCHECKED | HL_LOSS_GRAD_TOKEN_LOGP | HL_LOSS_GRAD_TOKEN_ENTROPY | HL_LOSS_GRAD_TOKEN_LSE,
+       .lo = HL_LOSS_UNCHECKED),
     LD(ce_weight, F_FLOAT, .def = 1), LD(z_weight, F_FLOAT, .def = 1e-4f), LD(entropy_weight, F_FLOAT, .rule = FR_SET, .def = NAN, .term = HL_LOSS_ENTROPY),
     LD(distill_weight, F_FLOAT, .def = 1), LD(grpo_weight, F_FLOAT, .def = 1),
     LD(kl_ref_beta, F_FLOAT, .rule = FR_SET, .def = NAN, .term = HL_LOSS_GRPO_KL_REF),
@@ -1143,7 +1163,8 @@ static const Field kArgsFields[] = {
     AP(grad_hidden), AS(grad_hidden_stride, grad_hidden), AP(grad_weight), AS(grad_weight_stride, grad_weight),
     AP(cu_seqlens), AF(num_seqs, F_SIZE, .lo = 0, .buf = "cu_seqlens"), AP(rollout_logprobs), AP(teacher_topk_ids),
     AS(teacher_topk_ids_stride, teacher_topk_ids), AP(teacher_topk_logprobs),
-    AS(teacher_topk_logprobs_stride, teacher_topk_logprobs)};
+    AS(teacher_topk_logprobs_stride, teacher_topk_logprobs), AP(grad_token_logp), AP(grad_token_entropy),
+    AP(grad_token_lse)};
 
 #define PF(f, K, ...) FIELD(W_PARAM, LossParams, f, K, __VA_ARGS__)
 #define PLAN PF(plan, F_PLAN, .lo = 0)
@@ -1163,15 +1184,16 @@ static const Field kExchangesParams[] = {PLAN, PF(exchanges, F_PTR, .buf = "exch
 static const Field kCreateParams[] = {{.name = "plan", .where = W_PARAM, .off = offsetof(LossParams, plan_out), .kind = F_PTR, .buf = "plan"}};
 static const Field kIndexParams[] = {PF(index, F_FREE, .lo = 0)};
 
-static const size_t kDescEarlier[] = {128, 136, 176, 192, 0}, kArgsEarlier[] = {160, 256, 0};
+static const size_t kDescEarlier[] = {128, 136, 176, 192, 0}, kArgsEarlier[] = {160, 256, 312, 0};
 
 /* Pointers a control's plan refuses: the other form's, and inputs of options it does not have. */
 #define LINEAR_PTRS "hidden weight teacher_hidden teacher_weight grad_hidden grad_weight"
 #define TOPK_PTRS "teacher_topk_ids teacher_topk_logprobs"
-#define FORBID_CE LINEAR_PTRS " cu_seqlens " TOPK_PTRS
-#define FORBID_FULL LINEAR_PTRS " " TOPK_PTRS
-#define FORBID_LINEAR "logits grad teacher_logits cu_seqlens " TOPK_PTRS
-#define FORBID_TOPK LINEAR_PTRS " cu_seqlens teacher_logits"
+#define TOKEN_GRAD_PTRS " grad_token_logp grad_token_entropy grad_token_lse" /* where the plan lacks the flags */
+#define FORBID_CE LINEAR_PTRS " cu_seqlens " TOPK_PTRS TOKEN_GRAD_PTRS
+#define FORBID_FULL LINEAR_PTRS " " TOPK_PTRS TOKEN_GRAD_PTRS
+#define FORBID_LINEAR "logits grad teacher_logits cu_seqlens " TOPK_PTRS TOKEN_GRAD_PTRS
+#define FORBID_TOPK LINEAR_PTRS " cu_seqlens teacher_logits" TOKEN_GRAD_PTRS
 
 #define LOSS(name, sp, inv, pt, ...)                                                                                \
   {.entry = name, .label = #sp, .spec = &sp, .family = "loss", .params = pt, .nparams = NF(pt), .declare = loss_declare, \

@@ -658,7 +658,7 @@ static void struct_sizes(void **state) {
     hl_loss_args_t a = args_for(b);
     a.struct_size = bad[i];
     snprintf(needle, sizeof needle, "struct_size is %zu; set it to sizeof the descriptor (%zu here; earlier "
-             "headers': 160, 256)", bad[i], sizeof a);
+             "headers': 160, 256, 312)", bad[i], sizeof a);
     execute_fails(desc_ce(), a, b, HL_STATUS_INVALID_VALUE, needle);
   }
   union {
@@ -723,6 +723,70 @@ static void gathered_headers(void **state) {
   free(b);
 }
 
+/* Per-token upstream gradients: the flags and fields agree (each refused naming the field), and a
+ * plan of no term gives their product alone: against central differences of the plan's own
+ * token outputs (F32 logits, the CPU backend's fp64 math). */
+static void token_gradients(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  const unsigned all = HL_LOSS_GRAD_TOKEN_LOGP | HL_LOSS_GRAD_TOKEN_ENTROPY | HL_LOSS_GRAD_TOKEN_LSE;
+  hl_loss_plan_desc_t d = desc_ce();
+  d.terms = 0, d.grad_mode = HL_LOSS_GRAD_WRITE;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "terms is 0 (metrics only) and no HL_LOSS_GRAD_TOKEN_*");
+  d.flags = all, d.grad_mode = HL_LOSS_GRAD_NONE;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "HL_LOSS_GRAD_TOKEN_* bits but no gradient");
+  d.grad_mode = HL_LOSS_GRAD_WRITE, d.labels_dtype = HL_DTYPE_NONE;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "HL_LOSS_GRAD_TOKEN_LOGP needs labels");
+  d = desc_ce(), d.flags = 1u << 4;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "flags has unknown bits 0x10");
+  float g_logp[N], g_ent[N], g_lse[N];
+  for (int i = 0; i < N; ++i) g_logp[i] = 0.5f - 0.25f * (float)i, g_ent[i] = 0.3f * (float)i - 0.2f, g_lse[i] = 0.125f;
+  hl_loss_args_t a = args_for(b);
+  a.grad_token_entropy = g_ent;
+  execute_fails(desc_ce(), a, b, HL_STATUS_INVALID_VALUE,
+                "grad_token_entropy is set but the plan's flags lack HL_LOSS_GRAD_TOKEN_ENTROPY");
+  d = desc_ce(), d.flags = all, d.terms = 0;
+  a.grad_token_logp = g_logp, a.grad_token_lse = NULL;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "grad_token_lse is NULL; HL_LOSS_GRAD_TOKEN_LSE needs it");
+  a.grad_token_lse = g_lse, a.labels = NULL;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "labels is NULL; HL_LOSS_GRAD_TOKEN_LOGP needs it");
+  a.labels = b->labels, a.grad_token_lse = (const float *)b->grad;
+  execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "grad overlaps grad_token_lse");
+
+  /* The product alone (terms = 0) against differences of sum_t g_logp logp + g_ent H + g_lse lse;
+   * a logit scale, and row 1 ignored (its logp a constant 0). */
+  d.logit_scale = 0.7f;
+  hl_loss_plan_t p;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  a.grad_token_lse = g_lse, a.token_loss = NULL;
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  hl_loss_plan_desc_t fd = d;
+  fd.flags = 0, fd.grad_mode = HL_LOSS_GRAD_NONE;
+  hl_loss_plan_t fwd;
+  assert_ok(hl_loss_plan_create(&fd, &fwd));
+  float tp[N], te[N], tz[N];
+  hl_loss_args_t f = args_for(b);
+  f.grad = NULL, f.scalars = NULL, f.token_loss = NULL, f.token_logp = tp, f.token_entropy = te, f.token_lse = tz;
+  const float h = 1.0f / 64;
+  for (int i = 0; i < N * V; ++i) {
+    double side[2];
+    const float x = b->logits[i];
+    for (int k = 0; k < 2; ++k) {
+      b->logits[i] = x + (k ? h : -h);
+      assert_ok(hl_loss_plan_execute(fwd, &f, NULL, 0, NULL));
+      side[k] = 0;
+      for (int t = 0; t < N; ++t) side[k] += (double)g_logp[t] * tp[t] + (double)g_ent[t] * te[t] + (double)g_lse[t] * tz[t];
+    }
+    b->logits[i] = x;
+    assert_true(fabs(b->grad[i] - (side[1] - side[0]) / (2 * h)) < 2e-3);
+
+  }
+  assert_ok(hl_loss_plan_destroy(fwd));
+  assert_ok(hl_loss_plan_destroy(p));
+  free(b);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(bad_descriptions), cmocka_unit_test(bad_arguments),
                                      cmocka_unit_test(small_exact_case), cmocka_unit_test(split_calls),
@@ -732,6 +796,6 @@ int main(void) {
                                      cmocka_unit_test(integers_are_read_exactly), cmocka_unit_test(linear_without_rows),
                                      cmocka_unit_test(only_the_allowed_alias), cmocka_unit_test(sizes_and_enums),
                                      cmocka_unit_test(size_queries), cmocka_unit_test(struct_sizes),
-                                     cmocka_unit_test(gathered_headers)};
+                                     cmocka_unit_test(gathered_headers), cmocka_unit_test(token_gradients)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

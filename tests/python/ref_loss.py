@@ -228,3 +228,32 @@ def total_loss(z, labels=None, **kw):
     """The combined loss times grad_scale, as a function of z (for finite differences)."""
     sc, _, _ = reference(z, labels, **kw)
     return sc["loss"] * kw.get("grad_scale", 1.0)
+
+
+def token_reference(z, labels=None, *, logit_scale=1.0, softcap=0.0, ignore_index=None, g_logp=None,
+                    g_entropy=None, g_lse=None):
+    """Per-token (logp, entropy, lse) of raw logits z [N, V] (fp64; logp 0 where the row is ignored
+    or there are no labels), and the vector-Jacobian product of the upstream gradients given
+    w.r.t. z: d/dz_hat_j = g_logp ([j = y] - p_j) - g_entropy p_j (log p_j + H) + g_lse p_j (the
+    issue's formula), times the soft cap's and logit scale's chain factor."""
+    z = np.asarray(z, np.float64)
+    N, V = z.shape
+    t = np.tanh(logit_scale * z / softcap) if softcap > 0 else None
+    zh = softcap * t if softcap > 0 else logit_scale * z
+    chain = logit_scale * (1 - t * t) if softcap > 0 else logit_scale
+    logp_all, lse = _log_softmax(zh)
+    p = np.exp(logp_all)
+    H = -(p * logp_all).sum(1)
+    y = np.full(N, -1) if labels is None else np.asarray(labels, np.int64)
+    valid = (y >= 0) & (y != (-1 if ignore_index is None else ignore_index))
+    onehot = np.zeros_like(z)
+    onehot[np.nonzero(valid)[0], y[valid]] = 1.0
+    logp = np.where(valid, logp_all[np.arange(N), np.maximum(y, 0)], 0.0)
+    g = np.zeros_like(z)
+    if g_logp is not None:
+        g += np.where(valid, np.asarray(g_logp, np.float64), 0.0)[:, None] * (onehot - p)
+    if g_entropy is not None:
+        g -= np.asarray(g_entropy, np.float64)[:, None] * p * (logp_all + H[:, None])
+    if g_lse is not None:
+        g += np.asarray(g_lse, np.float64)[:, None] * p
+    return {"logp": logp, "entropy": H, "lse": lse}, g * chain

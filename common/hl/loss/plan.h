@@ -63,7 +63,8 @@ inline RowSource row_source(const hl_loss_plan_st &p, const hl_loss_args_t &a, c
   const hl_loss_plan_desc_t &d = p.desc;
   return RowSource{a.labels, a.weights, a.advantages, a.old_logprobs, a.ref_logprobs,
                    a.rollout_logprobs, seq_lr, seq_roll, d.labels_dtype == HL_DTYPE_I64,
-                   d.use_ignore_index != 0, d.ignore_index};
+                   d.use_ignore_index != 0, d.ignore_index, a.grad_token_logp, a.grad_token_entropy,
+                   a.grad_token_lse};
 }
 
 // The block format and the host checks below are defined in src/loss/api.cpp.

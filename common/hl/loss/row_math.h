@@ -141,6 +141,7 @@ struct RowInputs {
   F adv, old_logp, ref_logp, rollout_logp;
   bool has_adv, has_old, has_ref, has_rollout;
   F seq_lr, seq_roll;  // see SeqValues (0 without sequences)
+  F g_logp, g_ent, g_lse;  // per-token upstream gradients (headloss.h; 0 where not passed)
 };
 
 // Per-row pointers of a call (device pointers on CUDA, host ones on the CPU); seq_lr and
@@ -150,6 +151,7 @@ struct RowSource {
   const float *weights, *adv, *old_logp, *ref_logp, *rollout_logp, *seq_lr, *seq_roll;
   bool labels64, use_ignore;
   int64_t ignore_index;
+  const float *g_logp, *g_ent, *g_lse;
 };
 
 // A row is ignored when its label is negative or equals the plan's ignore_index.
@@ -180,6 +182,8 @@ HL_HD RowInputs<F> read_inputs(const RowSource &s, int64_t i) {
   in.rollout_logp = opt(s.rollout_logp, in.has_rollout);
   in.seq_lr = s.seq_lr ? F(s.seq_lr[i]) : F(0);
   in.seq_roll = s.seq_roll ? F(s.seq_roll[i]) : F(0);
+  const auto grad = [i](const float *p) { return p ? F(p[i]) : F(0); };
+  in.g_logp = grad(s.g_logp), in.g_ent = grad(s.g_ent), in.g_lse = grad(s.g_lse);
   return in;
 }
 
@@ -405,13 +409,17 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
   r.rec[R_LSE] = lse;
   r.rec[R_H] = H;
   r.rec[R_LOGP] = logp;
-  // Coefficients of d(token loss)/dz, times grad_scale * w / D and the logit scale.
+  // Coefficients of d(token loss)/dz, times grad_scale * w / D and the logit scale; plus the
+  // per-token outputs' upstream gradients times the logit scale alone (a plain VJP; logp is 0 on a
+  // row without a label, whatever its upstream value holds, while H and lse are every row's).
   const F k = kd * w * F(o.scale);
+  const F gl = in.label >= 0 ? F(o.scale) * in.g_logp : F(0);
+  const F ge = F(o.scale) * in.g_ent, gs = F(o.scale) * in.g_lse;
   const F eps = F(o.smoothing);
-  r.cp = k * (ce_w + z_w * F(2) * lse + ent_w * (lse - H) + cg - beta * ckl);
-  r.cpz = -k * ent_w;
+  r.cp = k * (ce_w + z_w * F(2) * lse + ent_w * (lse - H) + cg - beta * ckl) - gl + ge * (lse - H) + gs;
+  r.cpz = -k * ent_w - ge;
   r.cc = -k * ce_w * eps / F(o.vocab);
-  r.cy = -k * (ce_w * (F(1) - eps) + cg - beta * ckl);
+  r.cy = -k * (ce_w * (F(1) - eps) + cg - beta * ckl) + gl;
   r.dk = k * F(o.dist_w) * F(o.inv_ts);
   return r;
 }
