@@ -130,6 +130,14 @@ def call_value(name: str, value) -> float:
     return float(value)
 
 
+def temperature_scale(temperature: float):
+    """The logit_scale option of a sampling temperature (the per-token outputs' frontends): None
+    at 1, the library's default."""
+    if not temperature > 0:
+        raise HeadlossValueError(f"temperature is {temperature!r}; must be > 0")
+    return None if temperature == 1 else 1.0 / temperature
+
+
 def _zero_refused(name: str, default: str, instead: str) -> HeadlossValueError:
     return HeadlossValueError(f"{name}=0 is refused: the library reads 0 as its default ({default}), "
                               f"which None gives; {instead}")

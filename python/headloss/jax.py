@@ -46,12 +46,13 @@ from jax.custom_derivatives import SymbolicZero
 from . import _abi
 from ._arrays import DTYPE_NAMES, FLOATS, INTS, dtype_code, expect, spec
 from ._lib import _HERE, DTYPE_F32, HeadlossValueError, lib_path
-from ._loss_options import SCALARS, call_value, plan_fields, terms_bits
+from ._loss_options import SCALARS, call_value, plan_fields, temperature_scale, terms_bits
 from .loss import DEFAULT_MAX_WORKSPACE_BYTES, LossPlan
 from .rmsnorm import cast_code
 
 __all__ = ["rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "fused_loss", "sharded_fused_loss", "loss_stats",
-           "loss_middle", "loss_finish", "loss_exchanges", "linear_loss", "sharded_linear_loss", "loss_plan_count", "adapter_path"]
+           "loss_middle", "loss_finish", "loss_exchanges", "linear_loss", "sharded_linear_loss", "TokenLogprobs",
+           "token_logprobs", "linear_token_logprobs", "loss_plan_count", "adapter_path"]
 
 _OPTIONAL_INPUTS = ("labels", "weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
 _TEACHER_INPUTS = ("teacher_hidden", "teacher_weight")  # the fused linear form's teacher
@@ -608,6 +609,92 @@ def sharded_linear_loss(hidden, weight_shard, labels=None, *, axis_name, vocab_g
     cfg, extras = _linear_config("sharded_linear_loss", hidden, weight_shard, labels, kwargs,
                                  vocab_global=int(vocab_global), ranks=ranks)
     return _results(cfg._replace(axis_name=axis_name), (hidden, weight_shard), extras)
+
+
+# ---- per-token outputs with a backward ---------------------------------------------------------------
+
+class TokenLogprobs(NamedTuple):
+    logp: Any     # log p of the label (0 where the row is ignored or there are no labels)
+    entropy: Any  # of the row's softmax
+    lse: Any      # log-sum-exp of the row's logits (after temperature and soft cap)
+
+
+# The upstream gradients' names; the adapter's input bits for them follow _ALL_INPUTS'.
+_TOKEN_GRADS = ("logp", "entropy", "lse")
+
+
+@jax.tree_util.register_static
+class _Need(NamedTuple):
+    """Which operands the backward differentiates: static, so it travels in the residuals."""
+    grads: Tuple[bool, ...]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tokens(cfg: _Cfg, operands, labels):
+    _, _, toks = _loss_call(cfg, operands, (labels,), (False,) * len(operands))
+    return TokenLogprobs(*toks[1:])
+
+
+def _tokens_fwd(cfg, operands, labels):
+    # The forward forms no gradient (one product a chunk in the linear form): the backward runs
+    # the plan again with the cotangents, for the operands being differentiated only.
+    need = _Need(tuple(bool(x.perturbed) for x in operands))
+    operands, labels = jax.tree_util.tree_map(lambda x: x.value, (operands, labels))
+    return _tokens(cfg, operands, labels), (operands, labels, need)
+
+
+def _tokens_bwd(cfg, saved, cts):
+    operands, labels, need = saved
+    # An unused output's cotangent is a symbolic zero: no flag, no work (logp without labels is a
+    # constant 0).
+    ups = tuple(None if isinstance(g, SymbolicZero) or (n == "logp" and labels is None) else g.astype(jnp.float32)
+                for n, g in zip(_TOKEN_GRADS, cts))
+    if all(u is None for u in ups):
+        return tuple(jnp.zeros_like(x) if n else None for x, n in zip(operands, need.grads)), None
+    extras = (labels,) + (None,) * (len(_ALL_INPUTS) - 1) + ups
+    _, gs, _ = _loss_call(cfg._replace(token_outputs=False), operands, extras, need.grads)
+    return tuple(None if g is None else g.astype(dt) for g, dt in zip(gs, cfg.dtypes)), None
+
+
+_tokens.defvjp(_tokens_fwd, _tokens_bwd, symbolic_zeros=True)
+
+
+def _token_kwargs(temperature, softcap, ignore_index, check) -> dict:
+    return dict(terms=(), token_outputs=True, logit_scale=temperature_scale(temperature), softcap=softcap,
+                ignore_index=ignore_index, check=check)
+
+
+def _token_results(cfg: _Cfg, operands, labels) -> TokenLogprobs:
+    shape = operands[0].shape[:-1]
+    return TokenLogprobs(*(t.reshape(shape) for t in _tokens(cfg, tuple(operands), labels)))
+
+
+def token_logprobs(logits, labels=None, *, temperature: float = 1.0, softcap: Optional[float] = None,
+                   ignore_index: Optional[int] = None, check: bool = True) -> TokenLogprobs:
+    """(logp, entropy, lse) of logits [..., V] / temperature (optionally soft-capped), each [...]
+    fp32, differentiable w.r.t. the logits (jax.custom_vjp) and jit-compatible; as
+    headloss.torch_tokens.token_logprobs. labels [...] int32 / int64: the ids whose log-prob logp
+    is (< 0 or ignore_index: ignored, logp 0; None: logp is 0). The forward runs the plan with no
+    term; the backward runs it again with the outputs' cotangents (those not symbolically zero).
+    check=False skips the label range check (on CUDA a synchronisation of XLA's stream)."""
+    kw = _token_kwargs(temperature, softcap, ignore_index, check)
+    cfg, extras = _kwargs_config("token_logprobs", logits, labels, kw)
+    return _token_results(cfg, (logits,), extras[0])
+
+
+def linear_token_logprobs(hidden, weight, labels=None, *, temperature: float = 1.0,
+                          softcap: Optional[float] = None, ignore_index: Optional[int] = None,
+                          check: bool = True, grad_weight_dtype=None,
+                          max_workspace_bytes: Optional[int] = DEFAULT_MAX_WORKSPACE_BYTES) -> TokenLogprobs:
+    """token_logprobs of the logits hidden @ weight.T without forming them: hidden [..., H], weight
+    [V, H] in one dtype. The forward is one product a chunk; jax.grad w.r.t. hidden and weight
+    (only those being differentiated) forms the logits again, chunk by chunk, in a workspace from
+    XLA's scratch allocator (max_workspace_bytes as linear_loss's). grad_weight_dtype="float32"
+    sums grad_weight over the chunks in fp32 (one rounding to weight's dtype)."""
+    kw = dict(_token_kwargs(temperature, softcap, ignore_index, check), grad_weight_dtype=grad_weight_dtype,
+              max_workspace_bytes=max_workspace_bytes)
+    cfg, extras = _linear_config("linear_token_logprobs", hidden, weight, labels, kw)
+    return _token_results(cfg, (hidden, weight), extras[0])
 
 
 # ---- the split steps, for a gather of your own ------------------------------------------------------

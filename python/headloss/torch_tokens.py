@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._lib import HeadlossValueError
+from ._loss_options import temperature_scale
 from .loss import DEFAULT_MAX_WORKSPACE_BYTES, LinearLossPlan, LossPlan
 from .torch_loss import linear_workspace
 from .torch_ops import _dense, _dtype_name, _head_weight, _matrix, _options_json, _per_row
@@ -189,9 +189,7 @@ _lfwd.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def _options(temperature: float, softcap, ignore_index, check: bool, **more) -> str:
-    if not temperature > 0:
-        raise HeadlossValueError(f"temperature is {temperature!r}; must be > 0")
-    opts = dict(logit_scale=None if temperature == 1 else 1.0 / temperature, softcap=softcap,
+    opts = dict(logit_scale=temperature_scale(temperature), softcap=softcap,
                 ignore_index=ignore_index, check=check, **more)
     return _options_json(tuple(sorted((k, v) for k, v in opts.items() if v is not None)))
 

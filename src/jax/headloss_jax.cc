@@ -17,7 +17,9 @@
 //                       256 rollout_logprobs, 512 cu_seqlens [sequences + 1] in the attribute
 //                       cu_seqlens_dtype, 1024 teacher_topk_ids [.., k] s32 / s64, 2048
 //                       teacher_topk_logprobs [.., k] f32: a sparse teacher, teacher_topk = k from
-//                       their shape)
+//                       their shape; 4096 grad_token_logp, 8192 grad_token_entropy, 16384
+//                       grad_token_lse f32 [rows]: per-token upstream gradients, each setting its
+//                       HL_LOSS_GRAD_TOKEN_* flag)
 //                       rets scalars f32[HL_LOSS_NUM_SCALARS], [grad: grad_mode != 0],
 //                       [token_loss, token_logp, token_entropy, token_lse: token_outputs]
 //                       attrs: the hl_loss_plan_desc_t fields by name (terms, flags, ce_weight, ...,
@@ -413,6 +415,22 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
     int64_t rows = 0, cols = 0;
     RowsCols(b, &rows, &cols);
     if (cols != d.teacher_topk) return Invalid("teacher_topk_logprobs must be [..., k] as teacher_topk_ids");
+  }
+  // Per-token upstream gradients: each buffer given sets its flag, so the plan is the one it needs.
+  const struct {
+    const float **ptr;
+    unsigned flag;
+    const char *name;
+  } up[] = {{&a.grad_token_logp, HL_LOSS_GRAD_TOKEN_LOGP, "grad_token_logp"},
+            {&a.grad_token_entropy, HL_LOSS_GRAD_TOKEN_ENTROPY, "grad_token_entropy"},
+            {&a.grad_token_lse, HL_LOSS_GRAD_TOKEN_LSE, "grad_token_lse"}};
+  for (int k = 0; k < 3; ++k) {
+    if (!(inputs & (1 << (12 + k)))) continue;
+    HL_JAX_ARG(b, args, c->ai++);
+    HL_JAX_TRY(CheckDtype(b, HL_DTYPE_F32, up[k].name));
+    HL_JAX_TRY(per_row(b, up[k].name));
+    *up[k].ptr = static_cast<const float *>(b.untyped_data());
+    d.flags |= up[k].flag;
   }
   return ffi::Error::Success();
 }
