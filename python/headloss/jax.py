@@ -8,6 +8,8 @@
     loss, metrics = hlj.sharded_fused_loss(logits_shard, labels, axis_name="tp", vocab_global=V)
     # the fused linear form: hidden states and the head's weight, the logits never in memory
     loss, metrics = hlj.linear_loss(hidden, weight, labels, terms=("ce", "z"), z_weight=1e-4)
+    # per-token (logp, entropy, lse) with a backward, for a loss of your own (RL trainers)
+    logp, entropy, lse = hlj.linear_token_logprobs(hidden, weight, labels, temperature=0.7)
 
 The calls go through a small adapter library, libheadloss_jax.so (src/jax/headloss_jax.cc, built
 by CMake when jax's FFI headers are found), registered with jax.ffi.register_ffi_target for the
