@@ -6,9 +6,12 @@ contiguous shards. Per rank, median CUDA-event times (ms) of:
     (one collective), and each step alone;
   - headloss on a raw NCCL communicator (hl_loss_plan_execute_nccl: the same, one call);
   - headloss unsharded on one GPU (the whole [N, V]) for scale.
-CE alone beside Megatron-core's vocab_parallel_cross_entropy (PyPI megatron-core, when it imports:
-an all-reduce per statistic, the max, the label's logit and the sum of exponentials, then the
-gradient from the saved softmax), forward + backward of the masked token mean as its trainers take it.
+CE alone beside Megatron-core's vocab_parallel_cross_entropy and fused_vocab_parallel_cross_entropy
+(PyPI megatron-core, when it imports: an all-reduce per statistic, the max, the label's logit and the
+sum of exponentials (the last two in one when fused), then the gradient from the saved softmax) and
+headloss's switch for them (headloss.integrations.megatron: per-token losses, the upstream per-token
+gradient in backward), forward + backward of the masked token mean as its trainers take it, with
+the peak memory above the inputs per rank.
 Also dense JSD distillation (CE + JSD against teacher logits sharded the same way: a middle step and
 a second all-gather) and the fused linear form (hidden [N, H], the weight sharded by vocabulary rows:
 one all-gather for the loss, one all-reduce of grad_hidden), the latter against its floor on a rank:
@@ -34,23 +37,46 @@ Z_W, ENT_W = 1e-4, -1e-2
 TERMS = ("ce", "z", "entropy")
 
 
-def megatron_ce(x, y, group):
-    """Megatron-core's vocab-parallel CE, forward + backward of the masked token mean (its loss
-    is per token; an ignored label lies in no shard, so its row is masked out); None when
-    megatron-core does not import."""
+def megatron_runs(x, y, group):
+    """Forward + backward of the masked token mean as Megatron's trainers take it, on its layout
+    ([s, b, V / tp] with b = 1): through Megatron-core's vocab_parallel_cross_entropy, its
+    fused_vocab_parallel_cross_entropy, and the switch (headloss.integrations.megatron: per-token
+    losses out, the upstream per-token gradient in). An ignored label lies in no shard, so its row
+    is masked out. {} when megatron-core does not import."""
     try:
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
         from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     except Exception as e:  # noqa: BLE001
         print(f"# megatron-core unavailable: {type(e).__name__}: {e}", flush=True)
-        return None
+        return {}
+    from headloss.integrations.megatron import vocab_parallel_cross_entropy as switch
     mask = (y >= 0).float()
+    losses = {  # name: (per-token losses of [s, b, V / tp] and [s, b], the collectives a step)
+        "Megatron-core vocab_parallel_cross_entropy":
+            (lambda z, t: vocab_parallel_cross_entropy(z, t, tp_group=group), "3 all-reduces"),
+        "Megatron-core fused_vocab_parallel_cross_entropy":
+            (lambda z, t: fused_vocab_parallel_cross_entropy(z, t, group), "2 all-reduces"),
+        "headloss: the Megatron switch (per-token losses)":
+            (lambda z, t: switch(z, t, tp_group=group, check=False), "1 all-gather")}
 
-    def run():
-        z = x.detach().requires_grad_(True)
-        loss = (vocab_parallel_cross_entropy(z, y, tp_group=group) * mask).sum() / mask.sum()
-        loss.backward()
-        return loss
-    return run
+    def step(fn):
+        def run():
+            z = x.detach().view(x.shape[0], 1, -1).requires_grad_(True)
+            loss = (fn(z, y.view(-1, 1)).view(-1) * mask).sum() / mask.sum()
+            loss.backward()
+            return loss
+        return run
+    return {k: (step(fn), colls) for k, (fn, colls) in losses.items()}
+
+
+def peak_gib(fn) -> float:
+    """GiB allocated at fn()'s peak above what was allocated before it (its inputs)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
 
 
 def worker(rank: int, init: str, args) -> None:
@@ -113,7 +139,8 @@ def worker(rank: int, init: str, args) -> None:
             f"{header()}; 2 GPUs, one process each, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}",
             f"CE with gradient, bf16 [{N}, {V}] in two shards of {V // 2} columns, beside Megatron-core "
             f"(loss {ce_ref:.6f}):", "",
-            table(ce, ["per rank", "ms", "collectives", "Megatron-core / this"]), "",
+            table(ce, ["per rank", "ms", "collectives", "peak above inputs, GiB", "Megatron-core / this",
+                       "Megatron-core fused / this"]), "",
             f"CE + z + entropy with gradient, the same logits; loss {ref:.6f} (sharded {ours:.6f}):", "",
             table(rows, ["per rank", "ms", "collectives", "bytes"]), "",
             f"Dense JSD (CE + JSD, beta 0.5), bf16 student and teacher logits [{N}, {V}], the same shards:", "",
@@ -145,14 +172,16 @@ def ce_times(V, lo, x, y, comm, dist):
          "headloss: hl_loss_plan_execute_nccl": median_ms(lambda: plan.nccl(comm.ptr, x, y, grad=grad))}
     ours = split().scalars[0].item()
     colls = {k: "1 all-gather" for k in t}
-    mega = megatron_ce(x, y, dist.group.WORLD)
-    if mega is not None:
-        theirs = mega().item()
-        assert abs(theirs - ours) <= 1e-3 * abs(ours), (theirs, ours)
-        t["Megatron-core vocab_parallel_cross_entropy"] = median_ms(mega, iters=20)
-        colls["Megatron-core vocab_parallel_cross_entropy"] = "3 all-reduces"
+    peaks = {}
+    for k, (run, colls[k]) in megatron_runs(x, y, dist.group.WORLD).items():
+        theirs = run().item()
+        assert abs(theirs - ours) <= 1e-3 * abs(ours), (k, theirs, ours)
+        t[k] = median_ms(run, iters=20)
+        peaks[k] = f"{peak_gib(run):.2f}"
     base = t.get("Megatron-core vocab_parallel_cross_entropy")
-    rows = [[k, f"{v:.3f}", colls[k], f"{base / v:.2f}x" if base else "n/a"] for k, v in t.items()]
+    fused = t.get("Megatron-core fused_vocab_parallel_cross_entropy")
+    ratio = lambda b, v: f"{b / v:.2f}x" if b else "n/a"  # noqa: E731
+    rows = [[k, f"{v:.3f}", colls[k], peaks.get(k, ""), ratio(base, v), ratio(fused, v)] for k, v in t.items()]
     return rows, ours
 
 

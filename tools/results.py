@@ -198,6 +198,8 @@ LOSS_TP_ROWS = {
     "headloss: hl_loss_plan_execute_nccl": ("", "headloss", "hl_loss_plan_execute_nccl"),
     "PyTorch, an all-reduce per statistic": ("", "pytorch", "an all-reduce per statistic"),
     "Megatron-core vocab_parallel_cross_entropy": ("", "megatron-core", "vocab_parallel_cross_entropy"),
+    "Megatron-core fused_vocab_parallel_cross_entropy": ("", "megatron-core", "fused_vocab_parallel_cross_entropy"),
+    "headloss: the Megatron switch (per-token losses)": ("", "headloss", "the Megatron switch (per-token losses)"),
     "JSD unsharded, 1 GPU": ("_jsd", "headloss", "unsharded, 1 GPU"),
     "JSD: hl_loss_plan_execute_nccl": ("_jsd", "headloss", "hl_loss_plan_execute_nccl"),
     "linear unsharded, 1 GPU": ("_linear", "headloss", "unsharded, 1 GPU"),

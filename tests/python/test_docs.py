@@ -16,7 +16,8 @@ SNIPPETS = [(f"{doc.relative_to(ROOT)}:{i}", code) for doc in DOCS
             for i, code in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S))]
 # What a snippet needs beyond the package: a module, or (for a hub model and fla) more than a test has.
 NEEDS = {"torch": "import torch", "jax": "import jax", "a hub model and transformers": "from_pretrained",
-         "a GPU and flash-linear-attention": "fla_backend"}
+         "a GPU and flash-linear-attention": "fla_backend",
+         "megatron-core and a model on initialised ranks": "integrations.megatron"}
 
 
 def _missing(code: str):

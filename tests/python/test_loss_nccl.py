@@ -6,15 +6,11 @@ sparse teacher (global top-k ids) and dense JSD (the middle step and a second al
 hl_loss_plan_execute_nccl does itself). The fused linear form too: the weight sharded by
 vocabulary rows, hl_loss_plan_execute_nccl all-reducing grad_hidden (written, and accumulated onto
 what the buffer held), with and without the logits kept in the workspace. Skips without two GPUs."""
-import os
-import sys
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import headloss
+from spawn_ranks import run_ranks
 
 N, V, SPLIT = 1000, 50257, 20011  # an odd vocabulary, uneven shards
 TERMS = ("ce", "z", "entropy", "grpo", "kl_ref")
@@ -122,69 +118,60 @@ def _linear_worker(rank: int, case: str, torch, dist, Comm) -> None:
     comm.destroy()
 
 
-def _worker(rank: int, init: str, errors: str, case: str) -> None:
-    try:
-        import torch
-        import torch.distributed as dist
-        from headloss.loss import LossPlan
-        from nccl_comm import Comm
+def _worker(rank: int, ranks: int, case: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from headloss.loss import LossPlan
+    from nccl_comm import Comm
 
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2,
-                                device_id=torch.device("cuda", rank))
-        if case in LINEAR:
-            _linear_worker(rank, case, torch, dist, Comm)
-            dist.destroy_process_group()
-            return
-        terms, opts, tol = CASES[case]
-        x, y, rows, teacher = _inputs(torch, case)
-        x, y = x.cuda(), y.cuda()
-        rows = {k: v.cuda() for k, v in rows.items()}
-        teacher = {k: v.cuda() for k, v in teacher.items()}
-        full = LossPlan(V, "bfloat16", terms=terms, device="cuda", **opts)(x, y, **rows, **teacher)
-        lo, n = (0, SPLIT) if rank == 0 else (SPLIT, V - SPLIT)
-        plan = LossPlan(n, "bfloat16", terms=terms, device="cuda", vocab_start=lo, vocab_global=V,
-                        ranks=2, **opts)
-        xs = x[:, lo:lo + n]  # a strided view: the shard's columns of the whole logits
-        ts = {k: v[:, lo:lo + n] if k == "teacher_logits" else v for k, v in teacher.items()}
-        # 1. the caller's collective(s)
-        block = plan.stats(xs, y, **ts)
-        gathered = torch.empty(2 * block.numel(), dtype=block.dtype, device="cuda")
-        dist.all_gather_into_tensor(gathered, block)
-        mid = {}
-        if plan.exchanges == 2:
-            m = plan.middle(gathered, xs, y, **ts)
-            mid["gathered_middle"] = torch.empty(2 * m.numel(), dtype=m.dtype, device="cuda")
-            dist.all_gather_into_tensor(mid["gathered_middle"], m)
-        out = plan.finish(gathered, xs, y, **rows, **ts, **mid)
-        # 2. the library's NCCL path
-        comm = Comm()
-        out2 = plan.nccl(comm.ptr, xs, y, **rows, **ts)
-        torch.cuda.synchronize()
-        ref, got = full.scalars.double().cpu().numpy(), out.scalars.double().cpu().numpy()
-        bad = np.abs(got - ref) > tol * np.maximum(np.abs(ref), 1e-3)
-        assert not bad.any(), f"rank {rank}: scalars {np.flatnonzero(bad)}: {got[bad]} vs {ref[bad]}"
-        g_ref = full.grad[:, lo:lo + n].double()
-        err = (out.grad.double() - g_ref).norm() / g_ref.norm()
-        assert err <= 1e-5, f"rank {rank}: gradient differs by {err:.2e}"
-        assert torch.equal(out.scalars, out2.scalars) and torch.equal(out.grad, out2.grad)
-        # Every rank has the same scalars.
-        both = torch.empty(2, out.scalars.numel(), device="cuda")
-        dist.all_gather_into_tensor(both, out.scalars)
-        assert torch.equal(both[0], both[1])
-        # A plan for three ranks on this two-rank communicator is refused.
-        three = LossPlan(n, "bfloat16", terms=terms, device="cuda", vocab_start=lo, vocab_global=V,
-                         ranks=3, **opts)
-        try:
-            three.nccl(comm.ptr, xs, y, **rows, **ts)
-            raise AssertionError("a 3-rank plan ran on a 2-rank communicator")
-        except headloss.HeadlossError as e:
-            assert "communicator has 2 ranks" in str(e), str(e)
-        comm.destroy()
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001  (reported by the parent)
-        Path(errors, f"rank{rank}").write_text(f"{type(e).__name__}: {e}")
-        raise
+    if case in LINEAR:
+        _linear_worker(rank, case, torch, dist, Comm)
+        return
+    terms, opts, tol = CASES[case]
+    x, y, rows, teacher = _inputs(torch, case)
+    x, y = x.cuda(), y.cuda()
+    rows = {k: v.cuda() for k, v in rows.items()}
+    teacher = {k: v.cuda() for k, v in teacher.items()}
+    full = LossPlan(V, "bfloat16", terms=terms, device="cuda", **opts)(x, y, **rows, **teacher)
+    lo, n = (0, SPLIT) if rank == 0 else (SPLIT, V - SPLIT)
+    plan = LossPlan(n, "bfloat16", terms=terms, device="cuda", vocab_start=lo, vocab_global=V,
+                    ranks=2, **opts)
+    xs = x[:, lo:lo + n]  # a strided view: the shard's columns of the whole logits
+    ts = {k: v[:, lo:lo + n] if k == "teacher_logits" else v for k, v in teacher.items()}
+    # 1. the caller's collective(s)
+    block = plan.stats(xs, y, **ts)
+    gathered = torch.empty(2 * block.numel(), dtype=block.dtype, device="cuda")
+    dist.all_gather_into_tensor(gathered, block)
+    mid = {}
+    if plan.exchanges == 2:
+        m = plan.middle(gathered, xs, y, **ts)
+        mid["gathered_middle"] = torch.empty(2 * m.numel(), dtype=m.dtype, device="cuda")
+        dist.all_gather_into_tensor(mid["gathered_middle"], m)
+    out = plan.finish(gathered, xs, y, **rows, **ts, **mid)
+    # 2. the library's NCCL path
+    comm = Comm()
+    out2 = plan.nccl(comm.ptr, xs, y, **rows, **ts)
+    torch.cuda.synchronize()
+    ref, got = full.scalars.double().cpu().numpy(), out.scalars.double().cpu().numpy()
+    bad = np.abs(got - ref) > tol * np.maximum(np.abs(ref), 1e-3)
+    assert not bad.any(), f"rank {rank}: scalars {np.flatnonzero(bad)}: {got[bad]} vs {ref[bad]}"
+    g_ref = full.grad[:, lo:lo + n].double()
+    err = (out.grad.double() - g_ref).norm() / g_ref.norm()
+    assert err <= 1e-5, f"rank {rank}: gradient differs by {err:.2e}"
+    assert torch.equal(out.scalars, out2.scalars) and torch.equal(out.grad, out2.grad)
+    # Every rank has the same scalars.
+    both = torch.empty(2, out.scalars.numel(), device="cuda")
+    dist.all_gather_into_tensor(both, out.scalars)
+    assert torch.equal(both[0], both[1])
+    # A plan for three ranks on this two-rank communicator is refused.
+    three = LossPlan(n, "bfloat16", terms=terms, device="cuda", vocab_start=lo, vocab_global=V,
+                     ranks=3, **opts)
+    try:
+        three.nccl(comm.ptr, xs, y, **rows, **ts)
+        raise AssertionError("a 3-rank plan ran on a 2-rank communicator")
+    except headloss.HeadlossError as e:
+        assert "communicator has 2 ranks" in str(e), str(e)
+    comm.destroy()
 
 
 @pytest.mark.parametrize("case", list(CASES) + list(LINEAR))
@@ -195,19 +182,4 @@ def test_two_gpus_match_the_unsharded_loss(case):
     import torch.distributed as dist
     if not dist.is_nccl_available():
         pytest.skip("PyTorch has no NCCL")
-    import torch.multiprocessing as mp
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, f"file://{tmp}/init", tmp, case)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(180)
-        for p in procs:  # a rank stuck in a collective whose peer died
-            if p.is_alive():
-                p.kill()
-        msgs = [f.read_text() for f in sorted(Path(tmp).glob("rank*"))]
-        assert not msgs, "; ".join(msgs)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-
+    run_ranks(_worker, 2, case, backend="nccl", timeout=180)

@@ -1,3 +1,4 @@
 """One-line integrations with model libraries (each imports its library on demand):
 headloss.integrations.transformers (Hugging Face causal LMs: RMSNorm and the LM-head loss),
-headloss.integrations.verl (verl's fused linear_cross_entropy: per-token log-probs and entropy)."""
+headloss.integrations.verl (verl's fused linear_cross_entropy: per-token log-probs and entropy),
+headloss.integrations.megatron (Megatron-core's tensor-parallel language-model loss)."""
