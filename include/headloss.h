@@ -54,10 +54,10 @@ extern "C" {
 /* ------------------------------------------------------------------------------------------------ */
 
 #define HL_VERSION_MAJOR 0
-#define HL_VERSION_MINOR 6
+#define HL_VERSION_MINOR 7
 #define HL_VERSION_PATCH 0
 /* HL_VERSION_MAJOR * 10000 + HL_VERSION_MINOR * 100 + HL_VERSION_PATCH */
-#define HL_VERSION 600
+#define HL_VERSION 700
 
 /* The limits of the conventions above. */
 #define HL_MAX_EXTENT ((int64_t)0xFFFFFFFFFFFF)          /* 2^48 - 1: any size, count or stride */
@@ -418,6 +418,42 @@ HL_API hl_status_t hl_gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stre
  *            own statistics and finish steps (the tensor-parallel split with one rank; the logits
  *            are read twice, the fused linear form keeps them in a workspace of fast_bytes; dense
  *            DISTILL_JSD adds its middle step)
+ * Preference losses (term HL_LOSS_PREFERENCE, desc.preference; TRL's DPO, CPO, ORPO and KTO
+ * trainers, Liger's chunked losses): sequence-level, on the rows grouped by args.cu_seqlens. A
+ * sequence's log-prob v_s is the sum of logp_y over its tokens (rows not ignored: a prompt's rows
+ * carry label -100), or their mean (pref_logp). Paired losses take num_seqs = 2P: sequences
+ * [0, P) are the chosen completions, [P, 2P) the rejected ones, pair i = (i, P + i) (TRL's
+ * concatenation). args.ref_seq_logprobs [num_seqs] holds the reference's v_s in the same units
+ * (DPO and KTO need it; SimPO, ORPO and CPO are reference-free and take none). With b = pref_beta,
+ * c, r the pair's v, and u = c - ref_c, l = r - ref_r, x = b (u - l), sigma the logistic function,
+ * e = pref_label_smoothing, each pair's loss is (TRL's dpo_loss):
+ *   SIGMOID   -(1 - e) log sigma(x) - e log sigma(-x)  (e > 0: cDPO)
+ *   HINGE     max(0, 1 - x)
+ *   IPO       (u - l - 1 / (2 b))^2                    (mean log-probs by default)
+ *   EXO_PAIR  sigma(x) (log sigma(x) - log(1 - e)) + sigma(-x) (log sigma(-x) - log e)  (e = 0: 1e-3)
+ *   NCA_PAIR  -log sigma(b u) - log sigma(-b u) / 2 - log sigma(-b l) / 2
+ *   ROBUST    (-(1 - e) log sigma(x) + e log sigma(-x)) / (1 - 2 e)
+ *   BCO_PAIR  -log sigma(b u) - log sigma(-b l)        (TRL's running-mean shift delta: add
+ *             delta / b to both reference log-probs)
+ *   SPPO_HARD (u - 1 / (2 b))^2 + (l + 1 / (2 b))^2
+ *   APO_ZERO  1 - sigma(b u) + sigma(b l);   APO_DOWN  sigma(b u) + 1 - sigma(x)
+ *   DISCOPOP  -log sigma(x) (1 - m) + exp(-x) m,  m = sigma(x / pref_tau)
+ * CPO is DPO without a reference (u = c, l = r; TRL's CPO: sums by default); SimPO is SIGMOID at
+ * x = b (c - r) - pref_gamma on mean log-probs; ORPO is -b log sigma(o) with the log odds ratio
+ * o = c - r - log(1 - e^c) + log(1 - e^r) on mean log-probs. KTO (unpaired: any num_seqs, each
+ * sequence's args.kto_labels 1 desirable, 0 undesirable, -1 a completion of TRL's KL batch):
+ * z0 = max(0, mean over the KL completions of v_s - ref_s) (0 without any; a constant: no
+ * gradient), and a desirable sequence's loss is w_d (1 - sigma(b (v - ref - z0))), an undesirable
+ * one's w_u (1 - sigma(b (z0 - v + ref))), averaged over both kinds. The term is the mean over
+ * pairs (KTO: over its non-KL sequences), not divided by D nor weighted by w_t; loss adds
+ * pref_weight times it, and the gradient grad_scale pref_weight dL/dv_s d v_s / dz: each token of
+ * sequence s adds c_s d logp_y / dz (c_s / n_s for a mean), as a per-token upstream gradient.
+ * Rewards (the metrics): b u, b l (b c, b r reference-free; KTO b (v - ref)). The NLL of TRL's rpo
+ * or ORPO's / CPO's alpha is CE in the same plan, on the chosen tokens: weights w_t = 1 there and
+ * 0 on the rejected rows (D, the sum of weights, is then the chosen tokens: TRL's mean). Every
+ * v_s needs every row's logp first: the plan runs as GSPO's, statistics then finish (logits read
+ * twice; the fused linear form keeps them in a workspace of fast_bytes, else forms them again).
+ * num_seqs <= rows. ratio_level SEQ_MEAN is refused with it (both define the sequence sums).
  * Rollout / trainer mismatch (rollout_logprobs: the inference engine's log-probs of the sampled
  * tokens; needs old_logprobs, the trainer's): with d = old_logprob - rollout_logprob and x = d
  * (rollout_level TOKEN), the sum of d over the token's sequence (SEQ_PRODUCT, verl's "sequence")
@@ -460,6 +496,7 @@ typedef struct hl_loss_plan_st *hl_loss_plan_t;
 #define HL_LOSS_GRPO_KL_REF (1u << 6)
 #define HL_LOSS_CISPO (1u << 7)       /* needs advantages and old_logprobs, as GRPO */
 #define HL_LOSS_DISTILL_JSD (1u << 8) /* generalised JSD, jsd_beta; exclusive with FWD / REV */
+#define HL_LOSS_PREFERENCE (1u << 9)  /* a sequence-level preference loss (desc.preference) */
 
 /* KL-to-reference estimators (hl_loss_plan_desc_t.kl_estimator), Schulman's k1 / k2 / k3. */
 #define HL_LOSS_KL_K3 0
@@ -478,6 +515,30 @@ typedef struct hl_loss_plan_st *hl_loss_plan_t;
 #define HL_LOSS_ROLLOUT_MIS 2
 #define HL_LOSS_ROLLOUT_REJECT 3
 
+/* Preference losses (desc.preference, with the term HL_LOSS_PREFERENCE). */
+#define HL_LOSS_PREF_DPO 0
+#define HL_LOSS_PREF_SIMPO 1
+#define HL_LOSS_PREF_ORPO 2
+#define HL_LOSS_PREF_CPO 3
+#define HL_LOSS_PREF_KTO 4
+/* DPO's and CPO's loss types (desc.pref_loss_type), TRL's loss_type of the same name. */
+#define HL_LOSS_DPO_SIGMOID 0
+#define HL_LOSS_DPO_HINGE 1
+#define HL_LOSS_DPO_IPO 2
+#define HL_LOSS_DPO_EXO_PAIR 3
+#define HL_LOSS_DPO_NCA_PAIR 4
+#define HL_LOSS_DPO_ROBUST 5
+#define HL_LOSS_DPO_BCO_PAIR 6
+#define HL_LOSS_DPO_SPPO_HARD 7
+#define HL_LOSS_DPO_APO_ZERO 8
+#define HL_LOSS_DPO_APO_DOWN 9
+#define HL_LOSS_DPO_DISCOPOP 10
+/* A sequence's log-prob (desc.pref_logp): the sum over its tokens, or their mean (length
+ * normalisation). DEFAULT is the loss's convention: MEAN for SimPO, ORPO and IPO, SUM otherwise. */
+#define HL_LOSS_SEQ_LOGP_DEFAULT 0
+#define HL_LOSS_SEQ_LOGP_SUM 1
+#define HL_LOSS_SEQ_LOGP_MEAN 2
+
 /* Options (hl_loss_plan_desc_t.flags). */
 /* CUDA: skip the checks of device data that need a stream synchronisation (labels in range, the
  * headers of gathered statistics); execution is then fully asynchronous (CUDA-graph capturable). */
@@ -495,7 +556,7 @@ typedef enum {
 } hl_loss_grad_mode_t;
 
 typedef struct {
-  size_t struct_size; /* sizeof(hl_loss_plan_desc_t); earlier: 128, 136 (0.1), 176 (0.2), 192 (0.3) */
+  size_t struct_size; /* sizeof(hl_loss_plan_desc_t); earlier: 128, 136 (0.1), 176 (0.2), 192 (0.3), 232 (0.4 to 0.6) */
   hl_backend_t backend;
   int64_t vocab;           /* columns of the logits */
   hl_dtype_t logits_dtype; /* F32, F16 or BF16; teacher logits share it */
@@ -544,6 +605,17 @@ typedef struct {
   float jsd_beta;                   /* DISTILL_JSD's b in (0, 1]; 0 means 0.5 */
   int teacher_topk;                 /* k in [1, 256]: a sparse teacher (top-k ids and log-probs) */
   hl_dtype_t teacher_topk_ids_dtype; /* I32 or I64, with teacher_topk */
+  /* Preference optimisation (0.7), with HL_LOSS_PREFERENCE (see "Preference losses" above);
+   * zeros: DPO's sigmoid loss at beta 0.1. Off, every field holds 0. */
+  int preference;             /* HL_LOSS_PREF_DPO (0), _SIMPO, _ORPO, _CPO or _KTO */
+  int pref_loss_type;         /* HL_LOSS_DPO_* for DPO and CPO; 0: sigmoid */
+  int pref_logp;              /* HL_LOSS_SEQ_LOGP_*: the sequences' log-prob, sum or mean */
+  float pref_weight;          /* the term's weight; 0 means 1 */
+  float pref_beta;            /* 0 means 0.1 (TRL's DPO, CPO, ORPO, KTO; Liger's SimPO) */
+  float pref_gamma;           /* SimPO's margin, as given (TRL's and Liger's default: 0.5) */
+  float pref_label_smoothing; /* in [0, 0.5): cDPO / robust / exo_pair (0 there: 1e-3), SimPO, CPO */
+  float pref_tau;             /* DiscoPOP's tau; 0 means 0.05 */
+  float kto_desirable_weight, kto_undesirable_weight; /* KTO's; 0 means 1 */
 } hl_loss_plan_desc_t;
 
 /* The defaults a zero field stands for, spelled out (derived ones stay 0: vocab_global = vocab,
@@ -591,6 +663,17 @@ typedef enum {
   HL_LOSS_OUT_ROLLOUT_WEIGHT_MEAN, /* mean of w_is (with a rollout correction) */
   HL_LOSS_OUT_ROLLOUT_CORRECTED,   /* fraction with w_is != rho: truncated (TIS), masked (MIS, REJECT) */
   HL_LOSS_OUT_TOPK_MASS,     /* mean teacher mass the top-k covers, sum_K q_k; sparse teacher */
+  /* The preference term and TRL's metrics (0.7; "Preference losses" above). The NLL is ce. */
+  HL_LOSS_OUT_PREFERENCE,       /* the preference term: mean over pairs (KTO: sequences) */
+  HL_LOSS_OUT_REWARDS_CHOSEN,   /* means over chosen (desirable) sequences of the reward */
+  HL_LOSS_OUT_REWARDS_REJECTED, /* ... over rejected (undesirable) ones */
+  HL_LOSS_OUT_REWARDS_ACCURACY, /* fraction of pairs whose chosen reward beats the rejected's */
+  HL_LOSS_OUT_REWARDS_MARGIN,   /* rewards_chosen - rewards_rejected */
+  HL_LOSS_OUT_LOGPS_CHOSEN,     /* mean sequence log-prob (sum or mean, as the loss uses it) */
+  HL_LOSS_OUT_LOGPS_REJECTED,
+  HL_LOSS_OUT_LOG_ODDS_RATIO,   /* ORPO: mean log sigmoid(log odds ratio) */
+  HL_LOSS_OUT_LOG_ODDS_CHOSEN,  /* ORPO: mean log odds ratio */
+  HL_LOSS_OUT_KTO_KL,           /* KTO: the KL baseline z0 */
   HL_LOSS_NUM_SCALARS
 } hl_loss_scalar_t;
 
@@ -599,7 +682,7 @@ typedef enum {
 HL_API const char *hl_loss_scalar_name(int index);
 
 typedef struct {
-  size_t struct_size; /* sizeof(hl_loss_args_t); earlier: 160 (0.1), 256 (0.2, 0.3), 312 (0.4, 0.5) */
+  size_t struct_size; /* sizeof(hl_loss_args_t); earlier: 160 (0.1), 256 (0.2, 0.3), 312 (0.4, 0.5), 336 (0.6) */
   int64_t rows;
   const void *logits; /* [rows, vocab] */
   int64_t logits_stride;
@@ -616,7 +699,8 @@ typedef struct {
   int64_t grad_stride;
   float *scalars;     /* optional [HL_LOSS_NUM_SCALARS]; a plan whose descriptor is an older
                          header's writes the scalars that header had: 26 if it ends before
-                         kl_estimator (0.2), 28 if before cu_seqlens_dtype (0.3) */
+                         kl_estimator (0.2), 28 if before cu_seqlens_dtype (0.3), 33 if
+                         before preference (0.4 to 0.6) */
   float *token_loss;  /* optional [rows]: sum_k weight_k l_k (unweighted by w_t, D); 0 if ignored */
   float *token_logp;  /* optional [rows]: z_hat_y - lse; 0 if ignored */
   float *token_entropy; /* optional [rows] */
@@ -647,6 +731,9 @@ typedef struct {
   const float *grad_token_logp;
   const float *grad_token_entropy;
   const float *grad_token_lse;
+  /* Preference optimisation (0.7), [num_seqs] each (see "Preference losses"). */
+  const float *ref_seq_logprobs; /* the reference's sequence log-probs, in the policy's units */
+  const int32_t *kto_labels;     /* KTO: 1 desirable, 0 undesirable, -1 a KL completion */
 } hl_loss_args_t;
 
 /* No field has a nonzero default: divisor 0 (the sum of valid weights), grad_scale 0 (1). */

@@ -265,12 +265,15 @@ int64_t slice_cols(int64_t vocab, int cluster, int vec) {
 constexpr size_t kRecordsAt = kPrepBytes + (kCounters * sizeof(unsigned) + 15) / 16 * 16;
 static int64_t reduce_ctas(int64_t rows) { return (rows + kReduceRows - 1) / kReduceRows; }
 static size_t partials_at(int64_t rows) { return kRecordsAt + size_t(rows) * kRecStride * sizeof(float); }
-// The rows' sequence values (seq_lr, then seq_roll: SeqValues) where the plan has sequences.
+// The sequence area (steps.h, SeqArea) where the plan has sequences.
 static size_t seq_at(int64_t rows) {
   return partials_at(rows) + size_t(reduce_ctas(rows)) * kSumStride * sizeof(float);
 }
+static SeqArea seq_area_of(const hl_loss_plan_st &p, int64_t rows, void *workspace) {
+  return seq_area(p, rows, reinterpret_cast<float *>(static_cast<char *>(workspace) + seq_at(rows)));
+}
 static size_t gathered_at(const hl_loss_plan_st &p, int64_t rows) {
-  return seq_at(rows) + (p.sequences ? (size_t(rows) * 2 * sizeof(float) + 15) / 16 * 16 : 0);
+  return seq_at(rows) + (p.sequences ? (seq_area_floats(p, rows) * sizeof(float) + 15) / 16 * 16 : 0);
 }
 // The gathered middle blocks (a plan of two exchanges), after the gathered blocks. Saturated where
 // ranks and rows ask for more than any workspace holds (the entry points refuse that).
@@ -286,9 +289,9 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
   Params k{};
   k.logits = a.logits, k.teacher = a.teacher_logits, k.grad = a.grad;
   k.logits_stride = a.logits_stride, k.teacher_stride = a.teacher_stride, k.grad_stride = a.grad_stride;
-  const float *seq = workspace && p.sequences ? reinterpret_cast<const float *>(
-                         static_cast<const char *>(workspace) + seq_at(total)) : nullptr;
-  k.src = row_source(p, a, seq ? seq + row0 : nullptr, seq ? seq + total + row0 : nullptr);
+  const SeqArea seq = workspace && p.sequences ? seq_area_of(p, total, workspace) : SeqArea{};
+  const auto at = [row0](const float *v) { return v ? v + row0 : nullptr; };
+  k.src = row_source(p, a, at(seq.lr), at(seq.roll), at(seq.g));
   k.topk_ids = a.teacher_topk_ids, k.topk_lp = a.teacher_topk_logprobs;
   k.topk_ids_stride = a.teacher_topk_ids_stride, k.topk_lp_stride = a.teacher_topk_logprobs_stride;
   k.topk_ids64 = d.teacher_topk_ids_dtype == HL_DTYPE_I64;
@@ -384,7 +387,7 @@ hl_status_t dev::rows_begin(const char *fn, const hl_loss_plan_st &p, const hl_l
   const int cluster = prep_cluster(p, a.rows);
   HL_TRY(launch_small(prep_kernel, kPrepThreads, cluster, cluster, stream, pa, prep));
   // Before the checks, but no row is written until they pass (a bad cu_seqlens is clamped here).
-  if (p.sequences) HL_TRY(seq_run(p, a, gathered, reinterpret_cast<float *>(w + seq_at(a.rows)), stream));
+  if (p.sequences) HL_TRY(seq_run(p, a, gathered, seq_area_of(p, a.rows, workspace), stream));
   const bool unchecked = d.flags & HL_LOSS_UNCHECKED, topk = p.opt.topk > 0;
   const bool i64 = d.teacher_topk_ids_dtype == HL_DTYPE_I64;
   if (topk && !unchecked) {
@@ -461,10 +464,11 @@ hl_status_t dev::rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, voi
   const float *records = reinterpret_cast<const float *>(w + kRecordsAt);
   float *partials = reinterpret_cast<float *>(w + partials_at(a.rows));
   unsigned *counters = reinterpret_cast<unsigned *>(w + kPrepBytes);
-  return launch_small(reduce_kernel, kReduceThreads, reduce_ctas(a.rows), 1, stream, records, a.rows,
+  HL_TRY(launch_small(reduce_kernel, kReduceThreads, reduce_ctas(a.rows), 1, stream, records, a.rows,
                       partials, counters + kTicket, reinterpret_cast<const PrepOut *>(w),
                       a.labels && a.old_logprobs, a.advantages != nullptr, unsigned(p.desc.terms),
-                      p.opt.scalars, a.scalars);
+                      p.opt.scalars, a.scalars));
+  return p.pref.kind < 0 ? HL_STATUS_SUCCESS : pref_store_scalars(p, a, seq_area_of(p, a.rows, workspace), stream);
 }
 
 namespace dev {

@@ -1,7 +1,8 @@
 // The sequence values of a call's rows (row_math.h, SeqSums / seq_values): one CTA per sequence
 // sums its tokens' log-ratios in a fixed order (deterministic), then writes the sequence's values
-// into each of its rows. GSPO's log-ratio needs each row's logp_y, from the gathered blocks'
-// records merged over the ranks (the statistics step ran before).
+// into each of its rows (and, for a preference term, its sums). GSPO's log-ratio and a preference
+// term's log-probs need each row's logp_y, from the gathered blocks' records merged over the ranks
+// (the statistics step ran before).
 #include <algorithm>
 #include <cstddef>
 
@@ -26,6 +27,7 @@ struct SeqArgs {
   bool lr, roll;         // which sums the plan needs
   Options o;
   float *out;            // seq_lr [rows], then seq_roll [rows]
+  SeqSums<float> *sums;  // [seqs] with a preference term, else null
 };
 
 __device__ int64_t bound(const SeqArgs &a, int64_t s) {
@@ -70,6 +72,7 @@ __global__ void __launch_bounds__(kSeqThreads) seq_kernel(const SeqArgs a) {
       for (int w = 0; w < kSeqThreads / 32; ++w)
         sum.n += part[w][0], sum.lr += part[w][1], sum.roll += part[w][2];
       seq_values(sum, a.o, &val[0], &val[1]);
+      if (a.sums) a.sums[s] = sum;
     }
     __syncthreads();
     for (int64_t i = b + tid; i < e; i += kSeqThreads) a.out[i] = val[0], a.out[a.rows + i] = val[1];
@@ -80,10 +83,10 @@ __global__ void __launch_bounds__(kSeqThreads) seq_kernel(const SeqArgs a) {
 }  // namespace
 
 hl_status_t seq_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, const void *gathered,
-                    float *out, cudaStream_t stream) {
+                    const SeqArea &area, cudaStream_t stream) {
   // Rows of no sequence (possible only unchecked) read zeros, not stale workspace.
-  HL_CUDA_TRY(cudaMemsetAsync(out, 0, size_t(a.rows) * 2 * sizeof(float), stream));
-  if (a.num_seqs == 0) return HL_STATUS_SUCCESS;
+  HL_CUDA_TRY(cudaMemsetAsync(area.lr, 0, seq_area_floats(p, a.rows) * sizeof(float), stream));
+  if (a.num_seqs == 0) return p.pref.kind < 0 ? HL_STATUS_SUCCESS : pref_run(p, a, area, stream);
   SeqArgs k{};
   k.cu = a.cu_seqlens, k.cu64 = p.desc.cu_seqlens_dtype == HL_DTYPE_I64;
   k.seqs = a.num_seqs, k.rows = a.rows;
@@ -91,14 +94,15 @@ hl_status_t seq_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, const voi
   k.gathered = static_cast<const char *>(gathered);
   k.block_bytes = int64_t(block_bytes(p, a.rows)), k.record_bytes = int64_t(record_bytes(p));
   k.ranks = p.desc.ranks;
-  k.lr = p.seq_stats && a.old_logprobs;
+  k.lr = p.seq_stats;  // of logp_y - old_logprob (0 without): GSPO, preference
   k.roll = p.opt.rollout_level != HL_LOSS_LEVEL_TOKEN && a.old_logprobs && a.rollout_logprobs;
   k.o = p.opt;
-  k.out = out;
+  k.out = area.lr;
+  k.sums = area.sums;
   const int ctas = int(std::min<int64_t>(a.num_seqs, kMaxSeqCtas));
   seq_kernel<<<ctas, kSeqThreads, 0, stream>>>(k);
   HL_CUDA_TRY_LAUNCH();
-  return HL_STATUS_SUCCESS;
+  return p.pref.kind < 0 ? HL_STATUS_SUCCESS : pref_run(p, a, area, stream);
 }
 
 }  // namespace hl::loss::dev

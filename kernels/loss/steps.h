@@ -39,10 +39,33 @@ hl_status_t rows_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, Phase ph
 // The reduce kernel: the scalars from the records of all of a call's rows (when a.scalars).
 hl_status_t rows_end(const hl_loss_plan_st &p, const hl_loss_args_t &a, void *workspace,
                      cudaStream_t stream);
-// The rows' sequence values (SeqValues) into out ([rows] seq_lr, then [rows] seq_roll), from the
-// inputs and, for GSPO, the gathered blocks (seq.cu).
+// The workspace's sequence area: seq_lr [rows], seq_roll [rows]; with a preference term then
+// seq_g [rows], each sequence's SeqSums and dL/dv (num_seqs <= rows), and the term's results
+// (kPrefScalars scalars, then its share of the loss).
+struct SeqArea {
+  float *lr, *roll, *g;
+  SeqSums<float> *sums;
+  float *dv, *results;
+};
+inline size_t seq_area_floats(const hl_loss_plan_st &p, int64_t rows) {
+  const size_t n = size_t(rows);
+  return p.pref.kind < 0 ? 2 * n : 7 * n + kPrefScalars + 1;
+}
+inline SeqArea seq_area(const hl_loss_plan_st &p, int64_t rows, float *base) {
+  const size_t n = size_t(rows);
+  if (p.pref.kind < 0) return {base, base + n, nullptr, nullptr, nullptr, nullptr};
+  return {base, base + n, base + 2 * n, reinterpret_cast<SeqSums<float> *>(base + 3 * n), base + 6 * n,
+          base + 7 * n};
+}
+// The rows' sequence values (SeqValues) into `area` from the inputs and, for GSPO and a preference
+// term, the gathered blocks (seq.cu); a preference term's gradients and results too (preference.cu).
 hl_status_t seq_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, const void *gathered,
-                    float *out, cudaStream_t stream);
+                    const SeqArea &area, cudaStream_t stream);
+hl_status_t pref_run(const hl_loss_plan_st &p, const hl_loss_args_t &a, const SeqArea &area,
+                     cudaStream_t stream);
+// After the reduce kernel: the term's scalars into a.scalars, its share added to the loss.
+hl_status_t pref_store_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, const SeqArea &area,
+                               cudaStream_t stream);
 hl_status_t zero_scalars(const hl_loss_plan_st &p, const hl_loss_args_t &a, cudaStream_t stream);
 // The row kernel's arguments for rows [row0, row0 + a.rows) of a call of `total` rows, without a
 // launch's specialisation: the per-row inputs and outputs, the records, D and the phase's blocks

@@ -20,7 +20,7 @@ _DESC = _abi.hl_loss_plan_desc_t
 TERMS = {"ce": _abi.HL_LOSS_CE, "z": _abi.HL_LOSS_Z, "entropy": _abi.HL_LOSS_ENTROPY,
          "distill_fwd": _abi.HL_LOSS_DISTILL_FWD, "distill_rev": _abi.HL_LOSS_DISTILL_REV,
          "grpo": _abi.HL_LOSS_GRPO, "kl_ref": _abi.HL_LOSS_GRPO_KL_REF, "cispo": _abi.HL_LOSS_CISPO,
-         "distill_jsd": _abi.HL_LOSS_DISTILL_JSD}
+         "distill_jsd": _abi.HL_LOSS_DISTILL_JSD, "preference": _abi.HL_LOSS_PREFERENCE}
 # The scalars' names in their order (hl_loss_scalar_t: the HL_LOSS_OUT_* suffixes in lower case).
 SCALARS = tuple(k[len("HL_LOSS_OUT_"):].lower() for k in _abi.ENUMS["hl_loss_scalar_t"]
                 if k.startswith("HL_LOSS_OUT_"))
@@ -28,8 +28,12 @@ KL_ESTIMATORS = named("HL_LOSS_KL_")            # kl_estimator: "k3", "k1", "k2"
 LEVELS = named("HL_LOSS_LEVEL_")                # ratio_level, rollout_level
 ROLLOUT_CORRECTIONS = named("HL_LOSS_ROLLOUT_")  # rollout_correction
 GRAD_MODES = named("HL_LOSS_GRAD_")             # "none", "write", "accumulate"
+PREFERENCES = named("HL_LOSS_PREF_")           # preference: "dpo", "simpo", "orpo", "cpo", "kto"
+DPO_LOSS_TYPES = named("HL_LOSS_DPO_")          # pref_loss_type: TRL's loss_type names
+SEQ_LOGPS = named("HL_LOSS_SEQ_LOGP_")          # pref_logp: "default", "sum", "mean"
 ENUM_OPTIONS = {"kl_estimator": KL_ESTIMATORS, "ratio_level": LEVELS,
-                "rollout_correction": ROLLOUT_CORRECTIONS, "rollout_level": LEVELS}
+                "rollout_correction": ROLLOUT_CORRECTIONS, "rollout_level": LEVELS,
+                "preference": PREFERENCES, "pref_loss_type": DPO_LOSS_TYPES, "pref_logp": SEQ_LOGPS}
 FLOAT_OPTIONS = tuple(f for f, t in _DESC._fields_ if t is ctypes.c_float)  # weights, temperatures...
 INT_OPTIONS = ("vocab_start", "vocab_global", "ranks", "teacher_topk")  # the shard and the teacher
 PLAN_OPTIONS = FLOAT_OPTIONS + tuple(ENUM_OPTIONS) + INT_OPTIONS
@@ -43,7 +47,11 @@ OPTION_DEFAULTS.update(
     kl_ref_beta="none: set it with the kl_ref term (e.g. 1e-3 as verl, 0.04 as TRL)",
     softcap="0 (no cap)", dual_clip="0 (off)", cispo_eps_high="eps_high",
     rollout_floor="1 / rollout_cap", kl_estimator="'k3'", ratio_level="'token'",
-    rollout_correction="'none'", rollout_level="'token'", vocab_start="0",
+    rollout_correction="'none'", rollout_level="'token'", preference="'dpo'",
+    pref_loss_type="'sigmoid'", pref_logp="'default' (the loss's: mean for simpo, orpo, ipo)",
+    pref_weight="1", pref_beta="0.1", pref_tau="0.05", pref_gamma="0 (TRL's SimPO: 0.5)",
+    pref_label_smoothing="0 (exo_pair: 1e-3)", kto_desirable_weight="1", kto_undesirable_weight="1",
+    vocab_start="0",
     vocab_global="vocab (not sharded)", ranks="1", teacher_topk="0 (a dense teacher, if any)")
 # What to do instead of an explicit 0, for the options whose 0 is a nonzero default.
 _INSTEAD_OF_ZERO = {
@@ -66,6 +74,11 @@ _INSTEAD_OF_ZERO = {
     "jsd_beta": 'jsd_beta must be in (0, 1]; beta 0 is forward KL: use the "distill_fwd" term',
     "vocab_global": "leave it None for an unsharded plan",
     "ranks": "it must be >= 1",
+    "pref_weight": 'to drop the preference loss, leave "preference" out of terms',
+    "pref_beta": "it must be > 0",
+    "pref_tau": "it must be > 0",
+    "kto_desirable_weight": "it must be > 0",
+    "kto_undesirable_weight": "it must be > 0",
 }
 
 

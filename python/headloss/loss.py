@@ -21,7 +21,7 @@ from . import _abi
 from ._arrays import DTYPE_NAMES, FLOATS, INTS, ITEMSIZE, ArrayView, dtype_code, empty, expect, view
 from ._loss_options import (GRAD_MODES, KL_ESTIMATORS, LEVELS, PLAN_OPTIONS, ROLLOUT_CORRECTIONS,  # noqa: F401
                             SCALARS, TERMS, call_value, describe_options, plan_fields, terms_bits)
-from ._lib import (BACKEND_CPU, BACKEND_CUDA, DTYPE_F32, DTYPE_I64, DTYPE_NONE, HeadlossTypeError,
+from ._lib import (BACKEND_CPU, BACKEND_CUDA, DTYPE_F32, DTYPE_I32, DTYPE_I64, DTYPE_NONE, HeadlossTypeError,
                    HeadlossValueError, code_of, declare, descriptor)
 from ._lib import check as _check
 
@@ -31,7 +31,9 @@ _Desc, _Args = _abi.hl_loss_plan_desc_t, _abi.hl_loss_args_t
 # teacher's ids and log-probs: [rows, teacher_topk]).
 INPUTS = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs",
           "rollout_logprobs", "cu_seqlens", "teacher_topk_ids", "teacher_topk_logprobs",
-          "grad_token_logp", "grad_token_entropy", "grad_token_lse")
+          "grad_token_logp", "grad_token_entropy", "grad_token_lse", "ref_seq_logprobs", "kto_labels")
+# Per-sequence inputs of a preference term ([sequences], with cu_seqlens), and their dtypes.
+_PER_SEQ = {"ref_seq_logprobs": DTYPE_F32, "kto_labels": DTYPE_I32}
 _PER_ROW_F32 = ("weights", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
                 "grad_token_logp", "grad_token_entropy", "grad_token_lse")
 # token_grads= names: the per-token outputs whose upstream gradients calls pass (grad_token_<name>).
@@ -143,13 +145,17 @@ class LossPlan:
                  kl_estimator=None, ratio_level=None, rollout_correction=None, rollout_level=None,
                  rollout_cap=None, rollout_floor=None, cu_seqlens_dtype=None, jsd_beta=None,
                  teacher_topk=None, topk_ids_dtype="int64", vocab_start=None, vocab_global=None,
-                 ranks=None, token_grads=(), _linear: Optional[dict] = None, **unknown):
+                 ranks=None, token_grads=(), preference=None, pref_loss_type=None, pref_logp=None,
+                 pref_weight=None, pref_beta=None, pref_gamma=None, pref_label_smoothing=None,
+                 pref_tau=None, kto_desirable_weight=None, kto_undesirable_weight=None,
+                 _linear: Optional[dict] = None, **unknown):
         plan_fields(unknown)  # HeadlossTypeError naming the first unknown option
         local = locals()
         fields = plan_fields({k: local[k] for k in PLAN_OPTIONS})
         if device not in DEVICES:
             raise HeadlossValueError(f"device is {device!r}; expected 'cpu' or 'cuda'")
-        if cu_seqlens_dtype is None and (fields.get("ratio_level") or fields.get("rollout_level")):
+        sequence_level = fields.get("ratio_level") or fields.get("rollout_level")
+        if cu_seqlens_dtype is None and (sequence_level or terms_bits(terms) & _abi.HL_LOSS_PREFERENCE):
             cu_seqlens_dtype = "int32"
         d = descriptor(_Desc, backend=DEVICES[device], vocab=vocab, terms=terms_bits(terms),
                        logits_dtype=_optional_dtype(dtype, "dtype"),
@@ -194,7 +200,8 @@ class LossPlan:
                  divisor: Optional[float] = None, grad_scale: Optional[float] = None, grad=None,
                  token_outputs: bool = False, in_place: bool = False, scalars=None, tokens=None,
                  teacher_topk_ids=None, teacher_topk_logprobs=None, grad_token_logp=None,
-                 grad_token_entropy=None, grad_token_lse=None) -> LossOutput:
+                 grad_token_entropy=None, grad_token_lse=None, ref_seq_logprobs=None,
+                 kto_labels=None) -> LossOutput:
         """Runs the plan on logits [..., vocab] (leading dims flattened to rows; rows may have a
         stride, the last dimension contiguous). labels and the per-row fp32 inputs (weights,
         advantages, old / ref / rollout log-probs) have one packed element a row; teacher_logits
@@ -205,13 +212,16 @@ class LossPlan:
         grad='accumulate'); in_place writes the gradient over the logits. scalars ([len(SCALARS)])
         / tokens (4 arrays [rows]: loss, logp, entropy, lse): optional preallocated fp32 outputs.
         grad_token_logp / _entropy / _lse: the upstream gradients the plan's token_grads name.
+        ref_seq_logprobs (fp32) / kto_labels (int32) [sequences]: a preference term's per-sequence
+        inputs (headloss.h, "Preference losses").
         Every array is checked before the call: HeadlossError naming the one at fault."""
         inputs = dict(weights=weights, teacher_logits=teacher_logits, advantages=advantages,
                       old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                       rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens,
                       teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs,
                       grad_token_logp=grad_token_logp, grad_token_entropy=grad_token_entropy,
-                      grad_token_lse=grad_token_lse)
+                      grad_token_lse=grad_token_lse, ref_seq_logprobs=ref_seq_logprobs,
+                      kto_labels=kto_labels)
         a, lv, out = self._args(logits, labels, inputs, divisor, grad_scale, grad, token_outputs,
                                 in_place, scalars, tokens)
         ws, wp, nbytes = self._workspace(lv, a.rows)
@@ -361,6 +371,8 @@ class LossPlan:
             elif name == "labels":
                 v = expect(x, name, _given(d.labels_dtype, name, "labels (labels_dtype=None)"), size=rows,
                            like=like)
+            elif name in _PER_SEQ:
+                v = expect(x, name, _PER_SEQ[name], shape=(None,), packed=True, like=like)
             elif name == "cu_seqlens":
                 v = expect(x, name, _given(d.cu_seqlens_dtype, name, "cu_seqlens_dtype"), shape=(None,),
                            packed=True, like=like)
@@ -381,6 +393,11 @@ class LossPlan:
             setattr(a, name, v.ptr)
             if name in _STRIDES:
                 setattr(a, _STRIDES[name], v.stride)
+        for name in _PER_SEQ:
+            x = inputs.get(name)
+            if x is not None and view(x, name).shape[0] != a.num_seqs:
+                raise HeadlossValueError(f"{name} has {view(x, name).shape[0]} elements; cu_seqlens "
+                                         f"has {a.num_seqs} sequences")
 
 
 

@@ -13,18 +13,20 @@
 #include "cpu/scalar.h"
 #include "kernels/loss/launch.h"
 #include "loss.h"
+#include "loss/preference.h"
 
 namespace hl::loss {
 namespace {
 
 constexpr unsigned kAllTerms = HL_LOSS_CE | HL_LOSS_Z | HL_LOSS_ENTROPY | HL_LOSS_DISTILL_FWD |
                                HL_LOSS_DISTILL_REV | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF |
-                               HL_LOSS_CISPO | HL_LOSS_DISTILL_JSD;
+                               HL_LOSS_CISPO | HL_LOSS_DISTILL_JSD | HL_LOSS_PREFERENCE;
 constexpr unsigned kDistillTerms = HL_LOSS_DISTILL_FWD | HL_LOSS_DISTILL_REV | HL_LOSS_DISTILL_JSD;
-constexpr unsigned kLabelTerms = HL_LOSS_CE | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF | HL_LOSS_CISPO;
+constexpr unsigned kLabelTerms = HL_LOSS_CE | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF | HL_LOSS_CISPO |
+                                 HL_LOSS_PREFERENCE;
 // struct_size of earlier headers' descriptors (headloss.h lists them).
-constexpr std::initializer_list<size_t> kEarlierDescSizes = {128, 136, 176, 192};
-constexpr std::initializer_list<size_t> kEarlierArgsSizes = {160, 256, 312};
+constexpr std::initializer_list<size_t> kEarlierDescSizes = {128, 136, 176, 192, 232};
+constexpr std::initializer_list<size_t> kEarlierArgsSizes = {160, 256, 312, 336};
 constexpr unsigned kTokenGradFlags = HL_LOSS_GRAD_TOKEN_LOGP | HL_LOSS_GRAD_TOKEN_ENTROPY | HL_LOSS_GRAD_TOKEN_LSE;
 constexpr unsigned kAllFlags = HL_LOSS_UNCHECKED | kTokenGradFlags;
 
@@ -159,10 +161,12 @@ hl_status_t validate_sequence_options(const char *fn, hl_loss_plan_desc_t &d, Op
     return fail(HL_STATUS_INVALID_VALUE, "%s: ratio_level SEQ_MEAN (GSPO) sets GRPO's and CISPO's "
                 "ratio, but the plan has neither", fn);
   const bool wants = seq_ratio || d.rollout_level != HL_LOSS_LEVEL_TOKEN;
-  if (wants != seqs)
-    return fail(HL_STATUS_INVALID_VALUE, wants ? "%s: a sequence-level ratio_level or rollout_level "
-                "needs sequences: set cu_seqlens_dtype (I32 or I64)" : "%s: cu_seqlens_dtype is set "
-                "but no option is sequence-level (ratio_level, rollout_level)", fn);
+  if (wants && !seqs)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: a sequence-level ratio_level or rollout_level needs "
+                "sequences: set cu_seqlens_dtype (I32 or I64)", fn);
+  if (seqs && !wants && !(d.terms & HL_LOSS_PREFERENCE))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: cu_seqlens_dtype is set but no option is sequence-level "
+                "(ratio_level, rollout_level, HL_LOSS_PREFERENCE)", fn);
   HL_TRY(positive_or_default(fn, "rollout_cap", d.rollout_cap, kRolloutCap, &o.rollout_cap));
   HL_TRY(check_finite(fn, "rollout_floor", d.rollout_floor));
   o.rollout_floor = d.rollout_floor == 0.0f ? 1.0f / o.rollout_cap : d.rollout_floor;
@@ -261,7 +265,7 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
                 "_REV and _JSD; pick one", fn);
   if ((d.terms & kLabelTerms) && d.labels_dtype == HL_DTYPE_NONE)
     return fail(HL_STATUS_INVALID_VALUE,
-                "%s: CE, GRPO, CISPO and GRPO_KL_REF need labels, but labels_dtype is NONE", fn);
+                "%s: CE, GRPO, CISPO, GRPO_KL_REF and PREFERENCE need labels, but labels_dtype is NONE", fn);
   HL_TRY(resolve_weights(fn, d));
   if (d.use_ignore_index != 0 && d.use_ignore_index != 1)
     return fail(HL_STATUS_INVALID_VALUE, "%s: use_ignore_index is %d; use 0 or 1", fn, d.use_ignore_index);
@@ -290,9 +294,10 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   o.kl_estimator = d.kl_estimator;
   HL_TRY(validate_sequence_options(fn, d, o));
   // A caller built against an older header has room for the scalars that header listed: 0.2's
-  // descriptor ended before kl_estimator, 0.3's before cu_seqlens_dtype.
+  // descriptor ended before kl_estimator, 0.3's before cu_seqlens_dtype, 0.4-0.6's before preference.
   const auto has = [&](size_t end) { return d.struct_size >= end; };
-  o.scalars = has(offsetof(hl_loss_plan_desc_t, cu_seqlens_dtype) + sizeof(hl_dtype_t)) ? HL_LOSS_NUM_SCALARS
+  o.scalars = has(offsetof(hl_loss_plan_desc_t, pref_loss_type) + sizeof(int))         ? HL_LOSS_NUM_SCALARS
+              : has(offsetof(hl_loss_plan_desc_t, cu_seqlens_dtype) + sizeof(hl_dtype_t)) ? HL_LOSS_OUT_PREFERENCE
               : has(offsetof(hl_loss_plan_desc_t, kl_estimator) + sizeof(int))       ? HL_LOSS_OUT_ROLLOUT_KL_K1
                                                                                       : HL_LOSS_OUT_CISPO;
   HL_TRY(check_finite(fn, "softcap", d.softcap));
@@ -335,7 +340,7 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
 // FNV-1a of what the ranks of one sharded plan must share: the resolved options (so that a default
 // spelled as 0 or as its value, and a weight of a term that is off, agree) and the fields outside
 // them, value by value (never the caller's padding bytes); not the shard's own vocab_start, vocab.
-uint64_t fingerprint(const hl_loss_plan_desc_t &d, const Options &o) {
+uint64_t fingerprint(const hl_loss_plan_desc_t &d, const Options &o, const PrefOptions &pref) {
   uint64_t h = 1469598103934665603ull;
   const auto add = [&h](const auto &v) {
     const unsigned char *b = reinterpret_cast<const unsigned char *>(&v);
@@ -345,6 +350,11 @@ uint64_t fingerprint(const hl_loss_plan_desc_t &d, const Options &o) {
   std::memcpy(&c, &o, sizeof c);  // o is value-initialised at creation: its padding is zero
   c.scalars = 0;                  // the caller's header version, not the plan
   add(c);
+  for (int64_t v : {int64_t(pref.kind), int64_t(pref.type), int64_t(pref.mean), int64_t(pref.reference)})
+    add(v);
+  for (float v : {pref.weight, pref.beta, pref.gamma, pref.smoothing, pref.tau, pref.w_desirable,
+                  pref.w_undesirable})
+    add(v);
   for (int64_t v : {int64_t(d.backend), int64_t(d.logits_dtype), int64_t(d.labels_dtype),
                     int64_t(d.use_ignore_index), d.use_ignore_index ? d.ignore_index : 0, d.vocab_global,
                     int64_t(d.ranks), d.hidden, int64_t(d.weight_dtype), d.teacher_hidden,
@@ -369,6 +379,8 @@ std::vector<Buffer> arg_buffers(const hl_loss_plan_st &p, const hl_loss_args_t &
       {"grad_weight", a.grad_weight, V, H, a.grad_weight_stride, d.grad_weight_dtype, true, "grad_weight_stride"},
       {"scalars", a.scalars, 1, p.opt.scalars, p.opt.scalars, f32, true},
       {"cu_seqlens", a.cu_seqlens, a.num_seqs + 1, 1, 1, d.cu_seqlens_dtype, false},
+      {"ref_seq_logprobs", a.ref_seq_logprobs, a.num_seqs, 1, 1, f32, false},
+      {"kto_labels", a.kto_labels, a.num_seqs, 1, 1, HL_DTYPE_I32, false},
   };
   if (N == 0) return used;
   used.insert(used.end(), {
@@ -474,7 +486,7 @@ hl_status_t check_row_args(const char *fn, const hl_loss_plan_st &p, hl_loss_arg
     HL_TRY(resolve_stride(fn, "logits_stride", a.logits_stride, V, &a.logits_stride));
     if (a.grad) HL_TRY(resolve_stride(fn, "grad_stride", a.grad_stride, V, &a.grad_stride));
   }
-  if (p.needs_labels) HL_TRY(require(fn, "labels", a.labels, "CE, GRPO, CISPO or GRPO_KL_REF"));
+  if (p.needs_labels) HL_TRY(require(fn, "labels", a.labels, "CE, GRPO, CISPO, GRPO_KL_REF or PREFERENCE"));
   if (distill && fused_teacher) {
     HL_TRY(require(fn, "teacher_hidden", a.teacher_hidden, "distillation from a fused teacher"));
     HL_TRY(require(fn, "teacher_weight", a.teacher_weight, "distillation from a fused teacher"));
@@ -536,6 +548,7 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
       return fail(HL_STATUS_INVALID_VALUE, "%s: num_seqs is %lld; %lld rows need >= 1 sequence", fn,
                   (long long)a.num_seqs, (long long)a.rows);
   }
+  HL_TRY(check_preference_args(fn, p, a, writes_outputs(phase)));
   const char *dense = first_set({{"teacher_logits", a.teacher_logits != nullptr},
                                  {"teacher_hidden", a.teacher_hidden != nullptr},
                                  {"teacher_weight", a.teacher_weight != nullptr}});
@@ -901,8 +914,12 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
     HL_TRY(check_not_null(fn, "plan", plan));
     hl_loss_plan_desc_t d;
     HL_TRY(read_descriptor(fn, "desc", desc, &d, kEarlierDescSizes));
+    // 0.4-0.6's descriptors (232 bytes) end in padding where `preference` now lies: not a field.
+    if (d.struct_size < offsetof(hl_loss_plan_desc_t, pref_loss_type)) d.preference = 0;
     Options o{};
     HL_TRY(validate_desc(fn, d, o));
+    PrefOptions pref{};
+    HL_TRY(validate_preference_desc(fn, d, &pref));
     auto p = std::make_unique<hl_loss_plan_st>();
     p->desc = d;
     p->opt = o;
@@ -911,9 +928,10 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
     p->dlogits = p->linear ? d.grad_hidden_mode != HL_LOSS_GRAD_NONE || d.grad_weight_mode != HL_LOSS_GRAD_NONE
                            : d.grad_mode != HL_LOSS_GRAD_NONE;
     p->sequences = d.cu_seqlens_dtype != HL_DTYPE_NONE;
-    p->seq_stats = o.seq_ratio;
+    p->pref = pref;
+    p->seq_stats = o.seq_ratio || pref.kind >= 0;
     p->exchanges = o.distill == kDistillJsd ? 2 : 1;
-    p->fingerprint = fingerprint(d, o);
+    p->fingerprint = fingerprint(d, o, pref);
 #if HL_HAVE_CUDA
     if (d.backend == HL_BACKEND_CUDA) HL_TRY(cuda_plan(fn, *p));
 #endif
@@ -1081,7 +1099,9 @@ HL_API const char *hl_loss_scalar_name(int index) {
       "valid_rows", "lse_mean", "entropy_mean", "logp_mean", "accuracy", "ratio_mean", "ratio_min",
       "ratio_max", "clip_low", "clip_high", "clip_any", "k3_old", "kl_ref_mean", "adv_mean",
       "adv_min", "adv_max", "distill_kl_mean", "cispo", "dual_clip", "rollout_kl_k1",
-      "rollout_kl_k3", "rollout_weight_mean", "rollout_corrected", "topk_mass"};
+      "rollout_kl_k3", "rollout_weight_mean", "rollout_corrected", "topk_mass", "preference",
+      "rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin", "logps_chosen",
+      "logps_rejected", "log_odds_ratio", "log_odds_chosen", "kto_kl"};
   static_assert(sizeof names / sizeof names[0] == HL_LOSS_NUM_SCALARS, "one name per scalar");
   return index >= 0 && index < HL_LOSS_NUM_SCALARS ? names[index] : nullptr;
 }

@@ -11,6 +11,7 @@
 
 #include "cpu/scalar.h"
 #include "loss.h"
+#include "loss/preference.h"
 
 namespace hl::loss {
 namespace {
@@ -172,12 +173,14 @@ CpuStats stats_of(const hl_loss_plan_st &p, const char *merged, int64_t i) {
   return st;
 }
 
-// Every row's sequence values (SeqValues: seq_lr, seq_roll), from the merged statistics and the
-// inputs; cu_seqlens already checked.
+// Every row's sequence values (SeqValues: seq_lr, seq_roll) and every sequence's sums, from the
+// merged statistics and the inputs; cu_seqlens already checked.
 void seq_values_of_rows(const hl_loss_plan_st &p, const hl_loss_args_t &a, const char *merged,
-                        std::vector<double> &lr, std::vector<double> &roll) {
+                        std::vector<double> &lr, std::vector<double> &roll,
+                        std::vector<SeqSums<double>> &sums) {
   lr.assign(size_t(a.rows), 0.0), roll.assign(size_t(a.rows), 0.0);
-  const bool want_lr = p.seq_stats && a.old_logprobs;
+  sums.assign(size_t(a.num_seqs), SeqSums<double>{0.0, 0.0, 0.0});
+  const bool want_lr = p.seq_stats;  // of logp_y - old_logprob (0 without): GSPO, preference
   const bool want_roll = p.opt.rollout_level != HL_LOSS_LEVEL_TOKEN && a.old_logprobs && a.rollout_logprobs;
   const RowSource src = row_source(p, a, nullptr, nullptr);
   const auto bound = [&](int64_t s) { return cpu::load_int(a.cu_seqlens, p.desc.cu_seqlens_dtype, s); };
@@ -191,6 +194,7 @@ void seq_values_of_rows(const hl_loss_plan_st &p, const hl_loss_args_t &a, const
       if (want_lr) sum.lr += label_logp(stats_of(p, merged, i)) - old;
       if (want_roll) sum.roll += old - a.rollout_logprobs[i];
     }
+    sums[size_t(s)] = sum;
     double vl = 0.0, vr = 0.0;
     seq_values(sum, p.opt, &vl, &vr);
     for (int64_t i = b; i < e; ++i) lr[size_t(i)] = vl, roll[size_t(i)] = vr;
@@ -337,14 +341,19 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
   const bool grads = a.grad || a.grad_hidden || a.grad_weight;
   Rows rows(p, a, grads);
   std::vector<double> z(size_t(p.desc.vocab)), v(has_teacher(a) ? z.size() : 0), g(z.size());
-  std::vector<double> sum(kRecFields, 0.0), seq_lr, seq_roll;
-  if (p.sequences) seq_values_of_rows(p, a, merged, seq_lr, seq_roll);
+  std::vector<double> sum(kRecFields, 0.0), seq_lr, seq_roll, pref_g;
+  std::vector<SeqSums<double>> seq_sums;
+  if (p.sequences) seq_values_of_rows(p, a, merged, seq_lr, seq_roll, seq_sums);
+  float pref_out[kPrefScalars];
+  double pref_loss = 0.0;
+  if (p.pref.kind >= 0) cpu_preference(p, a, seq_sums, pref_g, pref_out, &pref_loss);
   double rmin = INFINITY, rmax = -INFINITY, amin = INFINITY, amax = -INFINITY;
   // Dense JSD's sums come from the middle step, a sparse teacher's from its ids' z_hat.
   const bool two_pass = o.distill == kDistillJsd || o.distill == kDistillSparse;
   for (int64_t i = 0; i < a.rows; ++i) {
     RowInputs<double> in = row_inputs(p, a, i);
     if (p.sequences) in.seq_lr = seq_lr[size_t(i)], in.seq_roll = seq_roll[size_t(i)];
+    if (!pref_g.empty()) in.seq_g = pref_g[size_t(i)];
     if (grads) rows.load_row(i, z, v);
     const CpuStats st = stats_of(p, merged, i);
     const DistillRow<double> dx = o.distill == kDistillJsd ? dense_row(mid[i])
@@ -382,6 +391,7 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
   if (a.scalars)
     finish_scalars<double>(sum.data(), rmin, rmax, amin, amax, D, a.labels && a.old_logprobs,
                            a.advantages != nullptr, o.terms, o.scalars, a.scalars);
+  if (a.scalars && p.pref.kind >= 0) pref_store(pref_out, float(pref_loss), o.scalars, a.scalars);
   return HL_STATUS_SUCCESS;
 }
 

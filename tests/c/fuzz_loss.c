@@ -862,7 +862,9 @@ static const char *const kScalarEnumerators[] = {
     SN(LSE_MEAN), SN(ENTROPY_MEAN), SN(LOGP_MEAN), SN(ACCURACY), SN(RATIO_MEAN), SN(RATIO_MIN), SN(RATIO_MAX),
     SN(CLIP_LOW), SN(CLIP_HIGH), SN(CLIP_ANY), SN(K3_OLD), SN(KL_REF_MEAN), SN(ADV_MEAN), SN(ADV_MIN), SN(ADV_MAX),
     SN(DISTILL_KL_MEAN), SN(CISPO), SN(DUAL_CLIP), SN(ROLLOUT_KL_K1), SN(ROLLOUT_KL_K3), SN(ROLLOUT_WEIGHT_MEAN),
-    SN(ROLLOUT_CORRECTED), SN(TOPK_MASS)};
+    SN(ROLLOUT_CORRECTED), SN(TOPK_MASS), SN(PREFERENCE), SN(REWARDS_CHOSEN), SN(REWARDS_REJECTED),
+    SN(REWARDS_ACCURACY), SN(REWARDS_MARGIN), SN(LOGPS_CHOSEN), SN(LOGPS_REJECTED), SN(LOG_ODDS_RATIO),
+    SN(LOG_ODDS_CHOSEN), SN(KTO_KL)};
 
 static void expected_name(int index, char *out, size_t n) {
   out[0] = 0;
@@ -1129,7 +1131,7 @@ static void create_full_extra(Gen *g) {
 static const Field kDescFields[] = {
     LD(struct_size, F_STRUCT_SIZE, .lo = 0), LD(backend, F_ENUM, .lo = 1, .bad1 = 3), LD(vocab, F_SIZE, .lo = 0),
     LD(logits_dtype, F_ENUM, .lo = 1, .bad1 = HL_DTYPE_I32), LD(labels_dtype, F_ENUM, .bad1 = HL_DTYPE_F32, .buf = "labels"),
-    LD(terms, F_FLAGS, .hi = 0x1FF), LD(flags, F_FLAGS, .hi = HL_LOSS_UNCHECKED | HL_LOSS_GRAD_TOKEN_LOGP | HL_LOSS_GRAD_TOKEN_ENTROPY | HL_LOSS_GRAD_TOKEN_LSE,
+    LD(terms, F_FLAGS, .hi = 0x3FF), LD(flags, F_FLAGS, .hi = HL_LOSS_UNCHECKED | HL_LOSS_GRAD_TOKEN_LOGP | HL_LOSS_GRAD_TOKEN_ENTROPY | HL_LOSS_GRAD_TOKEN_LSE,
        .lo = HL_LOSS_UNCHECKED),
     LD(ce_weight, F_FLOAT, .def = 1), LD(z_weight, F_FLOAT, .def = 1e-4f), LD(entropy_weight, F_FLOAT, .rule = FR_SET, .def = NAN, .term = HL_LOSS_ENTROPY),
     LD(distill_weight, F_FLOAT, .def = 1), LD(grpo_weight, F_FLOAT, .def = 1),
@@ -1148,7 +1150,11 @@ static const Field kDescFields[] = {
     LD(cu_seqlens_dtype, F_ENUM, .bad1 = HL_DTYPE_F32, .buf = "cu_seqlens"), LD(ratio_level, F_ENUM, .bad1 = 1),
     LD(rollout_correction, F_ENUM, .bad1 = 4), LD(rollout_level, F_ENUM, .bad1 = 3), LD(rollout_cap, F_FLOAT, .def = 2),
     LD(rollout_floor, F_FLOAT, .def = NAN), LD(jsd_beta, F_FLOAT, .rule = FR_BETA, .def = 0.5f, .term = HL_LOSS_DISTILL_JSD),
-    LD(teacher_topk, F_INT, .lo = 0, .hi = 256), LD(teacher_topk_ids_dtype, F_ENUM, .bad1 = HL_DTYPE_F32, .buf = "teacher_topk_ids")};
+    LD(teacher_topk, F_INT, .lo = 0, .hi = 256), LD(teacher_topk_ids_dtype, F_ENUM, .bad1 = HL_DTYPE_F32, .buf = "teacher_topk_ids"),
+    LD(preference, F_ENUM, .bad1 = 5), LD(pref_loss_type, F_ENUM, .bad1 = 11), LD(pref_logp, F_ENUM, .bad1 = 3),
+    LD(pref_weight, F_FLOAT, .def = 1), LD(pref_beta, F_FLOAT, .def = 0.1f), LD(pref_gamma, F_FLOAT, .def = NAN),
+    LD(pref_label_smoothing, F_FLOAT, .def = NAN), LD(pref_tau, F_FLOAT, .def = 0.05f),
+    LD(kto_desirable_weight, F_FLOAT, .def = 1), LD(kto_undesirable_weight, F_FLOAT, .def = 1)};
 
 #define AF(f, K, ...) FIELD(W_DESC, hl_loss_args_t, f, K, __VA_ARGS__)
 #define AP(f) AF(f, F_PTR, .buf = #f)
@@ -1164,7 +1170,7 @@ static const Field kArgsFields[] = {
     AP(cu_seqlens), AF(num_seqs, F_SIZE, .lo = 0, .buf = "cu_seqlens"), AP(rollout_logprobs), AP(teacher_topk_ids),
     AS(teacher_topk_ids_stride, teacher_topk_ids), AP(teacher_topk_logprobs),
     AS(teacher_topk_logprobs_stride, teacher_topk_logprobs), AP(grad_token_logp), AP(grad_token_entropy),
-    AP(grad_token_lse)};
+    AP(grad_token_lse), AP(ref_seq_logprobs), AP(kto_labels)};
 
 #define PF(f, K, ...) FIELD(W_PARAM, LossParams, f, K, __VA_ARGS__)
 #define PLAN PF(plan, F_PLAN, .lo = 0)
@@ -1184,7 +1190,7 @@ static const Field kExchangesParams[] = {PLAN, PF(exchanges, F_PTR, .buf = "exch
 static const Field kCreateParams[] = {{.name = "plan", .where = W_PARAM, .off = offsetof(LossParams, plan_out), .kind = F_PTR, .buf = "plan"}};
 static const Field kIndexParams[] = {PF(index, F_FREE, .lo = 0)};
 
-static const size_t kDescEarlier[] = {128, 136, 176, 192, 0}, kArgsEarlier[] = {160, 256, 312, 0};
+static const size_t kDescEarlier[] = {128, 136, 176, 192, 232, 0}, kArgsEarlier[] = {160, 256, 312, 336, 0};
 
 /* Pointers a control's plan refuses: the other form's, and inputs of options it does not have. */
 #define LINEAR_PTRS "hidden weight teacher_hidden teacher_weight grad_hidden grad_weight"

@@ -101,7 +101,7 @@ static void bad_descriptions(void **state) {
   d = desc_ce(), d.cispo_eps_high = -0.5f;
   create_fails(d, HL_STATUS_INVALID_VALUE, "cispo_eps_high is -0.5");
   d = desc_ce(), d.terms = HL_LOSS_CISPO, d.labels_dtype = HL_DTYPE_NONE;
-  create_fails(d, HL_STATUS_INVALID_VALUE, "CE, GRPO, CISPO and GRPO_KL_REF need labels");
+  create_fails(d, HL_STATUS_INVALID_VALUE, "CE, GRPO, CISPO, GRPO_KL_REF and PREFERENCE need labels");
   d = desc_ce(), d.grad_dtype = HL_DTYPE_F16;
   create_fails(d, HL_STATUS_INVALID_VALUE, "grad_dtype is F16");
   d = desc_ce(), d.grad_mode = (hl_loss_grad_mode_t)7;
@@ -144,7 +144,7 @@ static void bad_arguments(void **state) {
   execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "logits is NULL");
   a = args_for(b), a.labels = NULL;
   execute_fails(d, a, b, HL_STATUS_INVALID_VALUE,
-                "labels is NULL; CE, GRPO, CISPO or GRPO_KL_REF needs it");
+                "labels is NULL; CE, GRPO, CISPO, GRPO_KL_REF or PREFERENCE needs it");
   a = args_for(b), a.logits_stride = V - 1;
   execute_fails(d, a, b, HL_STATUS_INVALID_VALUE, "logits_stride is 5, smaller than cols");
   a = args_for(b), a.rows = -1;
@@ -236,6 +236,10 @@ static void small_exact_case(void **state) {
   fill(b);
   assert_ok(hl_loss_plan_destroy(run_cut_descriptor(b, offsetof(hl_loss_plan_desc_t, cu_seqlens_dtype), N,
                                                     HL_LOSS_OUT_ROLLOUT_KL_K1)));
+  /* 0.4 to 0.6's, before the preference options: 33. */
+  fill(b);
+  assert_ok(hl_loss_plan_destroy(run_cut_descriptor(b, 232, N,
+                                                    HL_LOSS_OUT_PREFERENCE)));
   free(b);
 }
 
@@ -640,7 +644,7 @@ static void struct_sizes(void **state) {
   (void)state;
   Bufs *b = calloc(1, sizeof *b);
   fill(b);
-  const size_t earlier[] = {128, 136, 176, 192}, bad[] = {0, 3, 100, 150, 200, 231, 4097, SIZE_MAX};
+  const size_t earlier[] = {128, 136, 176, 192, 232}, bad[] = {0, 3, 100, 150, 200, 231, 4097, SIZE_MAX};
   hl_loss_plan_t p;
   for (size_t i = 0; i < sizeof earlier / sizeof earlier[0]; ++i) {
     hl_loss_plan_desc_t d = desc_ce();
@@ -653,12 +657,12 @@ static void struct_sizes(void **state) {
     hl_loss_plan_desc_t d = desc_ce();
     d.struct_size = bad[i];
     snprintf(needle, sizeof needle, "struct_size is %zu; set it to sizeof the descriptor (%zu here; earlier "
-             "headers': 128, 136, 176, 192)", bad[i], sizeof d);
+             "headers': 128, 136, 176, 192, 232)", bad[i], sizeof d);
     create_fails(d, HL_STATUS_INVALID_VALUE, needle);
     hl_loss_args_t a = args_for(b);
     a.struct_size = bad[i];
     snprintf(needle, sizeof needle, "struct_size is %zu; set it to sizeof the descriptor (%zu here; earlier "
-             "headers': 160, 256, 312)", bad[i], sizeof a);
+             "headers': 160, 256, 312, 336)", bad[i], sizeof a);
     execute_fails(desc_ce(), a, b, HL_STATUS_INVALID_VALUE, needle);
   }
   union {

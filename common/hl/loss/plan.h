@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "headloss.h"
+#include "hl/loss/preference.h"
 #include "hl/loss/row_math.h"
 
 namespace hl::loss {
@@ -38,8 +39,9 @@ struct hl_loss_plan_st {
   bool linear;               // the fused linear form (desc.hidden > 0)
   bool dlogits;              // a gradient w.r.t. the logits is formed (stored, or multiplied on)
   bool sequences;            // calls pass cu_seqlens: rows read their sequence's values (SeqValues)
-  bool seq_stats;            // those values need every row's statistics first (GSPO): a call runs
-                             // as its statistics step, then its finish
+  bool seq_stats;            // those values need every row's statistics first (GSPO, preference):
+                             // a call runs as its statistics step, then its finish
+  hl::loss::PrefOptions pref; // the preference term's options (kind -1: none)
   int exchanges;             // of the split: 1, or 2 with a middle step (dense JSD on a shard)
   uint64_t fingerprint;      // of every field the ranks of a sharded plan must share
   // A CUDA plan's kernels, launch shapes and cuBLASLt state, chosen once (cuda_plan); null on the CPU.
@@ -57,14 +59,15 @@ static_assert(sizeof(BlockHeader) == 64, "the header is documented as 64 bytes")
 constexpr uint64_t kBlockTag = 0x31534c48u;  // "HLS1"
 constexpr uint64_t kMiddleTag = 0x314d4c48u; // "HLM1": a block of the middle step's sums
 
-// A call's per-row pointers; seq_lr / seq_roll: its rows' sequence values, where the plan has them.
+// A call's per-row pointers; seq_lr / seq_roll / seq_g: its rows' sequence values, where the plan
+// has them.
 inline RowSource row_source(const hl_loss_plan_st &p, const hl_loss_args_t &a, const float *seq_lr,
-                            const float *seq_roll) {
+                            const float *seq_roll, const float *seq_g = nullptr) {
   const hl_loss_plan_desc_t &d = p.desc;
   return RowSource{a.labels, a.weights, a.advantages, a.old_logprobs, a.ref_logprobs,
                    a.rollout_logprobs, seq_lr, seq_roll, d.labels_dtype == HL_DTYPE_I64,
                    d.use_ignore_index != 0, d.ignore_index, a.grad_token_logp, a.grad_token_entropy,
-                   a.grad_token_lse};
+                   a.grad_token_lse, seq_g};
 }
 
 // The block format and the host checks below are defined in src/loss/api.cpp.

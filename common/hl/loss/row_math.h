@@ -142,6 +142,7 @@ struct RowInputs {
   bool has_adv, has_old, has_ref, has_rollout;
   F seq_lr, seq_roll;  // see SeqValues (0 without sequences)
   F g_logp, g_ent, g_lse;  // per-token upstream gradients (headloss.h; 0 where not passed)
+  F seq_g;  // the sequence's preference gradient on this token's logp (preference.h; else 0)
 };
 
 // Per-row pointers of a call (device pointers on CUDA, host ones on the CPU); seq_lr and
@@ -152,6 +153,7 @@ struct RowSource {
   bool labels64, use_ignore;
   int64_t ignore_index;
   const float *g_logp, *g_ent, *g_lse;
+  const float *seq_g;  // [rows] RowInputs::seq_g, where the plan has a preference term
 };
 
 // A row is ignored when its label is negative or equals the plan's ignore_index.
@@ -184,6 +186,7 @@ HL_HD RowInputs<F> read_inputs(const RowSource &s, int64_t i) {
   in.seq_roll = s.seq_roll ? F(s.seq_roll[i]) : F(0);
   const auto grad = [i](const float *p) { return p ? F(p[i]) : F(0); };
   in.g_logp = grad(s.g_logp), in.g_ent = grad(s.g_ent), in.g_lse = grad(s.g_lse);
+  in.seq_g = grad(s.seq_g);
   return in;
 }
 
@@ -411,9 +414,10 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
   r.rec[R_LOGP] = logp;
   // Coefficients of d(token loss)/dz, times grad_scale * w / D and the logit scale; plus the
   // per-token outputs' upstream gradients times the logit scale alone (a plain VJP; logp is 0 on a
-  // row without a label, whatever its upstream value holds, while H and lse are every row's).
+  // row without a label, whatever its upstream value holds, while H and lse are every row's); a
+  // preference term's share is such an upstream gradient of logp.
   const F k = kd * w * F(o.scale);
-  const F gl = in.label >= 0 ? F(o.scale) * in.g_logp : F(0);
+  const F gl = in.label >= 0 ? F(o.scale) * (in.g_logp + in.seq_g) : F(0);
   const F ge = F(o.scale) * in.g_ent, gs = F(o.scale) * in.g_lse;
   const F eps = F(o.smoothing);
   r.cp = k * (ce_w + z_w * F(2) * lse + ent_w * (lse - H) + cg - beta * ckl) - gl + ge * (lse - H) + gs;
@@ -455,7 +459,7 @@ HL_HD F topk_correction(const RowResult<F> &r, const Options &o, F z, F lq) {
 template <class F>
 HL_HD void finish_scalars(const F *sum, F ratio_min, F ratio_max, F adv_min, F adv_max, F D,
                           bool has_ratio, bool has_adv, unsigned terms, int n, float *scalars) {
-  float out[HL_LOSS_NUM_SCALARS];
+  float out[HL_LOSS_NUM_SCALARS] = {};  // the preference term's stay 0 (pref_store writes them)
   const F W = sum[R_W];
   const F inv_d = D > F(0) ? F(1) / D : F(0), inv_w = W > F(0) ? F(1) / W : F(0);
   const auto term = [&](unsigned bits, int field) {
