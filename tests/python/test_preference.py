@@ -2,6 +2,7 @@
 backend against the fp64 reference of ref_preference.py: the term, TRL's metrics, and the gradient
 against central differences of the reference; both forms, ragged sequences with ignored prompt
 tokens, CE on the chosen tokens in the same pass, a vocabulary split against the whole."""
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -162,3 +163,38 @@ def test_argument_errors(opts, inputs_, message):
 def test_plan_errors(opts, message):
     with pytest.raises(headloss.HeadlossError, match=message):
         headloss.LossPlan(V, "float32", **opts)
+
+
+@pytest.mark.parametrize("kind,loss_type", CASES)
+def test_cuda_matches_cpu(gpu, kind, loss_type):
+    """The CUDA backend (its preference kernel between the statistics and the finish) against the
+    CPU backend, in both forms: every scalar, and the gradients (poisoned before the call) by
+    relative norm error; bf16 logits in the logits form, fp32 in the linear one."""
+    rng = np.random.default_rng(100 + CASES.index((kind, loss_type)))
+    _, labels, cu = batch(rng, kind, 6 if kind == "kto" else 4)
+    H = 16
+    hidden = rng.normal(size=(len(labels), H)).astype(np.float32)
+    weight = (rng.normal(size=(V, H)) / 2).astype(np.float32)
+    kw = inputs(rng, kind, None, labels, cu)
+    opts, _ = settings(kind, loss_type)
+    dev = {k: gpu.put(v) for k, v in kw.items()}
+    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731
+    # logits form, bf16 logits (their rounded values on both backends)
+    logits = (hidden @ weight.T).astype(ml_dtypes.bfloat16)
+    cpu = headloss.LossPlan(V, "bfloat16", terms="preference", grad_dtype="float32", **opts)(
+        logits, labels, cu_seqlens=cu, grad_scale=1.5, **kw)
+    grad = gpu.empty_like_poisoned((len(labels), V), "float32")
+    out = headloss.LossPlan(V, "bfloat16", terms="preference", grad_dtype="float32", device="cuda", **opts)(
+        gpu.put(logits), gpu.put(labels), cu_seqlens=gpu.put(cu), grad_scale=1.5, grad=grad, **dev)
+    np.testing.assert_allclose(gpu.get(out.scalars), np.asarray(cpu.scalars, np.float64), rtol=2e-4, atol=1e-6)
+    assert rel(gpu.get(grad), np.asarray(cpu.grad, np.float64)) < 1e-5
+    # fused linear form, fp32
+    lin = dict(terms="preference", grad_weight="write", **opts)
+    cpu = headloss.LinearLossPlan(V, H, "float32", **lin)(hidden, weight, labels, cu_seqlens=cu, **kw)
+    gh, gw = gpu.empty_like_poisoned((len(labels), H), "float32"), gpu.empty_like_poisoned((V, H), "float32")
+    out = headloss.LinearLossPlan(V, H, "float32", device="cuda", **lin)(
+        gpu.put(hidden), gpu.put(weight), gpu.put(labels), cu_seqlens=gpu.put(cu), grad_hidden=gh,
+        grad_weight=gw, **dev)
+    np.testing.assert_allclose(gpu.get(out.scalars), np.asarray(cpu.scalars, np.float64), rtol=2e-4, atol=1e-6)
+    assert rel(gpu.get(gh), np.asarray(cpu.grad_hidden, np.float64)) < 1e-4
+    assert rel(gpu.get(gw), np.asarray(cpu.grad_weight, np.float64)) < 1e-4
