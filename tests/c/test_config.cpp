@@ -3,9 +3,11 @@
 // shape alone. `test_config --print` also prints the choice for representative shapes (the table
 // the docs' "Tuning choices" sections explain).
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
+#include "loss/config.h"
 #include "rmsnorm/config.h"
 
 namespace {
@@ -76,13 +78,71 @@ void print_rmsnorm() {
   std::printf("  fwd   1024 x   4097 (unaligned): %s\n", describe(choose(false, 1024, 4097, 2, true)).c_str());
 }
 
+// The loss: a row's cluster is the smallest whose slice fits the target (or the most), kept only
+// where it fits the shared memory; no clusters, bulk copies or early start without the sm_90 code.
+constexpr size_t kH100Optin = 227 * 1024;
+void check_loss() {
+  using namespace hl::loss;
+  for (bool sm90 : {false, true})
+    for (bool teacher : {false, true})
+      for (size_t elt : {size_t(2), size_t(4)})
+        for (int64_t vocab = 1; vocab < (int64_t(1) << 22); vocab = vocab * 3 / 2 + 1) {
+          const RowShape s = row_shape(vocab, elt, kH100Optin, sm90, teacher);
+          const auto bytes = [&](int cl) { return size_t(slice_cols(vocab, cl, int(16 / elt))) * elt; };
+          const int most = sm90 ? kMaxCluster : 1;
+          CHECK(s.cluster >= 1 && s.cluster <= most && (s.cluster & (s.cluster - 1)) == 0, "vocab %lld: cluster %d",
+                (long long)vocab, s.cluster);
+          CHECK(s.slice_bytes == bytes(s.cluster), "vocab %lld: slice bytes", (long long)vocab);
+          CHECK(s.keep_row == (s.slice_bytes <= s.smem_cap), "vocab %lld: kept iff it fits", (long long)vocab);
+          CHECK(s.cluster == 1 || bytes(s.cluster / 2) > kKeepTarget, "vocab %lld: cluster %d is not the smallest",
+                (long long)vocab, s.cluster);
+          CHECK(!s.keep_row || s.slice_bytes <= kKeepTarget || s.cluster == most, "vocab %lld: the target",
+                (long long)vocab);
+          CHECK(s.keep_row || s.cluster <= 8, "vocab %lld: re-read rows in portable clusters", (long long)vocab);
+          CHECK(!s.bulk || (sm90 && s.keep_row && s.bulk_bytes <= s.smem_cap), "vocab %lld: bulk", (long long)vocab);
+          CHECK(teacher || s.bulk_cluster == s.cluster, "vocab %lld: bulk cluster", (long long)vocab);
+          CHECK(sm90 || (s.small_cluster == 1 && !s.early_start), "vocab %lld: sm_80 code", (long long)vocab);
+          const RowShape t = row_shape(vocab, elt, kH100Optin, sm90, teacher);
+          CHECK(describe(s) == describe(t), "a function of the shape");
+        }
+  CHECK(gemm_tiles(false, false, 4096).want[0].rows == 0, "grad_hidden: the first answer");
+  CHECK(gemm_tiles(false, true, 4096).want[0].rows == 128 && gemm_tiles(false, true, 8192).want[0].rows == 0,
+        "grad_weight: 128 x 160 up to a hidden size of 4096");
+  unsetenv("HEADLOSS_LINEAR_PATH");
+  CHECK(!linear_path_rows(), "HEADLOSS_LINEAR_PATH unset");
+  setenv("HEADLOSS_LINEAR_PATH", "rows", 1);
+  CHECK(linear_path_rows(), "HEADLOSS_LINEAR_PATH=rows");
+  setenv("HEADLOSS_LINEAR_PATH", "shifted", 1);
+  CHECK(!linear_path_rows(), "HEADLOSS_LINEAR_PATH=shifted");
+  unsetenv("HEADLOSS_LINEAR_PATH");
+}
+
+void print_loss() {
+  using namespace hl::loss;
+  std::printf("Loss (kernels/loss/config.h), H100 (227 KB a CTA):\n");
+  for (int64_t vocab : {32000, 50257, 128256, 151936, 262144, 1000000})
+    for (size_t elt : {size_t(2), size_t(4)})
+      for (bool teacher : {false, true})
+        std::printf("  vocab %7lld, %zu-byte logits%s: %s\n", (long long)vocab, elt, teacher ? ", dense teacher" : "",
+                    describe(row_shape(vocab, elt, kH100Optin, true, teacher)).c_str());
+  std::printf("  vocab  128256 without the sm_90 code: %s\n",
+              describe(row_shape(128256, 2, kH100Optin, false, false)).c_str());
+  std::printf("  cuBLASLt: logits = W X^T: %s\n", describe(gemm_tiles(true, false, 128256)).c_str());
+  for (int64_t h : {4096, 8192})
+    std::printf("  cuBLASLt: grad_weight (+)= G^T X, hidden %lld: %s\n", (long long)h,
+                describe(gemm_tiles(false, true, h)).c_str());
+  std::printf("  cuBLASLt: grad_hidden = G W: %s\n", describe(gemm_tiles(false, false, 8192)).c_str());
+  std::printf("  fused linear: chunks of up to %lld rows\n", (long long)kFastRows);
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
   const bool print = argc > 1 && std::strcmp(argv[1], "--print") == 0;
   check_rmsnorm<false>();
   check_rmsnorm<true>();
-  if (print) print_rmsnorm();
+  check_loss();
+  if (print) print_rmsnorm(), print_loss();
   std::printf("%s: %d failures\n", argv[0], failures);
   return failures ? 1 : 0;
 }
