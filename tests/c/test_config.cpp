@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 
+#include "gdn/config.h"
 #include "loss/config.h"
 #include "rmsnorm/config.h"
 
@@ -135,6 +136,60 @@ void print_loss() {
   std::printf("  fused linear: chunks of up to %lld rows\n", (long long)kFastRows);
 }
 
+// GDN: every K, V up to kMaxDim has a Hopper shape whose CTAs cover K (two at most) and V, a hand
+// copy where a map cannot take the rows, and narrow copies only in ODD = 2; HEADLOSS_GDN_KERNEL parses.
+void check_gdn() {
+  using namespace hl::gdn;
+  for (int64_t H : {1, 2, 3, 15, 16})
+    for (int64_t G : {1, 2, 3})
+      for (int64_t K = 1; K <= kMaxDim; ++K)
+        for (int64_t V : {int64_t(1), int64_t(2), int64_t(4), int64_t(8), int64_t(100), K, kMaxDim})
+          for (bool s32 : {false, true})
+            for (bool vf : {false, true}) {
+              const Sm90Shape s = sm90_shape(H, H * G, K, V, s32, vf);
+              CHECK(s.nsplit * s.KH >= s.Kc && s.Kc >= K && s.nsplit <= 2, "K %lld: %d CTAs of %d", (long long)K, s.nsplit, s.KH);
+              CHECK(s.VCN * 64 >= s.Vc && s.Vc >= V, "V %lld: %d stages", (long long)V, s.VCN);
+              CHECK(!(s.hand_qk && s.fold_k) && (K % 8 == 0) == !(s.hand_qk || s.fold_k), "K %lld: q, k", (long long)K);
+              CHECK(!(s.hand_v && s.fold_v) && (V % 8 == 0) == !(s.hand_v || s.fold_v), "V %lld: v", (long long)V);
+              CHECK(!s.fold_k || (H * K) % 8 == 0, "K %lld: folded maps need H K a multiple of 8", (long long)K);
+              CHECK(!s.hand_states || !s32, "fp32 states are the producer's anyway");
+              CHECK((s.odd == 0) == (K % 8 == 0 && V % 8 == 0) || s.odd == 2, "K %lld V %lld: ODD %d", (long long)K,
+                    (long long)V, s.odd);
+              CHECK(s.odd != 2 || s.stage_regs || (s32 && s.sw < 4) || (s.hand_qk && s.qw == 1),
+                    "K %lld V %lld: ODD 2 without narrow copies", (long long)K, (long long)V);
+              CHECK(describe(s) == describe(sm90_shape(H, H * G, K, V, s32, vf)), "a function of the shape");
+            }
+  CHECK(portable_copy(100, 100, 16) == 4 && portable_copy(128, 64, 16) == 8 && portable_copy(128, 64, 4) == 2 &&
+            portable_copy(7, 64, 16) == 1,
+        "portable copies");
+  CHECK(portable_split(4, true) == 4 && portable_split(4, false) == 1 && portable_split(1, true) == 1, "K slices");
+  unsetenv("HEADLOSS_GDN_KERNEL");
+  CHECK(forced_kernel() == Forced::kNone, "HEADLOSS_GDN_KERNEL unset");
+  setenv("HEADLOSS_GDN_KERNEL", "portable", 1);
+  CHECK(forced_kernel() == Forced::kPortable, "HEADLOSS_GDN_KERNEL=portable");
+  setenv("HEADLOSS_GDN_KERNEL", "sm90", 1);
+  CHECK(forced_kernel() == Forced::kSm90, "HEADLOSS_GDN_KERNEL=sm90");
+  setenv("HEADLOSS_GDN_KERNEL", "other", 1);
+  CHECK(forced_kernel() == Forced::kNone, "HEADLOSS_GDN_KERNEL=other");
+  unsetenv("HEADLOSS_GDN_KERNEL");
+}
+
+void print_gdn() {
+  using namespace hl::gdn;
+  std::printf("GDN (kernels/gdn/config.h), the Hopper kernel:\n");
+  const struct {
+    int64_t H, HV, K, V;
+  } shapes[] = {{16, 16, 128, 128}, {16, 32, 128, 128}, {8, 8, 64, 64}, {4, 4, 256, 256},
+                {16, 16, 100, 100}, {15, 15, 100, 100}, {16, 16, 100, 128}, {3, 3, 99, 97}};
+  for (const auto &x : shapes)
+    for (bool s32 : {false, true})
+      std::printf("  H %2lld HV %2lld K %3lld V %3lld, %s states: %s\n", (long long)x.H, (long long)x.HV,
+                  (long long)x.K, (long long)x.V, s32 ? "fp32" : "16-bit",
+                  describe(sm90_shape(x.H, x.HV, x.K, x.V, s32, false)).c_str());
+  std::printf("  the portable kernel: %d threads, %d stages of %d V columns; K = V = 100 copies %d elements\n", kThreads,
+              kStages, kVC, portable_copy(100, 100, 16));
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -142,7 +197,8 @@ int main(int argc, char **argv) {
   check_rmsnorm<false>();
   check_rmsnorm<true>();
   check_loss();
-  if (print) print_rmsnorm(), print_loss();
+  check_gdn();
+  if (print) print_rmsnorm(), print_loss(), print_gdn();
   std::printf("%s: %d failures\n", argv[0], failures);
   return failures ? 1 : 0;
 }
