@@ -423,7 +423,7 @@ struct Bwd {
       const int vec = pl.vec ? VEC : 1;
       const int64_t strips = (a.cols + 32 * vec - 1) / (32 * vec);
       const int64_t chunks = std::clamp<int64_t>((kTilesPerSm * sm_count() + strips - 1) / strips, 1,
-                                                 std::min<int64_t>(std::max<int64_t>(a.rows, 1), kMaxChunks));
+                                                 std::min<int64_t>(std::max<int64_t>(a.rows, 1), kMaxTileChunks));
       pl.chunk_rows = (a.rows + chunks - 1) / chunks;
       pl.parts = a.rows ? (a.rows + pl.chunk_rows - 1) / pl.chunk_rows : 0;
       pl.stats_bytes = (size_t(a.rows) * sizeof(float2) + 255) / 256 * 256;

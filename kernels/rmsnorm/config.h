@@ -63,13 +63,16 @@ constexpr bool can_fuse_dw(int tpr, int block, int cluster) { return cluster == 
 template <int TPR, int BLOCK, int CL>
 constexpr bool kCanFuseDw = can_fuse_dw(TPR, BLOCK, CL);
 
-// Rows no shape takes (unaligned, or longer than the tables).
-constexpr int kFwdRowsBlock = 512;  // forward: a block a row, reading the row twice
-constexpr int kStatsBlock = 512;    // backward: per-row statistics, then 32 x kTileY tiles
+// Rows no shape takes (unaligned, or longer than the tables): the forward a block a row, reading
+// the row twice; the backward per-row statistics, then 32 x kTileY tiles over row chunks (about
+// kTilesPerSm blocks an SM, at most kMaxTileChunks chunks: partial dw rows).
+constexpr int kFwdRowsBlock = 512;
+constexpr int kStatsBlock = 512;
 constexpr int kTileY = 8;
-constexpr int kTilesPerSm = 4;       // the tiles' row chunks aim at this many blocks an SM
-constexpr int64_t kMaxChunks = 1024;  // at most this many chunks (partial dw rows)
-constexpr int kDwReduceBlock = 1024;  // the partial dw rows' sum: a block a 32-column tile
+constexpr int kTilesPerSm = 4;
+constexpr int64_t kMaxTileChunks = 1024;
+// The partial dw rows' sum (after the register or tiled kernels): a block a 32-column tile.
+constexpr int kDwReduceBlock = 1024;
 
 // What a call of `rows` x `cols` elements of `elem` bytes, rows 16-byte aligned, runs.
 struct Choice {
