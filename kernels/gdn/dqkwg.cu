@@ -34,9 +34,6 @@ using namespace hl::dev;  // the common device helpers (kernels/common)
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kStages = 3;            // stage buffers: two loads in flight during compute
-constexpr int kVC = 32;               // V columns per stage
 constexpr int kLdS = kVC + 8;         // stage tile pitch (80 bytes: ldmatrix conflict-free)
 constexpr int kStageTile = kTile * kLdS;
 
@@ -395,7 +392,7 @@ hl_status_t launch(Params p, int64_t heads_chunks, size_t smem, hl_stream_t stre
     return fail(HL_STATUS_NOT_SUPPORTED, "%zu bytes of shared memory needed, %d available",
                 smem, most);
   HL_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-  p.nsplit = p.KS > 1 && hl::dev::code_arch() >= 90 ? p.KS : 1;  // one CTA per K slice, in one cluster
+  p.nsplit = portable_split(p.KS, hl::dev::code_arch() >= 90);  // one CTA per K slice, in one cluster
   const int64_t blocks = heads_chunks * p.nsplit;  // < 2^31: checked with the arguments (gdn/api.cpp)
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg =
@@ -461,10 +458,10 @@ hl_status_t cuda_dqkwg_portable(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTab
   std::vector<const void *> ptrs{a.q, a.k, a.v, a.do_, a.dq, a.dk};
   if (a.h_dtype == a.dtype) ptrs.insert(ptrs.end(), {a.h, a.dh});
   if (a.dw) ptrs.insert(ptrs.end(), {a.dv, a.dw});
-  p.vw = 8;
-  while (p.vw > 1 && (a.K % p.vw || a.V % p.vw ||
-                      !std::all_of(ptrs.begin(), ptrs.end(), [&](const void *x) { return aligned_to(x, 2 * p.vw); })))
-    p.vw /= 2;
+  int align = 16;
+  while (align > 2 && !std::all_of(ptrs.begin(), ptrs.end(), [&](const void *x) { return aligned_to(x, align); }))
+    align /= 2;
+  p.vw = portable_copy(a.K, a.V, align);
   p.vec4 = a.h_dtype == HL_DTYPE_F32 && a.V % 4 == 0 && aligned16(a.h) && aligned16(a.dh);
 
   const int64_t heads_chunks = chunks * a.H;
@@ -531,7 +528,7 @@ hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64
   }
   if (chunks * a.H == 0) return HL_STATUS_SUCCESS;
   if (sm90_takes(a, chunks)) return cuda_dqkwg_sm90(a, table, chunks, stream);
-  if (kernel_forced("sm90"))
+  if (forced_kernel() == Forced::kSm90)
     return fail(HL_STATUS_NOT_SUPPORTED, "HEADLOSS_GDN_KERNEL=sm90, but the Hopper kernel does not take "
                 "this call (device, build or inputs)");
   return cuda_dqkwg_portable(a, table, chunks, stream);

@@ -38,8 +38,6 @@
 #include <cuda.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <initializer_list>
 #include <type_traits>
 
@@ -950,28 +948,7 @@ hl_status_t launch_sm90(const Sm90Params &p, int KH, bool vf, bool s32, int odd,
   return KH == 64 ? launch_sm90<T, 64>(p, vf, s32, odd, stream) : launch_sm90<T, 128>(p, vf, s32, odd, stream);
 }
 
-// Folded K (or V) not a multiple of 8: the most a head's box starts before its index 0, (h K) % 8 over
-// heads h (multiples of gcd(K, 8)).
-int64_t shift_max(int64_t K) {
-  int64_t g = 8;
-  while (K % g) g /= 2;
-  return 8 - g;
-}
-
-// Elements a copy (a load: fp32 states) for rows of n elements copied by hand: 4, 2 or 1, as n allows.
-int elements_a_copy(int64_t n) { return n % 4 == 0 ? 4 : n % 2 == 0 ? 2 : 1; }
-
-// 16-bit states whose rows (of V elements; K with state_v_first) TMA can map: 16-byte multiples.
-bool states_mappable(const hl_gdn_bwd_dqkwg_args_t &a) {
-  return ((a.flags & HL_GDN_STATE_V_FIRST) ? a.K : a.V) % 8 == 0;
-}
-
 }  // namespace
-
-bool kernel_forced(const char *name) {  // read on every call, so that tests can switch kernels
-  const char *e = std::getenv("HEADLOSS_GDN_KERNEL");
-  return e && std::strcmp(e, name) == 0;
-}
 
 // Every K, V (up to 256), state dtype and layout: K or V not a multiple of 8 runs the ODD kernels (folded
 // maps where their row strides, H K and HV V, are multiples of 8 elements and folded K boxes fit two
@@ -979,7 +956,7 @@ bool kernel_forced(const char *name) {  // read on every call, so that tests can
 // TMA coordinates and a 9.0 device.
 bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks) {
 #if HL_SM90A
-  if (kernel_forced("portable")) return false;
+  if (forced_kernel() == Forced::kPortable) return false;
   if (a.B * a.T >= INT32_MAX || chunks * a.HV >= INT32_MAX) return false;  // TMA coordinates are int32
   for (const void *p : std::initializer_list<const void *>{a.q, a.k, a.v, a.do_, a.h, a.dh, a.dq, a.dk})
     if (!aligned16(p)) return false;
@@ -996,16 +973,9 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
   Sm90Params p{};
   const uint64_t H = uint64_t(a.H), HV = uint64_t(a.HV), K = uint64_t(a.K), V = uint64_t(a.V);
   const uint64_t tokens = uint64_t(a.B * a.T);
-  const bool vf = a.flags & HL_GDN_STATE_V_FIRST;
-  // K (V) not a multiple of 8: folded maps where H K (HV V) is, else q, k (do, v, dv) by hand.
-  // (Folded K boxes also need K + their shift <= 256: two CTAs.)
-  const bool hand_qk = a.K % 8 && ((a.H * a.K) % 8 || a.K + shift_max(a.K) > kMaxDim);
-  const bool hand_v = a.V % 8 && (a.HV * a.V) % 8;
-  const bool fold_k = a.K % 8 && !hand_qk, fold_v = a.V % 8 && !hand_v;
-  // Folded, a head's boxes start d = (h K) % 8 columns before its K (V) index 0 (16-byte aligned): the
-  // CTAs (stages) cover K + d (V + d) indices, d at most shift_max(K).
-  const int64_t Kc = a.K + (fold_k ? shift_max(a.K) : 0), Vc = a.V + (fold_v ? shift_max(a.V) : 0);
-  const uint32_t KH = Kc <= 64 ? 64 : 128;
+  const bool vf = a.flags & HL_GDN_STATE_V_FIRST, s32 = a.h_dtype == HL_DTYPE_F32;
+  // How each tensor travels, the CTAs' shape and the kernel variant (config.h).
+  const Sm90Shape sh = sm90_shape(a.H, a.HV, a.K, a.V, s32, vf);
   // [tokens][heads][width] in 64 x 64 boxes: (width, heads, tokens), or folded (K or V not a multiple
   // of 8) as (heads width, 1, tokens), a head's box at column h width.
   const auto head_map = [&](CUtensorMap *m, const void *x, uint64_t width, uint64_t heads, bool fold) {
@@ -1013,53 +983,47 @@ hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &
     return fold ? encode_map(kFn, m, a.dtype, x, heads * width, 1, tokens, row, row, 64, 1, 64)
                 : encode_map(kFn, m, a.dtype, x, width, heads, tokens, width * 2, row, 64, 1, 64);
   };
-  if (hand_v) {
-    p.hand_v = true, p.do16 = a.do_, p.v16 = a.v, p.dv16 = a.dv, p.vw = elements_a_copy(a.V);
+  if (sh.hand_v) {
+    p.hand_v = true, p.do16 = a.do_, p.v16 = a.v, p.dv16 = a.dv, p.vw = sh.vw;
   } else {
-    HL_TRY(head_map(&p.m_do, a.do_, V, HV, fold_v));
-    HL_TRY(head_map(&p.m_v, a.v, V, HV, fold_v));
-    if (a.dw) HL_TRY(head_map(&p.m_dv, a.dv, V, HV, fold_v));
+    HL_TRY(head_map(&p.m_do, a.do_, V, HV, sh.fold_v));
+    HL_TRY(head_map(&p.m_v, a.v, V, HV, sh.fold_v));
+    if (a.dw) HL_TRY(head_map(&p.m_dv, a.dv, V, HV, sh.fold_v));
   }
-  if (hand_qk) {
-    p.hand_qk = true, p.q16 = a.q, p.k16 = a.k, p.qw = elements_a_copy(a.K);
+  if (sh.hand_qk) {
+    p.hand_qk = true, p.q16 = a.q, p.k16 = a.k, p.qw = sh.qw;
   } else {
-    HL_TRY(head_map(&p.m_q, a.q, K, H, fold_k));
-    HL_TRY(head_map(&p.m_k, a.k, K, H, fold_k));
+    HL_TRY(head_map(&p.m_q, a.q, K, H, sh.fold_k));
+    HL_TRY(head_map(&p.m_k, a.k, K, H, sh.fold_k));
   }
-  p.fk_x = fold_k ? int(K) : 0, p.fk_y = fold_k ? 0 : 1, p.fv_x = fold_v ? int(V) : 0, p.fv_y = fold_v ? 0 : 1;
-  p.vpad = fold_v;
+  p.fk_x = sh.fold_k ? int(K) : 0, p.fk_y = sh.fold_k ? 0 : 1, p.fv_x = sh.fold_v ? int(V) : 0, p.fv_y = sh.fold_v ? 0 : 1;
+  p.vpad = sh.fold_v;
   const uint64_t states = uint64_t(chunks) * HV;
-  const bool s32 = a.h_dtype == HL_DTYPE_F32;
   if (s32) {  // read by the producer warpgroup, not TMA
     p.h32 = static_cast<const float *>(a.h), p.dh32 = static_cast<const float *>(a.dh);
-  } else if (!states_mappable(a)) {  // (odd) copied by the producer warpgroup, as wide as the rows allow
-    p.hand = true, p.h16 = a.h, p.dh16 = a.dh, p.hw = elements_a_copy(vf ? a.K : a.V);
+  } else if (sh.hand_states) {  // (odd) copied by the producer warpgroup, as wide as the rows allow
+    p.hand = true, p.h16 = a.h, p.dh16 = a.dh, p.hw = sh.hw;
   } else if (vf) {  // [V, K] per state: 64 x 64 boxes
     HL_TRY(encode_map(kFn, &p.m_h, a.dtype, a.h, K, V, states, K * 2, K * V * 2, 64, 64, 1));
     HL_TRY(encode_map(kFn, &p.m_dh, a.dtype, a.dh, K, V, states, K * 2, K * V * 2, 64, 64, 1));
   } else {
-    HL_TRY(encode_map(kFn, &p.m_h, a.dtype, a.h, V, K, states, V * 2, K * V * 2, 64, KH, 1));
-    HL_TRY(encode_map(kFn, &p.m_dh, a.dtype, a.dh, V, K, states, V * 2, K * V * 2, 64, KH, 1));
+    HL_TRY(encode_map(kFn, &p.m_h, a.dtype, a.h, V, K, states, V * 2, K * V * 2, 64, uint32_t(sh.KH), 1));
+    HL_TRY(encode_map(kFn, &p.m_dh, a.dtype, a.dh, V, K, states, V * 2, K * V * 2, 64, uint32_t(sh.KH), 1));
   }
   // arrivals on a stage's full barrier a producer thread: after its cp.async copies, after its stores
-  p.sw = elements_a_copy(vf ? a.K : a.V);
-  p.stage_async = (hand_v && p.vw > 1) || (p.hand && p.hw > 1);
-  p.stage_regs = (hand_v && p.vw == 1) || (p.hand && p.hw == 1);
+  p.sw = sh.sw;
+  p.stage_async = sh.stage_async, p.stage_regs = sh.stage_regs;
   p.dq = a.dq, p.dk = a.dk, p.dw = a.dw, p.dg = a.dg, p.g = a.g, p.g_gamma = a.g_gamma;
   p.chunks = table;
   p.items = chunks * a.H;
   p.H = int(a.H), p.HV = int(a.HV), p.G = int(a.HV / a.H), p.K = int(a.K), p.V = int(a.V);
-  p.VCN = int((Vc + 63) / 64);
-  p.nsplit = int((Kc + KH - 1) / KH);
+  p.VCN = sh.VCN;
+  p.nsplit = sh.nsplit;
   p.scale = a.scale;
   p.gated = a.gate != HL_GDN_GATE_NONE, p.log2 = is_log2(a.gate), p.dg_on = has_dg(a.gate);
   p.dw_on = a.dw != nullptr, p.reverse_cumsum = a.reverse_cumsum != 0;
-  // ODD = 1 for K or V not a multiple of 8; 2 where pieces under 4 bytes are copied (kernels of their own:
-  // that code in every ODD kernel slowed those that never run it by 4-14%, bench/notes/gdn.md "GDN v17")
-  const bool narrow = (hand_qk && p.qw == 1) || (hand_v && p.vw == 1) || (s32 && p.sw < 4);
-  const int odd = narrow ? 2 : a.K % 8 || a.V % 8 ? 1 : 0;
-  if (a.dtype == HL_DTYPE_BF16) return launch_sm90<__nv_bfloat16>(p, int(KH), vf, s32, odd, stream);
-  return launch_sm90<__half>(p, int(KH), vf, s32, odd, stream);
+  if (a.dtype == HL_DTYPE_BF16) return launch_sm90<__nv_bfloat16>(p, sh.KH, vf, s32, sh.odd, stream);
+  return launch_sm90<__half>(p, sh.KH, vf, s32, sh.odd, stream);
 }
 
 }  // namespace hl::gdn::dev

@@ -4,18 +4,17 @@
 // variants: q, k (do, v, dv) through folded maps where H K (HV V) is a multiple of 8, else copied by
 // its producer warps (as are states whose rows TMA cannot map, and fp32 states always).
 // Everything else (unaligned tensors, other devices) runs the portable kernel (dqkwg.cu).
-// HEADLOSS_GDN_KERNEL=portable forces the portable kernel (tests, A/B); HEADLOSS_GDN_KERNEL=sm90 makes
-// a call that the Hopper kernel does not take fail instead (tests: which kernel ran).
+// HEADLOSS_GDN_KERNEL (config.h's forced_kernel()) forces either.
 #pragma once
 
 #include <cstdint>
 
 #include "gdn/chunk.cuh"
+#include "gdn/config.h"
 #include "headloss.h"
 
 namespace hl::gdn::dev {
 
-bool kernel_forced(const char *name);  // HEADLOSS_GDN_KERNEL is `name`
 bool sm90_takes(const hl_gdn_bwd_dqkwg_args_t &a, int64_t chunks);
 hl_status_t cuda_dqkwg_sm90(const hl_gdn_bwd_dqkwg_args_t &a, const ChunkTable &table,
                             int64_t chunks, hl_stream_t stream);

@@ -8,6 +8,7 @@
 
 #include "common/dynlib.h"
 #include "hl/status.h"
+#include "loss/config.h"
 
 namespace hl::loss::dev {
 using namespace hl::dev;  // dynlib.h
@@ -121,31 +122,36 @@ struct Gemms {
 
 namespace {
 
-// The heuristic's answers a shape considers.
-constexpr int kAnswers = 8;
-
 int algo_attr(const cublasLtMatmulAlgo_t &a, cublasLtMatmulAlgoConfigAttributes_t attr) {
   uint32_t v = 0;  // the tile and split-k attributes are 32-bit
   size_t written = 0;
   return lt().algo_get(&a, attr, &v, sizeof v, &written) == CUBLAS_STATUS_SUCCESS ? int(v) : -1;
 }
 
-// Which answer to take: the first, but where the heuristic also offers a tile that measured faster
-// for the product's form (H100, cuBLAS 13.0, every candidate timed at the bench shapes by
-// bench/experiments/lt_algos.cu; bench/notes/linear.md "cuBLASLt's answers"; all gave the same bits):
-// - logits = W X^T (A transposed): 176 x 128, then 168 x 128, 5-7% faster than the first (320 x 128);
-// - grad_weight (+)= G^T X (B transposed): 128 x 160 where m (the hidden size) <= 4096, else 256 x 128,
-//   3-8% faster than the first (320 x 128, 192 x 192).
-// grad_hidden = G W keeps the first (256 x 128), within 1-2% of the best.
+// cuBLASLt's id of a tile config.h prefers, or -1.
+int tile_id(Tile t) {
+  static constexpr struct {
+    Tile t;
+    cublasLtMatmulTile_t id;
+  } kIds[] = {{{176, 128}, CUBLASLT_MATMUL_TILE_176x128},
+              {{168, 128}, CUBLASLT_MATMUL_TILE_168x128},
+              {{128, 160}, CUBLASLT_MATMUL_TILE_128x160},
+              {{256, 128}, CUBLASLT_MATMUL_TILE_256x128}};
+  for (const auto &e : kIds)
+    if (e.t.rows == t.rows && e.t.cols == t.cols) return int(e.id);
+  return -1;
+}
+
+// Which answer to take: the first, unless the heuristic also offers a tile config.h prefers for
+// the product's form (gemm_tiles(); measured in docs/loss.md, "Tuning choices").
 int preferred(const Shape &s, const cublasLtMatmulHeuristicResult_t *r, int found) {
-  int want[2] = {-1, -1};
-  if (s.ta && !s.tb) want[0] = CUBLASLT_MATMUL_TILE_176x128, want[1] = CUBLASLT_MATMUL_TILE_168x128;
-  if (!s.ta && s.tb) want[0] = s.m <= 4096 ? CUBLASLT_MATMUL_TILE_128x160 : -1, want[1] = CUBLASLT_MATMUL_TILE_256x128;
-  for (int tile : want)
+  for (const Tile &want : gemm_tiles(s.ta, s.tb, s.m).want) {
+    const int tile = tile_id(want);
     for (int i = 0; tile >= 0 && i < found; ++i)
       if (algo_attr(r[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID) == tile &&
           algo_attr(r[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) == 1)
         return i;
+  }
   return 0;
 }
 

@@ -31,16 +31,11 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kReduceThreads = 256, kReduceBatch = 4, kReduceRows = kReduceThreads * kReduceBatch;
-// The prep kernel's CTAs are small enough (128 threads, <= 32 registers) to be resident beside
-// three row-kernel CTAs, so the row kernel, launched to start early (allow_early_start), begins
-// its first rows while prep runs; each row kernel CTA waits for prep only at its first finish.
-constexpr int kPrepThreads = 128;
-constexpr int kPrepRowsPerThread = 16;
+constexpr int kReduceRows = kReduceThreads * kReduceBatch;
+// The prep kernel's CTAs (<= 32 registers) are resident beside three row-kernel CTAs, so the row
+// kernel, launched to start early (allow_early_start), begins its first rows while prep runs; each
+// row kernel CTA waits for prep only at its first finish.
 constexpr size_t kPrepBytes = (sizeof(PrepOut) + 15) / 16 * 16;
-constexpr size_t kKeepTarget = 72 * 1024;     // a slice this small lets 3 CTAs share an SM
-constexpr size_t kKeepTargetTeacher = 100 * 1024;  // a student + teacher slice: 2 CTAs an SM
-constexpr size_t kStaticSmemSlack = 8 * 1024; // the kernel's own shared memory, rounded up
 
 struct PrepArgs {
   const void *labels;
@@ -61,7 +56,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 // contiguous range of rows, then rank 0 merges the CTAs' results in rank order through
 // distributed shared memory (deterministic; no counter to zero first). One CTA per
 // kPrepRowsPerThread x 128 rows, up to kSmallCluster.
-constexpr int kSmallCluster = 8;
 
 struct ClusterPos {
   int rank, size;
@@ -172,7 +166,6 @@ struct TopkCheckArgs {
   int k;
   bool ids64;
 };
-constexpr int kTopkCheckCtas = 1024;
 static_assert(kMaxTopk <= kThreads, "a thread an entry");
 
 __global__ void __launch_bounds__(kThreads) topk_check_kernel(const TopkCheckArgs a, PrepOut *out) {
@@ -250,12 +243,6 @@ const void *pick(hl_dtype_t dt, int phase, bool grad, bool cap, int distill) {
     case HL_DTYPE_F16: return pick_row_kernel<__half>(phase, grad, cap, distill);
     default: return pick_row_kernel<__nv_bfloat16>(phase, grad, cap, distill);
   }
-}
-
-// Columns per CTA when a row is split over `cluster` CTAs: a whole number of 16-byte vectors.
-int64_t slice_cols(int64_t vocab, int cluster, int vec) {
-  const int64_t per = (vocab + cluster - 1) / cluster;
-  return (per + vec - 1) / vec * vec;
 }
 
 }  // namespace
@@ -514,33 +501,20 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
   int dev = 0, optin = 0;
   HL_CUDA_TRY(cudaGetDevice(&dev));
   HL_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  const size_t elt = dtype_size(d.logits_dtype), cap_bytes = size_t(optin) - kStaticSmemSlack;
-  const int vec = int(16 / elt);
-  const auto bytes = [&](int cl) { return size_t(slice_cols(d.vocab, cl, vec)) * elt; };
-  // The smallest cluster whose slices fit the target; Hopper clusters go to 8 CTAs portably and
-  // 16 with the non-portable opt-in. A row too long for that is re-read from global memory.
-  const bool sm90 = hl::dev::code_arch() >= 90;  // not major >= 9: a newer GPU runs the sm_80 code
-  const int max_cluster = sm90 ? kMaxCluster : 1;
-  p.cuda->small_cluster = sm90 ? kSmallCluster : 1;
-  p.cuda->early_start = sm90;
+  // not major >= 9: a newer GPU runs the sm_80 code
+  const RowShape rs = row_shape(d.vocab, dtype_size(d.logits_dtype), size_t(optin), hl::dev::code_arch() >= 90,
+                                p.opt.distill != kDistillNone && p.opt.distill != kDistillSparse);
+  p.cuda->small_cluster = rs.small_cluster;
+  p.cuda->early_start = rs.early_start;
   // The row kernel takes the most shared memory an SM has; an SM whose L1 / shared split suits a
   // kernel asking for less cannot host its CTAs, so prep asks for the same split to share SMs.
   HL_CUDA_TRY(cudaFuncSetAttribute(prep_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                    cudaSharedmemCarveoutMaxShared));
-  int cluster = 1;
-  while (cluster < max_cluster && bytes(cluster) > kKeepTarget) cluster *= 2;
-  const bool keep_row = bytes(cluster) <= cap_bytes;
-  if (!keep_row && cluster > 8) cluster = 8;
-  // The bulk kernels' slices a CTA: a dense teacher's beside the logits' (sparse: the logits alone),
-  // in the smallest cluster whose two slices leave room for two CTAs an SM.
-  const size_t slices = p.opt.distill == kDistillNone || p.opt.distill == kDistillSparse ? 1 : 2;
-  int bc = slices == 1 ? cluster : 1;
-  while (slices == 2 && bc < max_cluster && 2 * bytes(bc) > kKeepTargetTeacher) bc *= 2;
   const auto finish_choice = [&](CudaLaunch &c) -> hl_status_t {
     // The attribute belongs to the kernel, which plans of other vocabularies share: allow the most
     // any plan may use, so that a later plan never lowers it under an earlier one's launch.
     HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     int(cap_bytes)));
+                                     int(rs.smem_cap)));
     if (c.cluster > 8)
       HL_CUDA_TRY(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     c.grid = hl::dev::clusters_resident(c.kernel, kThreads, c.smem, c.cluster) * c.cluster;  // 0: cannot run
@@ -552,9 +526,9 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
     if (!c.kernel) continue;  // kMiddle: dense JSD's alone
     // The split's phases re-read the logits; a finish without a gradient has no columns to share.
     // kMiddle's CTAs take rows alone like kFinish's, so each needs the whole row: no cluster.
-    c.keep_row = ph == kWhole && keep_row;
-    c.cluster = (ph == kFinish && !grad) || ph == kMiddle ? 1 : cluster;
-    c.smem = c.keep_row ? bytes(c.cluster) : 0;
+    c.keep_row = ph == kWhole && rs.keep_row;
+    c.cluster = (ph == kFinish && !grad) || ph == kMiddle ? 1 : rs.cluster;
+    c.smem = c.keep_row ? rs.slice_bytes : 0;
     HL_TRY(finish_choice(c));
     if (c.grid == 0)
       return fail(HL_STATUS_NOT_SUPPORTED,
@@ -562,13 +536,11 @@ hl_status_t cuda_plan(const char *fn, hl_loss_plan_st &p) {
                   "%lld)", fn, c.cluster, c.smem, (long long)d.vocab);
     // Bulk copies (Hopper): the whole-row shape, the slices kept in shared memory, where they fit.
     CudaLaunch &b = p.cuda->bulk[ph];
-    b.kernel = sm90 && keep_row && bytes(bc) <= size_t(kMaxChunks) * kChunkPacks * 16 &&
-                       slices * bytes(bc) <= cap_bytes
-                   ? pick_bulk(d.logits_dtype, ph, grad, p.opt.cap > 0, p.opt.distill) : nullptr;
+    b.kernel = rs.bulk ? pick_bulk(d.logits_dtype, ph, grad, p.opt.cap > 0, p.opt.distill) : nullptr;
     if (b.kernel) {
-      b.cluster = bc;
+      b.cluster = rs.bulk_cluster;
       b.keep_row = true;
-      b.smem = slices * bytes(bc);
+      b.smem = rs.bulk_bytes;
       HL_TRY(finish_choice(b));
       if (b.grid == 0) b.kernel = nullptr;
     }

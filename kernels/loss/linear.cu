@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "common/cuda_util.h"
+#include "loss/config.h"
 #include "loss/cuda_plan.h"
 #include "loss/gemm.h"
 #include "loss/shifted.h"
@@ -21,12 +22,6 @@
 
 namespace hl::loss::dev {
 namespace {
-
-// The rows a chunk takes when the workspace allows, for a plan of one rank. Each chunk after the
-// first reads and writes grad_weight once more (its product adds to it): at c rows a chunk that
-// costs about 50 / c of the three products' time (H100, bf16; bench/notes/linear.md "Fused linear"), so
-// 1.3% here, and more rows buy little for their memory.
-constexpr int64_t kFastRows = 4096;
 
 // Where a call's pieces live in the workspace, after the logits form's part (base). The teacher's
 // chunk (or the shifted path's buffers) start 256-byte aligned after the logits': kSlack bytes

@@ -4,15 +4,10 @@
 #include <cstdint>
 
 #include "hl/loss/plan.h"
+#include "loss/config.h"
 
 namespace hl::loss::dev {
 
-constexpr int kThreads = 256;
-// The bulk-copy kernels stream a slice through shared memory in chunks of kChunkPacks 16-byte
-// packs (4 a thread, 16 KB); a slice has at most kMaxChunks of them.
-constexpr int kChunkPacks = 4 * kThreads;
-constexpr int kMaxChunks = 16;
-constexpr int kMaxCluster = 16;  // CTAs a row may be split over (Hopper's non-portable maximum)
 // The workspace's counters: the row kernel's (kMaxCluster), then the reduce kernel's ticket.
 constexpr int kTicket = kMaxCluster, kCounters = kTicket + 1;
 constexpr float kLog2e = 1.4426950408889634f;

@@ -333,11 +333,6 @@ __device__ __forceinline__ void grad_pack(const RowResult<float> &rr, const Opti
   }
 }
 
-constexpr int kBatch = 4;
-// 3 CTAs per SM (80 registers, a few spilled outside the column loops) beat 2 (128 registers, no
-// spills) by 15-25% on H100: more rows in flight hide each row's merge and finish.
-constexpr int kMinBlocks = 3;
-
 // Bytes of a row's record in a CUDA block: RowStats<float>, without the distillation fields when
 // there is no distillation (the layout the header documents).
 template <int DISTILL>

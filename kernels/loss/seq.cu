@@ -13,9 +13,6 @@
 namespace hl::loss::dev {
 namespace {
 
-constexpr int kSeqThreads = 256;
-constexpr int kMaxSeqCtas = 2048;
-
 struct SeqArgs {
   const void *cu;
   bool cu64;

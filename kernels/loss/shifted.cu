@@ -26,7 +26,6 @@ using hl::dev::load_pack;
 using hl::dev::Pack;
 using hl::dev::store_pack;
 using hl::dev::to_floats;
-constexpr int kRowWarps = 8;  // rows a CTA of the row kernels, a warp a row
 
 int64_t tiles_of(int64_t n, int64_t tile) { return (n + tile - 1) / tile; }
 
@@ -216,8 +215,7 @@ bool shifted_plan(const hl_loss_plan_st &p) {
 #if HL_SM90A
   const hl_loss_plan_desc_t &d = p.desc;
   const Options &o = p.opt;
-  const char *env = std::getenv("HEADLOSS_LINEAR_PATH");
-  if (env && std::strcmp(env, "rows") == 0) return false;
+  if (linear_path_rows()) return false;
   return p.linear && d.weight_dtype == HL_DTYPE_BF16 && d.teacher_hidden == 0 && o.distill == kDistillNone &&
          o.topk == 0 && !p.seq_stats && o.cap == 0.0f && o.smoothing == 0.0f && o.ent_w == 0.0f &&
          !(d.flags & HL_LOSS_GRAD_TOKEN_ENTROPY) && o.scale > 0.0f && d.vocab < INT32_MAX &&

@@ -4,12 +4,12 @@
 
 namespace hl::rmsnorm::dev {
 
-// dw from the partial rows: a block of 1024 threads a 32-column tile.
-__global__ void __launch_bounds__(1024) rmsnorm_dw_reduce(const float *partial, int64_t parts, int64_t cols,
+// dw from the partial rows: a block a 32-column tile.
+__global__ void __launch_bounds__(kDwReduceBlock) rmsnorm_dw_reduce(const float *partial, int64_t parts, int64_t cols,
                                                           void *dw, hl_dtype_t dt) {
-  __shared__ float acc[32][33];
+  __shared__ float acc[kDwReduceBlock / 32][33];
   wait_for_previous_grid();
-  reduce_dw<1024>(partial, parts, cols, dw, dt, blockIdx.x, gridDim.x, acc);
+  reduce_dw<kDwReduceBlock>(partial, parts, cols, dw, dt, blockIdx.x, gridDim.x, acc);
 }
 
 }  // namespace hl::rmsnorm::dev

@@ -51,13 +51,6 @@ struct BwdParams {
   bool fuse_dw;    // the register kernel (a cooperative launch) also sums the partials into dw
 };
 
-// Register kernels that can sum the partial dw rows themselves after a grid-wide barrier, instead
-// of a second kernel (H100 16384 x 8192: 311 -> 308 us, that kernel's whole cost): a block a row,
-// of at least 256 threads, so that the grid is about one block an SM and each block has a
-// 32-column tile of its own to sum.
-template <int TPR, int BLOCK, int CL>
-constexpr bool kCanFuseDw = CL == 1 && TPR == BLOCK && BLOCK >= 256;
-
 // dw[c] = sum over parts of partial[part][c], in part order, for the 32-column tiles first,
 // first + stride, ...: thread (x, y) of Y = BLOCK / 32 warps sums parts y, y + Y, ... of column x
 // of a tile, then warp 0 adds the Y sums in order.
@@ -141,20 +134,14 @@ __device__ __forceinline__ void add_dw(const BwdParams &p, const Pack<Tx, VEC> &
 // row in dynamic shared memory, where every column has one owner thread (no barrier needed).
 // STAGED: the next row group's x and dy (and rstd) load while this one computes (Staging, after
 // the dw row in dynamic shared memory).
-// PF: the next row group is fetched into L2 while this one computes. It pays where few warps are
-// resident (H100, 16384 x 8192, one 256-thread block an SM: 349 -> 303-312 us) and costs where more
-// are (32768 x 4096, three 128-thread blocks: 294 -> 324; 8192 x 16384, 1024 threads: 324 -> 338).
-// DRO (blocks that cache the weight): the fused residual's gradient (p.dro) loads with x and dy.
-// Loaded at the store, after the stores of dx (which may alias it), each pack waited a round trip,
-// one after another (H100, 32768 x 4096 with it: 451 us against 282 without). A kernel of its own:
-// the early packs take ~50 registers, which the calls without it would pay too; in the larger
-// blocks (no registers to spare) the packs still load at the store.
+// PF: the next row group is fetched into L2 while this one computes (a field of the shape: it pays
+// only where few warps are resident; docs/rmsnorm.md, "Tuning choices").
+// DRO (blocks that cache the weight): the fused residual's gradient (p.dro) loads with x and dy, not
+// at the store after dx (which may alias it); a kernel of its own, so that the calls without it do
+// not pay its ~50 registers. In the larger blocks (no registers to spare) it loads at the store.
 // CL > 1: a row spans the CL blocks of a cluster, rank c holding columns [c W, (c + 1) W); a
-// cluster writes one partial dw row. Two blocks an SM, so that one's row sums overlap the other's
-// loads, except with the prefetch (clusters of 2 at 16K columns: 191 registers, one block an SM;
-// capped at 128 they spill 340 bytes). A minimum of 1 block an SM is not the same as none: ptxas
-// then took 195 registers instead of 167 at 4096 columns, 2 blocks an SM instead of 3 (H100
-// 32768 x 4096: 294 -> 328 us).
+// cluster writes one partial dw row. Two blocks an SM, except with the prefetch; no minimum
+// otherwise (a minimum of 1 is not the same as none: more registers, fewer blocks an SM).
 template <class Tx, class Tdy, int VEC, int TPR, int VPT, int R, int BLOCK, bool STAGED, int CL, bool PF, bool DRO>
 __global__ void __launch_bounds__(BLOCK, CL > 1 && !PF ? 2 : 0) rmsnorm_bwd_regs(const BwdParams p) {
   if constexpr (CL > 1 && !kClusterCode) return;
@@ -371,7 +358,6 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_bwd_stats(const BwdParams p) {
 
 // Tiled path, step 2: a block covers 32 packs of columns and one chunk of rows; it writes dx and
 // the chunk's partial dw row.
-constexpr int kTileY = 8;
 template <class Tx, class Tdy, int VEC>
 __global__ void __launch_bounds__(32 * kTileY) rmsnorm_bwd_tiles(const BwdParams p, int64_t chunk_rows) {
   __shared__ float dw_rows[kTileY][32 * VEC + 1];
@@ -416,7 +402,6 @@ struct BwdPlan {
 template <class Tx, class Tdy>
 struct Bwd {
   static constexpr int VEC = 16 / sizeof(Tx);
-  static constexpr int kStatsBlock = 512;
 
   static BwdPlan plan(const hl_rmsnorm_bwd_args_t &a) {
     BwdPlan pl;
@@ -437,8 +422,8 @@ struct Bwd {
     } else {
       const int vec = pl.vec ? VEC : 1;
       const int64_t strips = (a.cols + 32 * vec - 1) / (32 * vec);
-      const int64_t chunks = std::clamp<int64_t>((4 * sm_count() + strips - 1) / strips, 1,
-                                                 std::min<int64_t>(std::max<int64_t>(a.rows, 1), 1024));
+      const int64_t chunks = std::clamp<int64_t>((kTilesPerSm * sm_count() + strips - 1) / strips, 1,
+                                                 std::min<int64_t>(std::max<int64_t>(a.rows, 1), kMaxTileChunks));
       pl.chunk_rows = (a.rows + chunks - 1) / chunks;
       pl.parts = a.rows ? (a.rows + pl.chunk_rows - 1) / pl.chunk_rows : 0;
       pl.stats_bytes = (size_t(a.rows) * sizeof(float2) + 255) / 256 * 256;
@@ -514,7 +499,7 @@ struct Bwd {
     }
     if (a.weight && !fused) {  // launched to start early: it waits for the partials in the kernel
       cudaLaunchAttribute attr, attrs[2];
-      cudaLaunchConfig_t cfg = cluster_launch((a.cols + 31) / 32, 1024, 0, 1, static_cast<cudaStream_t>(stream), attr);
+      cudaLaunchConfig_t cfg = cluster_launch((a.cols + 31) / 32, kDwReduceBlock, 0, 1, static_cast<cudaStream_t>(stream), attr);
       if (code_arch() >= 90) allow_early_start(cfg, attrs);
       HL_CUDA_TRY(cudaLaunchKernelEx(&cfg, rmsnorm_dw_reduce, static_cast<const float *>(p.partial), pl.parts,
                                      int64_t(a.cols), a.dw, a.dw_dtype));

@@ -8,6 +8,7 @@
 #include "common/cp_async.cuh"
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
+#include "rmsnorm/config.h"
 
 namespace hl::rmsnorm::dev {
 using namespace hl::dev;
@@ -184,77 +185,12 @@ __device__ __forceinline__ void prefetch_rows(const void *base, int64_t stride, 
     if (row + r < rows) prefetch_l2(static_cast<const T *>(base) + (row + r) * stride + col0, uint32_t(n * sizeof(T)));
 }
 
-// Register-cached kernel shapes: a row of cols = VEC * TPR * VPT elements is held by TPR threads,
-// VPT packs of VEC elements each; a group processes R rows at a time so that enough loads are in
-// flight for short rows. A row takes the first shape that holds its packs (up to 4096 a block,
-// 16384 across a cluster) and whose min_rows the call reaches.
-// In the backward (a persistent grid), blocks of up to 256 threads keep the weight in registers
-// across the rows they visit; larger blocks, and the forward, read it per row from L1. One table
-// per direction (the backward holds x and dy and sums dw); the choices are measured on H100
-// (bench/notes/rmsnorm.md).
-struct Shape {
-  int tpr, vpt, rows_at_once, block;
-  bool staged = false;  // (backward) the next rows load through Staging
-  int64_t min_rows = 0;  // taken from this many rows on
-  int cluster = 1;       // a row spans this many blocks of a cluster (sm_90 code), each a slice
-  bool prefetch = false;  // the rows a group takes next are fetched into L2 while it works on these
-};
-template <bool BWD>
-struct Shapes {
-  static constexpr Shape at[] = {
-      // Short rows: 2 rows a group in the forward, 1 in the backward, beat 4 (H100: fwd 90 -> 91%,
-      // bwd 70 -> 83% of copy at 128 columns). The backward stages its next rows (83/84 -> 86/87%
-      // at 128/256 columns); staging lost everywhere else (forward 128: 91 -> 83%, backward 2048:
-      // 94 -> 88%, 16384: 83 -> 57%, or 61% with whole rows by bulk copies), where one block per
-      // row group (forward) or more resident warps (backward) hide the latency better.
-      {8, 1, BWD ? 1 : 2, 256, BWD},   // <= 8 packs   (64 bf16)
-      {16, 1, BWD ? 1 : 2, 256, BWD},  // <= 16        (128)
-      {32, 1, BWD ? 1 : 2, 256, BWD},  // <= 32        (256)
-      {32, 2, 2, 256},   // <= 64        (512)
-      // <= 128 (1024) and <= 256 (2048): the forward a block a row of one pack a thread, the weight
-      // loaded with x (Liger's shape: 28 registers, 64 warps an SM; H100 131072 x 1024: 182.4 ->
-      // 180.1 us, 65536 x 2048: 181.9 -> 181.2, against 8 rows of 32 x 4 a block and a row of 64 x 4).
-      // The backward in 8 rows of 32 x 4 a block (193 registers: one block an SM, so its next rows
-      // go to L2 ahead; H100 131072 x 1024: 331 -> 309 us), then a block a row of 64 x 4.
-      {BWD ? 32 : 128, BWD ? 4 : 1, 1, BWD ? 256 : 128, false, 0, 1, BWD},
-      {BWD ? 64 : 256, BWD ? 4 : 1, 1, BWD ? 64 : 256},
-      // <= 512 (4096): the forward in 256 threads of 2 packs from 2048 rows (H100 32768 x 4096: 97 ->
-      // 98% of copy), 128 of 4 below (1024 x 4096: 8.8 us, 9.4 with 256 x 2). In the backward this
-      // entry is the next one (the same kernel).
-      {BWD ? 128 : 256, BWD ? 4 : 2, 1, BWD ? 128 : 256, false, BWD ? 0 : 2048},
-      {128, 4, 1, 128},
-      {256, 4, 1, 256, false, 0, 1, BWD},  // <= 1024 (8192); backward prefetch: 16384 x 8192 349 -> 303-312 us
-      // <= 2048 (16384): the forward in 512 threads of 4 packs (63 registers, two blocks an SM; Liger's
-      // shape); the backward in clusters of 2 of the entry above, a half row each (H100 8192 x 16384:
-      // 318-325 -> 310 us, 2048 x 16384 105 -> 96), which beat a block of 512 threads of 4 packs
-      // (118 registers, one block an SM) and 1024 threads of 2.
-      {BWD ? 256 : 512, 4, 1, BWD ? 256 : 512, false, 0, BWD ? 2 : 1, BWD},
-      // <= 4096 (32K): the forward in 1024 threads of 4 packs (64 registers, one block an SM; 2048 x
-      // 32768: 106 us in clusters of 2, 111 reading the row twice, 96.6 so; the fused residual
-      // spills 60-100 bytes there). Longer rows span a cluster of blocks, up to 8 (the portable
-      // most): 128K bf16 columns in the forward, 64K in the backward, where 4 packs a thread
-      // spill (bench/notes/rmsnorm.md, "RMSNorm v9": forward 1024 x 65536 140 -> 119 us, 512 x 131072 153
-      // -> 124; backward 2048 x 32768 268 -> 231, 1024 x 65536 255 -> 241).
-      {BWD ? 512 : 1024, BWD ? 2 : 4, 1, BWD ? 512 : 1024, false, 0, BWD ? 4 : 1},
-      {512, BWD ? 2 : 4, 1, 512, false, 0, BWD ? 8 : 4, !BWD},  // <= 8192 packs (64K)
-      {512, BWD ? 2 : 4, 1, 512, false, 0, 8, !BWD},  // <= 16384 packs (128K); the backward's is the
-                                                 // entry above
-  };
-};
-template <bool BWD>
-constexpr int kNumShapes = int(sizeof(Shapes<BWD>::at) / sizeof(Shape));
-
-// Index of the first shape that holds `packs` packs per row with at least its min_rows rows, or
-// -1 when none does. Cluster shapes only where the device runs the sm_90 code.
+// The kernel shapes (config.h), cluster shapes only where the device runs the sm_90 code: the
+// device query only for rows a cluster shape takes.
 template <bool BWD>
 int shape_for(int64_t packs, int64_t rows) {
-  for (int i = 0; i < kNumShapes<BWD>; ++i) {
-    const Shape &s = Shapes<BWD>::at[i];
-    // code_arch() only for cluster shapes: short rows' calls skip its device query
-    if (packs <= int64_t(s.tpr) * s.vpt * s.cluster && rows >= s.min_rows && (s.cluster == 1 || code_arch() >= 90))
-      return i;
-  }
-  return -1;
+  const int i = rmsnorm::shape_for<BWD>(packs, rows, true);
+  return i >= 0 && Shapes<BWD>::at[i].cluster > 1 && code_arch() < 90 ? rmsnorm::shape_for<BWD>(packs, rows, false) : i;
 }
 
 // Calls f(std::integral_constant<int, I>{}) for I == idx, turning a shape index into a constant.
@@ -267,9 +203,6 @@ hl_status_t with_shape(int idx, F &&f) {
     return HL_STATUS_INTERNAL_ERROR;
   }
 }
-
-template <int BLOCK>
-constexpr bool kCacheWeight = BLOCK <= 256;
 
 // True when p and every row start (p + k * stride elements) are aligned to `bytes`.
 inline bool rows_aligned(const void *p, int64_t stride, size_t elem, size_t bytes) {

@@ -207,8 +207,8 @@ __global__ void __launch_bounds__(BLOCK) rmsnorm_fwd_rows(const FwdParams p) {
 }
 
 // One block per row group, not a persistent grid of SMs x occupancy blocks: the block scheduler
-// then overlaps one block's reduction and stores with the next one's loads (83-89% -> 90-97% of
-// the copy bandwidth on H100, bench/notes/rmsnorm.md). `blocks` row groups, each a block or a cluster.
+// then overlaps one block's reduction and stores with the next one's loads (docs/rmsnorm.md,
+// "Tuning choices"). `blocks` row groups, each a block or a cluster.
 template <class Kernel>
 hl_status_t launch(Kernel kernel, int block, int64_t blocks, const FwdParams &p, hl_stream_t stream,
                    int cluster = 1) {
@@ -251,7 +251,7 @@ hl_status_t fwd_typed(FwdParams p, hl_stream_t stream) {
         return launch(k, sh.block, row_groups(sh, p.rows), p, stream, sh.cluster);
       });
     });
-  constexpr int BLOCK = 512;
+  constexpr int BLOCK = kFwdRowsBlock;
   const int64_t grid = p.rows < INT32_MAX ? p.rows : INT32_MAX;
   if (aligned) return launch(rmsnorm_fwd_rows<RES, Tx, Ty, VEC, BLOCK>, BLOCK, grid, p, stream);
   return launch(rmsnorm_fwd_rows<RES, Tx, Ty, 1, BLOCK>, BLOCK, grid, p, stream);
