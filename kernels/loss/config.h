@@ -39,6 +39,9 @@ constexpr int kSeqThreads = 256, kMaxSeqCtas = 2048;  // the per-sequence sums
 constexpr int kRowWarps = 8;  // the shifted path's row kernels: rows a CTA, a warp a row
 // The fused linear form: chunks of up to kFastRows rows where the workspace allows (a plan of one rank).
 constexpr int64_t kFastRows = 4096;
+// cuBLASLt's share of a workspace too small for every row: 1 / kGemmShare of what is left past one
+// row, at most kGemmWorkspace (docs/loss.md "Workspace and chunking").
+constexpr size_t kGemmShare = 8;
 
 // cuBLASLt: of the heuristic's first kAnswers answers, the first, unless one has a tile measured
 // faster for the product's form (and no split-K); in order of preference, {0, 0} for none.

@@ -27,11 +27,6 @@ namespace {
 // chunk (or the shifted path's buffers) start 256-byte aligned after the logits': kSlack bytes
 // cover that rounding.
 constexpr size_t kSlack = 256;
-// cuBLASLt's share of a workspace too small for every row: an eighth of what is left past one row,
-// at most kGemmWorkspace. Its split-K partials make a few products a few percent faster
-// (bench/notes/linear.md, "cuBLASLt's workspace"); rows a chunk save a pass over grad_weight each:
-// where memory is tight, rows win.
-constexpr size_t kGemmShare = 8;
 struct Layout {
   int64_t ldz, ldt;      // row strides of the logits and teacher chunks (16-byte multiples)
   size_t gemm, gemm_bytes, logits, teacher;  // cuBLASLt's workspace (offset, size), the chunks' offsets

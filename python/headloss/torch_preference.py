@@ -1,0 +1,102 @@
+"""PyTorch front end of the plan's preference term (DPO and its loss types, IPO, SimPO, ORPO, CPO,
+KTO; docs/loss.md "Preference losses"): one call on the policy's hidden states and head weight (or on
+its logits) for a batch of completions grouped by cu_seqlens, the loss and TRL's metrics out, the
+gradients formed in the same pass and handed to autograd in backward (as torch_loss's Functions).
+
+    loss, metrics = preference_loss(hidden, lm_head.weight, labels, cu_seqlens, ref_logps, loss="dpo", beta=0.1)
+    loss.backward()
+
+Layout: 2P sequences, the P chosen completions first, then their P rejected ones in the same order
+(TRL's concatenation); prompt tokens carry label -100. ref_logps: the reference model's sequence
+log-probabilities [2P] (DPO, KTO; SimPO, ORPO and CPO are reference-free). KTO's sequences are
+unpaired: kto_labels [2P] says which are desirable (1), undesirable (0) or its KL completions (-1).
+nll_weight > 0 adds the NLL of the chosen tokens (TRL's rpo_alpha, ORPO's and CPO's NLL) in the same
+pass. Eager autograd (an autograd.Function); under torch.compile the call is a graph break.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional, Tuple
+
+import torch
+
+from .loss import DEFAULT_MAX_WORKSPACE_BYTES, SCALARS, LinearLossPlan, LossPlan
+from .torch_loss import keep_grads, linear_workspace, scale_grad, take_grads
+
+# TRL's metric names for the plan's scalars.
+METRICS = {"rewards/chosen": "rewards_chosen", "rewards/rejected": "rewards_rejected",
+           "rewards/accuracies": "rewards_accuracy", "rewards/margins": "rewards_margin",
+           "logps/chosen": "logps_chosen", "logps/rejected": "logps_rejected", "nll_loss": "ce",
+           "log_odds_ratio": "log_odds_ratio", "log_odds_chosen": "log_odds_chosen", "kl": "kto_kl"}
+
+
+@lru_cache(maxsize=64)
+def _plan(key: tuple, vocab: int, hidden: int, dtype: torch.dtype, device: str, grads: tuple):
+    opts = dict(key)
+    if hidden:
+        gh, gw, gw_dtype = grads
+        return LinearLossPlan(vocab, hidden, dtype, device=device, grad_hidden="write" if gh else None,
+                              grad_weight="write" if gw else None,
+                              grad_weight_dtype=gw_dtype if gw else None, **opts)
+    return LossPlan(vocab, dtype, device=device, grad_dtype=None, **opts)
+
+
+class _Preference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, labels, plan, max_workspace_bytes, kw):
+        if weight is None:  # logits form
+            out = plan(x, labels, **kw)
+            grads, ctx.dtypes = (out.grad,), (x.dtype,)
+        else:
+            ws = linear_workspace(plan, x, x.shape[0], max_workspace_bytes)
+            out = plan(x, weight, labels, workspace=ws, **kw)
+            grads, ctx.dtypes = (out.grad_hidden, out.grad_weight), (x.dtype, weight.dtype)
+        keep_grads(ctx, *grads)
+        ctx.mark_non_differentiable(out.scalars)
+        return out.scalars[0].clone(), out.scalars
+
+    @staticmethod
+    def backward(ctx, dloss, _dscalars):
+        grads = [None if g is None else scale_grad(g, dloss, dt) for g, dt in zip(take_grads(ctx), ctx.dtypes)]
+        return tuple(grads + [None] * (6 - len(grads)))
+
+
+def preference_loss(hidden: torch.Tensor, weight: Optional[torch.Tensor], labels: torch.Tensor,
+                    cu_seqlens: torch.Tensor, ref_logps: Optional[torch.Tensor] = None, *, loss: str = "dpo",
+                    loss_type: str = "sigmoid", beta: float = 0.1, gamma: Optional[float] = None,
+                    label_smoothing: float = 0.0, nll_weight: float = 0.0, kto_labels: Optional[torch.Tensor] = None,
+                    max_workspace_bytes: Optional[int] = DEFAULT_MAX_WORKSPACE_BYTES, grad_weight_dtype=None,
+                    **options) -> Tuple[torch.Tensor, dict]:
+    """(loss, metrics) of a preference loss. hidden [rows, H] with the head's weight [V, H] (the fused
+    linear form: no [rows, V] logits), or logits [rows, V] with weight None. loss: "dpo", "simpo",
+    "orpo", "cpo" or "kto"; loss_type: DPO's and CPO's (sigmoid, hinge, ipo, exo_pair, nca_pair,
+    robust, bco_pair, sppo_hard, apo_zero, apo_down, discopop); beta, gamma (SimPO's margin, default
+    0.5 as TRL), label_smoothing as TRL; other plan options (pref_logp, pref_tau, kto_*_weight, ...)
+    by keyword. metrics: TRL's names (METRICS), 0-d tensors without gradient."""
+    opts = dict(options, preference=loss, pref_beta=beta)
+    if loss in ("dpo", "cpo"):
+        opts["pref_loss_type"] = loss_type
+    if loss == "simpo":
+        opts["pref_gamma"] = 0.5 if gamma is None else gamma
+    if label_smoothing:
+        opts["pref_label_smoothing"] = label_smoothing
+    terms = ("ce", "preference") if nll_weight else ("preference",)
+    if nll_weight:
+        opts["ce_weight"] = nll_weight
+    opts["cu_seqlens_dtype"] = str(cu_seqlens.dtype).replace("torch.", "")
+    kw = dict(cu_seqlens=cu_seqlens)
+    if ref_logps is not None:
+        kw["ref_seq_logprobs"] = ref_logps.float().contiguous()
+    if kto_labels is not None:
+        kw["kto_labels"] = kto_labels.to(torch.int32).contiguous()
+    if nll_weight:  # CE on the chosen completions' tokens alone (the first half of the sequences)
+        rows = torch.arange(labels.shape[0], device=labels.device)
+        kw["weights"] = (rows < cu_seqlens[(cu_seqlens.shape[0] - 1) // 2]).float()
+    H = 0 if weight is None else hidden.shape[-1]
+    grads = (hidden.requires_grad, weight is not None and weight.requires_grad, grad_weight_dtype)
+    key = tuple(sorted(dict(opts, terms=terms, labels_dtype=str(labels.dtype).replace("torch.", "")).items()))
+    V = hidden.shape[-1] if weight is None else weight.shape[0]
+    plan = _plan(key, V, H, hidden.dtype, hidden.device.type, grads)
+    value, scalars = _Preference.apply(hidden, weight, labels, plan, max_workspace_bytes, kw)
+    index = {k: i for i, k in enumerate(SCALARS)}
+    return value, {name: scalars[index[s]] for name, s in METRICS.items()}
