@@ -274,8 +274,8 @@ HL_API hl_status_t hl_rmsnorm_bwd(const hl_rmsnorm_bwd_args_t *args, hl_stream_t
  *
  * K and V: 1..256 each (64, 128 and 256 fastest; other sizes run through zero-padded tiles).
  * reverse_cumsum = 1 writes dg already reverse-cumulated within each chunk (the caller's next
- * step), in fp32. The CUDA backend needs a workspace only for varlen: ask
- * gdn_bwd_dqkwg_workspace_size. Results are deterministic (no atomics). Nothing is in place: no
+ * step), in fp32. The CUDA backend needs a workspace only for varlen (device memory, 16-byte
+ * aligned, as every workspace here): ask gdn_bwd_dqkwg_workspace_size. Results are deterministic (no atomics). Nothing is in place: no
  * output may overlap an input. On CUDA, HV <= 2^31 - 1 and B * num_chunks * H * ceil(K / 64) <=
  * 2^31 - 1 (one CTA each); larger is NOT_SUPPORTED.
  */

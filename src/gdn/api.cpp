@@ -164,7 +164,7 @@ hl_status_t check_memory(const char *fn, const hl_gdn_bwd_dqkwg_args_t &a, hl_st
   };
   constexpr int n = int(sizeof bufs / sizeof bufs[0]);
   HL_TRY(check_buffers(fn, a.backend, bufs, n - 1));
-  HL_TRY(check_workspace(fn, a.backend, a.workspace, a.workspace_bytes, workspace_bytes(a), 8, &bufs[n - 1]));
+  HL_TRY(check_workspace(fn, a.backend, a.workspace, a.workspace_bytes, workspace_bytes(a), 16, &bufs[n - 1]));
   HL_TRY(check_aliasing(fn, bufs, n, {}));
   if (!a.cu_seqlens) return HL_STATUS_SUCCESS;
 #if HL_HAVE_CUDA
