@@ -23,11 +23,10 @@
 
 #include "common/cuda_util.h"
 #include "common/dtype.cuh"
-#include "gdn/chunk.cuh"
 #include "gdn/dqkwg_sm90.h"
 #include "gdn/launch.h"
 #include "gdn/mma.cuh"
-#include "hl/gdn/facts.h"
+#include "hl/gdn/chunks.h"
 
 namespace hl::gdn::dev {
 using namespace hl::dev;  // the common device helpers (kernels/common)
@@ -428,7 +427,7 @@ chunk_table_kernel(const void *cu, bool cu64, int64_t n, int64_t T, int64_t *chu
     ends[tid] = m;
     __syncthreads();
     const int64_t prev = tid ? ends[tid - 1] : carry_m;
-    const int64_t cnt = i < n && i > 0 ? (m - prev + kTile - 1) / kTile : 0;  // chunks of sequence i - 1
+    const int64_t cnt = i < n && i > 0 ? chunks_in(m - prev) : 0;  // chunks of sequence i - 1
     Scan(tmp[1]).InclusiveSum(cnt, cnt_incl, tile_chunks);
     if (i < n) seq_start[i] = m, chunk_first[i] = carry_c + cnt_incl;
     carry_m = ends[kTableThreads - 1];
@@ -504,28 +503,18 @@ hl_status_t cuda_read_cu_seqlens(const hl_gdn_bwd_dqkwg_args_t &a, hl_stream_t s
 
 hl_status_t cuda_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_t> &cu, int64_t chunks,
                        hl_stream_t stream) {
-  ChunkTable table{nullptr, nullptr, a.num_seqs, a.T, a.num_chunks};
-  if (a.cu_seqlens && (a.flags & HL_GDN_UNCHECKED)) {  // the table built on the device (cu is empty)
-    int64_t *t = static_cast<int64_t *>(a.workspace);
+  int64_t *t = static_cast<int64_t *>(a.workspace);  // varlen: the chunk table (Chunks::table())
+  if (a.cu_seqlens && (a.flags & HL_GDN_UNCHECKED)) {  // built on the device (cu is empty)
     const int64_t n = a.num_seqs + 1;
     chunk_table_kernel<<<1, kTableThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         a.cu_seqlens, a.cu_seqlens_dtype == HL_DTYPE_I64, n, a.T, t, t + n);
     HL_CUDA_TRY_LAUNCH();
-    table.chunk_first = t;
-    table.seq_start = t + n;
-  } else if (!cu.empty()) {  // chunk table: first chunk of each sequence, then cu_seqlens itself
-    std::vector<int64_t> t(2 * cu.size());
-    int64_t c = 0;
-    for (size_t s = 0; s < cu.size(); ++s) {
-      t[s] = c;
-      t[cu.size() + s] = cu[s];
-      if (s + 1 < cu.size()) c += (cu[s + 1] - cu[s] + kTile - 1) / kTile;
-    }
-    // From pageable memory the copy returns once `t` has been staged: it may go out of scope.
-    HL_CUDA_TRY(cudaMemcpyAsync(a.workspace, t.data(), t.size() * 8, cudaMemcpyHostToDevice, stream));
-    table.chunk_first = static_cast<const int64_t *>(a.workspace);
-    table.seq_start = table.chunk_first + cu.size();
+  } else if (!cu.empty()) {
+    const Chunks host(a.B, a.T, cu);
+    // From pageable memory the copy returns once the table has been staged: it may go out of scope.
+    HL_CUDA_TRY(cudaMemcpyAsync(t, host.table().data(), host.table().size() * 8, cudaMemcpyHostToDevice, stream));
   }
+  const ChunkTable table = chunk_table(a.cu_seqlens ? t : nullptr, a.num_seqs, a.T, a.num_chunks);
   if (chunks * a.H == 0) return HL_STATUS_SUCCESS;
   if (sm90_takes(a, chunks)) return cuda_dqkwg_sm90(a, table, chunks, stream);
   if (forced_kernel() == Forced::kSm90)

@@ -2,12 +2,13 @@
 //
 // Work: each CTA (for K > 128, each cluster of two CTAs, one per 128-wide half of K) walks
 // (chunk, q/k head) items; an item is one pass per value head of the q/k head (GVA: G = HV / H
-// passes, any G). Warp 12 is the producer: with TMA it loads the item's q, k tiles into one of
-// two buffers (item parity, so the next item's never waits for this item's epilogue), then per
-// pass the value head's gate (into one of two buffers, pass parity) and its V in 64-wide stages
-// (do, v, dv tiles of 64 x 64 and the CTA's KH x 64 of h and dh, or 64 x KH with state_v_first)
-// through a ring of slots (2 at KH = 128, 3 at KH = 64); an item's first stage carries where it
-// lies, so no consumer searches cu_seqlens.
+// passes, any G), in the order of one ItemScheduler that every role walks. Warp 12 is the
+// producer: with TMA it loads the item's q, k tiles into one of two buffers (item parity, so the
+// next item's never waits for this item's epilogue), then per pass the value head's gate (into
+// one of two buffers, pass parity) and its V in 64-wide stages (do, v, dv tiles of 64 x 64 and
+// the CTA's KH x 64 of h and dh, or 64 x KH with state_v_first) through a ring of slots (2 at
+// KH = 128, 3 at KH = 64); an item's first stage carries where it lies, so no consumer searches
+// cu_seqlens.
 // Three consumer warpgroups share every stage (64-row wgmma, operands in shared memory):
 //   WG0: ds[:, 0:32] = do v^T and dq = do h^T;   WG1: ds[:, 32:64] and dk = v dh^T;
 //   WG2: dw = dv h^T, and sum(h * dh) from shared memory while its wgmma runs.
@@ -157,6 +158,28 @@ struct Cta {
   template <class T> __device__ T *at(int off) const { return reinterpret_cast<T *>(sm + off); }
   template <class T> __device__ T *q(int b) const { return at<T>(L::kQ + b * L::kQK); }  // buffer b
   template <class T> __device__ T *k(int b) const { return at<T>(L::kQ + b * L::kQK + L::kQK / 2); }
+};
+
+// The order of a CTA's work: items first, first + stride, ... below P.items, P.G passes an item (a
+// value head each), P.VCN stages a pass (64 columns of V). The producer and each consumer warpgroup
+// walk it with a scheduler of their own, so they agree on every item, pass and stage (as the
+// barriers between them need) by construction. It counts what the roles' buffers turn on: items i
+// (the q, k buffer i & 1), passes (gates, row sums, partials, mailbox: pass & 1) and stages st (the
+// ring's slot, and how often it was used before).
+template <int KH>
+struct ItemScheduler {
+  const Sm90Params &P;
+  const Cta<KH> &c;
+  uint32_t pass = 0, st = 0;  // passes and stages before the current ones
+  int64_t i = 0, item;        // items before the current one; the current one
+
+  __device__ ItemScheduler(const Sm90Params &P, const Cta<KH> &c) : P(P), c(c), item(c.first) {}
+  __device__ bool more() const { return item < P.items; }
+  __device__ void next_item() { item += c.stride, ++i; }
+  __device__ void next_pass() { ++pass; }
+  __device__ void next_stage() { ++st; }
+  __device__ uint32_t slot() const { return st % Layout<KH>::kSlots; }
+  __device__ uint32_t slot_uses() const { return st / Layout<KH>::kSlots; }
 };
 
 // The byte offset of 16-bit element c (< 64) of row r in a tile of 128-byte rows in TMA's 128-byte
@@ -403,16 +426,14 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
   using L = Layout<KH>;
   const int lane = threadIdx.x % 32;
   const bool lead = pw == 0;
-  uint32_t st = 0, pass = 0;  // stages and passes issued so far
-  uint32_t land_par = 0;      // ODD: bit j, the parity of slot j's land barrier's next phase
-  int64_t i = 0;
-  for (int64_t item = c.first; item < P.items; item += c.stride, ++i) {
-    const ItemPos it(P, item);
-    const int tok0 = int(it.tok0), qb = int(i & 1);
+  uint32_t land_par = 0;  // ODD: bit j, the parity of slot j's land barrier's next phase
+  for (ItemScheduler<KH> w(P, c); w.more(); w.next_item()) {
+    const ItemPos it(P, w.item);
+    const int tok0 = int(it.tok0), qb = int(w.i & 1);
     const int kb = k_origin<ODD>(P, c.k0, it.hq);
     if constexpr (ODD) {
       if (P.hand_qk) {  // the whole warpgroup copies q, k; each thread's copies land on qk_full
-        if (i >= 2) mbar_wait(&c.qk_empty[qb], uint32_t((i >> 1) - 1) & 1);
+        if (w.i >= 2) mbar_wait(&c.qk_empty[qb], uint32_t((w.i >> 1) - 1) & 1);
 #pragma unroll 1
         for (int x = 0; x < KH / 32; ++x) {  // q's boxes, then k's (64 columns of K each)
           const int c0 = c.k0 + 64 * (x % (KH / 64));
@@ -424,7 +445,7 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
       }
     }
     if (lead && !(ODD && P.hand_qk)) {
-      if (i >= 2) mbar_wait(&c.qk_empty[qb], uint32_t((i >> 1) - 1) & 1);
+      if (w.i >= 2) mbar_wait(&c.qk_empty[qb], uint32_t((w.i >> 1) - 1) & 1);
       if (lane == 0) {
         mbar_expect_tx(&c.qk_full[qb], L::kQK);
         for (int b = 0; b < KH / 64; ++b) {
@@ -434,19 +455,19 @@ __device__ __forceinline__ void produce(const Sm90Params &P, const Cta<KH> &c, i
         }
       }
     }
-    for (int g = 0; g < P.G; ++g, ++pass) {
-      const int hv = it.hq * P.G + g, hrow = int(it.cid * P.HV + hv), gb = int(pass & 1);
+    for (int g = 0; g < P.G; ++g, w.next_pass()) {
+      const int hv = it.hq * P.G + g, hrow = int(it.cid * P.HV + hv), gb = int(w.pass & 1);
       if (lead) {
-        if (pass >= 2) mbar_wait(&c.gam_empty[gb], ((pass >> 1) - 1) & 1);
+        if (w.pass >= 2) mbar_wait(&c.gam_empty[gb], ((w.pass >> 1) - 1) & 1);
         for (int r = lane; r < kTile; r += 32) {
           float gv = 0.f;
           if (P.gated && r < it.n) gv = P.g ? P.g[(it.tok0 + r) * P.HV + hv] : P.g_gamma[hv] * float(r + 1);
           c.gam[gb * 64 + r] = gv;
         }
       }
-      for (int s = 0; s < P.VCN; ++s, ++st) {
-        const uint32_t slot = st % L::kSlots;
-        if (st >= L::kSlots) mbar_wait(&c.empty[slot], (st / L::kSlots - 1) & 1);
+      for (int s = 0; s < P.VCN; ++s, w.next_stage()) {
+        const uint32_t slot = w.slot();
+        if (w.st >= L::kSlots) mbar_wait(&c.empty[slot], (w.slot_uses() - 1) & 1);
         unsigned char *b = c.sm + slot * L::kSlot, *h = b + 3 * kRowTile, *dh = h + L::kHTile;
         uint64_t *bar = &c.full[slot];
         const int vb = 64 * s - (ODD ? hv * P.fv_x % 8 : 0);  // tile column 0's V index (ODD: shifted)
@@ -711,22 +732,20 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
   constexpr bool kDs = ROLE < 2;
   const int tid = threadIdx.x, warp = tid / 32, m0 = 16 * (warp % 4);
   const bool mma = ROLE < 2 || P.dw_on;
-  uint32_t st = 0, pass = 0;  // stages and passes so far
-  int64_t i = 0;
-  for (int64_t item = c.first; item < P.items; item += c.stride, ++i) {
+  for (ItemScheduler<KH> w(P, c); w.more(); w.next_item()) {
     ItemPos it;
     float acc[KH / 8][4];
     float rs_prev[2] = {0.f, 0.f};  // ROLE 0 / 1: this thread's row sums of acc q (acc k) after the last pass
-    for (int g = 0; g < P.G; ++g, ++pass) {
-      const int par = int(pass & 1);
+    for (int g = 0; g < P.G; ++g, w.next_pass()) {
+      const int par = int(w.pass & 1);
       const float *gam = c.gam + par * 64;
       float ds[kDs ? 4 : 1][4], f[2];
       zero(ds);
       if (ROLE == 2 || g == 0) zero(acc);
       float hdh = 0.f;
-      for (int s = 0; s < P.VCN; ++s, ++st) {
-        const uint32_t slot = st % L::kSlots;
-        mbar_wait(&c.full[slot], (st / L::kSlots) & 1);
+      for (int s = 0; s < P.VCN; ++s, w.next_stage()) {
+        const uint32_t slot = w.slot();
+        mbar_wait(&c.full[slot], w.slot_uses() & 1);
         if constexpr (ODD) {
           if (P.hand || P.hand_v) fence_proxy_async();  // copied by hand (generic proxy), read by the wgmma
         }
@@ -784,8 +803,8 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
       T *stage = c.template at<T>(L::kStage + warp * kStageBytes);
       float *red = c.red + par * 128, *part = c.part + par * 8;
       if constexpr (kDs) {
-        const int qb = int(i & 1);
-        mbar_wait(&c.qk_full[qb], uint32_t(i >> 1) & 1);
+        const int qb = int(w.i & 1);
+        mbar_wait(&c.qk_full[qb], uint32_t(w.i >> 1) & 1);
         T *ds_s = c.template at<T>(L::kDs);
         T *q_s = c.template q<T>(qb), *k_s = c.template k<T>(qb);
         if constexpr (ODD) {
@@ -845,7 +864,7 @@ __device__ __forceinline__ void consume(const Sm90Params &P, const Cta<KH> &c) {
       }
       named_barrier(kBarEpi, kConsumers);
       if constexpr (!kDs) {
-        if (warp == 8) finish_dg(P, c, it, hv, pass, g == P.G - 1, i);
+        if (warp == 8) finish_dg(P, c, it, hv, w.pass, g == P.G - 1, w.i);
         named_barrier(kBarWg2, 128);  // warps 9-11 wait for warp 8 (their wgmma is one warpgroup's)
       }
     }  // value heads

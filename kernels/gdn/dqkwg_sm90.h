@@ -9,9 +9,9 @@
 
 #include <cstdint>
 
-#include "gdn/chunk.cuh"
 #include "gdn/config.h"
 #include "headloss.h"
+#include "hl/gdn/chunks.h"
 
 namespace hl::gdn::dev {
 

@@ -7,6 +7,7 @@
 #include "common.h"
 #include "cpu/scalar.h"
 #include "gdn.h"
+#include "hl/gdn/chunks.h"
 #include "kernels/gdn/launch.h"
 
 namespace hl::gdn {
@@ -80,7 +81,7 @@ hl_status_t check_shape(const char *fn, const hl_gdn_bwd_dqkwg_args_t &a) {
   if (a.flags & ~(HL_GDN_UNCHECKED | HL_GDN_STATE_V_FIRST))
     return fail(HL_STATUS_INVALID_VALUE, "%s: flags is 0x%x; only HL_GDN_UNCHECKED and HL_GDN_STATE_V_FIRST are defined",
                 fn, a.flags);
-  const int64_t nt = (a.T + kChunk - 1) / kChunk;
+  const int64_t nt = chunks_in(a.T);
   if (a.cu_seqlens) {
     if (a.B != 1)
       return fail(HL_STATUS_INVALID_VALUE, "%s: B is %lld with cu_seqlens; varlen needs B = 1", fn, (long long)a.B);
@@ -109,17 +110,15 @@ hl_status_t check_shape(const char *fn, const hl_gdn_bwd_dqkwg_args_t &a) {
 hl_status_t check_cu_seqlens(const char *fn, const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_t> &cu) {
   if (cu[0] != 0)
     return fail(HL_STATUS_INVALID_VALUE, "%s: cu_seqlens[0] is %lld; must be 0", fn, (long long)cu[0]);
-  int64_t chunks = 0;
-  for (size_t i = 1; i < cu.size(); ++i) {
+  for (size_t i = 1; i < cu.size(); ++i)
     if (cu[i] < cu[i - 1] || cu[i] > a.T)
       return fail(HL_STATUS_INVALID_VALUE, "%s: cu_seqlens[%zu] is %lld after %lld; cu_seqlens never "
                   "decreases and must end at T (%lld)", fn, i, (long long)cu[i], (long long)cu[i - 1],
                   (long long)a.T);
-    chunks += (cu[i] - cu[i - 1] + kChunk - 1) / kChunk;
-  }
   if (cu.back() != a.T)
     return fail(HL_STATUS_INVALID_VALUE, "%s: cu_seqlens[%zu] is %lld; cu_seqlens must end at T (%lld)", fn,
                 cu.size() - 1, (long long)cu.back(), (long long)a.T);
+  const int64_t chunks = Chunks(1, a.T, cu).count();
   if (chunks != a.num_chunks)
     return fail(HL_STATUS_INVALID_VALUE, "%s: num_chunks is %lld; cu_seqlens makes %lld chunks", fn,
                 (long long)a.num_chunks, (long long)chunks);
@@ -206,7 +205,7 @@ HL_API hl_status_t hl_gdn_bwd_dqkwg(const hl_gdn_bwd_dqkwg_args_t *args, hl_stre
     hl_gdn_bwd_dqkwg_args_t a;
     HL_TRY(read_descriptor(fn, "args", args, &a, kEarlierSizes));
     HL_TRY(check_shape(fn, a));
-    if (!a.cu_seqlens) a.num_chunks = (a.T + kChunk - 1) / kChunk;
+    if (!a.cu_seqlens) a.num_chunks = chunks_in(a.T);
     if (a.scale == 0.0f) a.scale = float(1.0 / std::sqrt(double(a.K)));  // fla's default
     if (a.B == 0 || a.T == 0) return HL_STATUS_SUCCESS;
     std::vector<int64_t> cu;

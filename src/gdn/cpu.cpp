@@ -1,35 +1,17 @@
 // gdn_bwd_dqkwg on the CPU: the fp64 reference the CUDA kernel is tested against. Every product
 // and sum is in double; each output is rounded once at its store.
-#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "cpu/scalar.h"
 #include "gdn.h"
+#include "hl/gdn/chunks.h"
 
 namespace hl::gdn {
 using cpu::load;
 using cpu::store;
 
 namespace {
-
-struct Chunk {
-  int64_t b, t0, n, id;  // batch, first token, rows, global chunk id (index into h, dh)
-};
-
-std::vector<Chunk> list_chunks(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_t> &cu) {
-  std::vector<Chunk> out;
-  if (cu.empty()) {
-    const int64_t nt = a.num_chunks;
-    for (int64_t b = 0; b < a.B; ++b)
-      for (int64_t i = 0; i < nt; ++i) out.push_back({b, i * kChunk, std::min(kChunk, a.T - i * kChunk), b * nt + i});
-    return out;
-  }
-  int64_t id = 0;
-  for (size_t s = 0; s + 1 < cu.size(); ++s)
-    for (int64_t t0 = cu[s]; t0 < cu[s + 1]; t0 += kChunk) out.push_back({0, t0, std::min(kChunk, cu[s + 1] - t0), id++});
-  return out;
-}
 
 // A [rows, cols] block of a tensor read as double; `base` and the strides in elements, `col_stride`
 // the stride along its columns (1: a row-major block).
@@ -62,8 +44,9 @@ hl_status_t cpu_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_
   const auto E = [&](double x) { return is_log2(a.gate) ? std::exp2(x) : std::exp(x); };
   const hl_dtype_t dt = a.dtype;
   const bool vf = a.flags & HL_GDN_STATE_V_FIRST;
-  for (const Chunk &c : list_chunks(a, cu)) {
-    const int64_t n = c.n, tok = c.b * a.T + c.t0;
+  const std::vector<Chunk> chunks = Chunks(a.B, a.T, cu).list();
+  for (int64_t id = 0; id < int64_t(chunks.size()); ++id) {
+    const int64_t n = chunks[size_t(id)].rows, tok = chunks[size_t(id)].tok0;
     for (int64_t hq = 0; hq < H; ++hq) {
       const std::vector<double> q = read_block(a.q, dt, (tok * H + hq) * K, H * K, n, K);
       const std::vector<double> k = read_block(a.k, dt, (tok * H + hq) * K, H * K, n, K);
@@ -72,7 +55,7 @@ hl_status_t cpu_dqkwg(const hl_gdn_bwd_dqkwg_args_t &a, const std::vector<int64_
         const std::vector<double> v = read_block(a.v, dt, (tok * HV + hv) * V, HV * V, n, V);
         const std::vector<double> dO = read_block(a.do_, dt, (tok * HV + hv) * V, HV * V, n, V);
         // h, dh as [K, V]; with state_v_first they are stored [V, K]
-        const int64_t hbase = (c.id * HV + hv) * K * V, rs = vf ? 1 : V, cs = vf ? K : 1;
+        const int64_t hbase = (id * HV + hv) * K * V, rs = vf ? 1 : V, cs = vf ? K : 1;
         const std::vector<double> h = read_block(a.h, a.h_dtype, hbase, rs, K, V, cs);
         const std::vector<double> dh = read_block(a.dh, a.h_dtype, hbase, rs, K, V, cs);
         std::vector<double> gam(size_t(n), 0.0);  // chunk-local cumulative gate

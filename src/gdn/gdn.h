@@ -1,6 +1,6 @@
 // The gdn_bwd_dqkwg CPU backend (the CUDA one is reached through kernels/gdn/launch.h; what both
-// build on is hl/gdn/facts.h's). Arguments reach it validated; `cu` holds the host copy of
-// cu_seqlens as int64 (empty without varlen).
+// build on is hl/gdn/facts.h's and hl/gdn/chunks.h's). Arguments reach it validated; `cu` holds the
+// host copy of cu_seqlens as int64 (empty without varlen).
 #pragma once
 
 #include <cstdint>
