@@ -11,12 +11,7 @@
 #include <limits>
 
 #include "headloss.h"
-
-#if defined(__CUDACC__)
-#define HL_HD __host__ __device__ __forceinline__
-#else
-#define HL_HD inline
-#endif
+#include "hl/host_device.h"
 
 namespace hl::loss {
 
