@@ -640,7 +640,7 @@ static void struct_sizes(void **state) {
   (void)state;
   Bufs *b = calloc(1, sizeof *b);
   fill(b);
-  const size_t earlier[] = {128, 136, 176, 192}, bad[] = {0, 3, 100, 150, 200, 231, 4097, SIZE_MAX};
+  const size_t earlier[] = {128, 136, 176, 192, 232}, bad[] = {0, 3, 100, 150, 200, 231, 4097, SIZE_MAX};
   hl_loss_plan_t p;
   for (size_t i = 0; i < sizeof earlier / sizeof earlier[0]; ++i) {
     hl_loss_plan_desc_t d = desc_ce();
@@ -653,12 +653,12 @@ static void struct_sizes(void **state) {
     hl_loss_plan_desc_t d = desc_ce();
     d.struct_size = bad[i];
     snprintf(needle, sizeof needle, "struct_size is %zu; set it to sizeof the descriptor (%zu here; earlier "
-             "headers': 128, 136, 176, 192)", bad[i], sizeof d);
+             "headers': 128, 136, 176, 192, 232)", bad[i], sizeof d);
     create_fails(d, HL_STATUS_INVALID_VALUE, needle);
     hl_loss_args_t a = args_for(b);
     a.struct_size = bad[i];
     snprintf(needle, sizeof needle, "struct_size is %zu; set it to sizeof the descriptor (%zu here; earlier "
-             "headers': 160, 256, 312)", bad[i], sizeof a);
+             "headers': 160, 256, 312, 336)", bad[i], sizeof a);
     execute_fails(desc_ce(), a, b, HL_STATUS_INVALID_VALUE, needle);
   }
   union {
@@ -738,8 +738,8 @@ static void token_gradients(void **state) {
   create_fails(d, HL_STATUS_INVALID_VALUE, "HL_LOSS_GRAD_TOKEN_* bits but no gradient");
   d.grad_mode = HL_LOSS_GRAD_WRITE, d.labels_dtype = HL_DTYPE_NONE;
   create_fails(d, HL_STATUS_INVALID_VALUE, "HL_LOSS_GRAD_TOKEN_LOGP needs labels");
-  d = desc_ce(), d.flags = 1u << 4;
-  create_fails(d, HL_STATUS_INVALID_VALUE, "flags has unknown bits 0x10");
+  d = desc_ce(), d.flags = 1u << 5;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "flags has unknown bits 0x20");
   float g_logp[N], g_ent[N], g_lse[N];
   for (int i = 0; i < N; ++i) g_logp[i] = 0.5f - 0.25f * (float)i, g_ent[i] = 0.3f * (float)i - 0.2f, g_lse[i] = 0.125f;
   hl_loss_args_t a = args_for(b);
