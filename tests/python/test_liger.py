@@ -176,3 +176,23 @@ def test_against_liger(reduction, opts, dtype):
     assert (outs[1].predicted_tokens == outs[0].predicted_tokens).float().mean() > 0.99
     for name, g1, g0 in zip(("input", "weight", "bias"), grads[1], grads[0]):
         close(g1, g0, tol, f"grad {name}")
+
+
+def test_apply_liger():
+    """apply_liger puts the drop-ins into Liger's modules (remove_liger takes them out); ImportError
+    where Liger is not installed."""
+    try:
+        import liger_kernel.transformers as lt
+        import liger_kernel.transformers.functional as lf
+    except ImportError:
+        with pytest.raises(ImportError):
+            hl_liger.apply_liger()
+        return
+    theirs = lt.LigerFusedLinearCrossEntropyLoss, lf.liger_fused_linear_cross_entropy
+    hl_liger.apply_liger()
+    try:
+        assert lt.LigerFusedLinearCrossEntropyLoss is hl_liger.LigerFusedLinearCrossEntropyLoss
+        assert lf.liger_fused_linear_cross_entropy is hl_liger.liger_fused_linear_cross_entropy
+    finally:
+        hl_liger.remove_liger()
+    assert (lt.LigerFusedLinearCrossEntropyLoss, lf.liger_fused_linear_cross_entropy) == theirs
