@@ -548,6 +548,10 @@ typedef struct hl_loss_plan_st *hl_loss_plan_t;
 #define HL_LOSS_GRAD_TOKEN_LOGP (1u << 1)
 #define HL_LOSS_GRAD_TOKEN_ENTROPY (1u << 2)
 #define HL_LOSS_GRAD_TOKEN_LSE (1u << 3)
+/* Token scaling (0.7, Liger's use_token_scaling): each token's loss and its gradient are multiplied
+ * by its own p_y = exp(logp_y), a constant (no gradient flows through it); D, the weights and the
+ * metrics are unchanged. Needs labels; terms CE and Z only. */
+#define HL_LOSS_TOKEN_SCALING (1u << 4)
 
 typedef enum {
   HL_LOSS_GRAD_NONE = 0,      /* evaluation: no gradient */
@@ -562,7 +566,7 @@ typedef struct {
   hl_dtype_t logits_dtype; /* F32, F16 or BF16; teacher logits share it */
   hl_dtype_t labels_dtype; /* I32 or I64; NONE when no labels are passed */
   unsigned terms;          /* HL_LOSS_CE | ... */
-  unsigned flags;          /* HL_LOSS_UNCHECKED, HL_LOSS_GRAD_TOKEN_* */
+  unsigned flags;          /* HL_LOSS_UNCHECKED, HL_LOSS_GRAD_TOKEN_*, HL_LOSS_TOKEN_SCALING */
   /* Term weights; 0: the term's default (above): 1, 1e-4, none (set it), 1, 1, none (set it). */
   float ce_weight, z_weight, entropy_weight, distill_weight, grpo_weight, kl_ref_beta;
   float label_smoothing;     /* in [0, 1) */
@@ -616,6 +620,9 @@ typedef struct {
   float pref_label_smoothing; /* in [0, 0.5): cDPO / robust / exo_pair (0 there: 1e-3), SimPO, CPO */
   float pref_tau;             /* DiscoPOP's tau; 0 means 0.05 */
   float kto_desirable_weight, kto_undesirable_weight; /* KTO's; 0 means 1 */
+  /* The fused linear form's bias gradient (0.7): grad_bias = the column sums of G [vocab]. */
+  hl_loss_grad_mode_t grad_bias_mode; /* NONE, WRITE or ACCUMULATE */
+  hl_dtype_t grad_bias_dtype;         /* F32 or weight_dtype (NONE: weight_dtype) */
 } hl_loss_plan_desc_t;
 
 /* The defaults a zero field stands for, spelled out (derived ones stay 0: vocab_global = vocab,
@@ -734,6 +741,12 @@ typedef struct {
   /* Preference optimisation (0.7), [num_seqs] each (see "Preference losses"). */
   const float *ref_seq_logprobs; /* the reference's sequence log-probs, in the policy's units */
   const int32_t *kto_labels;     /* KTO: 1 desirable, 0 undesirable, -1 a KL completion */
+  /* 0.7. The fused linear form's head bias: z = X W^T + b (b [vocab] in weight_dtype, a shard's
+   * columns for a shard; on CUDA 16-byte aligned), and its gradient (desc.grad_bias_mode). */
+  const void *bias;
+  void *grad_bias;      /* [vocab] in grad_bias_dtype */
+  int64_t *token_argmax; /* optional [rows]: the first column of the row's largest logit (a global
+                            id), ignored rows too */
 } hl_loss_args_t;
 
 /* No field has a nonzero default: divisor 0 (the sum of valid weights), grad_scale 0 (1). */
@@ -749,6 +762,10 @@ typedef struct {
  *   grad_weight = G^T X   [vocab, H]    (desc.grad_weight_mode: likewise)
  * each in F32 or weight_dtype; desc.grad_mode must be NONE (no logits gradient is stored) and
  * logits_dtype NONE or weight_dtype. With WRITE, grad_weight is written whole, zeros for rows = 0.
+ * A head bias (0.7, args.bias [vocab]) makes the logits z = X W^T + b; grad_bias = the column sums
+ * of G [vocab] (desc.grad_bias_mode, in F32 or weight_dtype; summed in fp32 in a fixed order,
+ * rounded once), whether or not the call passes a bias. The logits form has no bias of its own:
+ * its logits already hold one, and the column sums of its grad are the bias's gradient.
  * Distillation takes teacher logits [rows, vocab] as in the logits form, or, with
  * desc.teacher_hidden = Ht > 0, a teacher of its own: teacher_hidden [rows, Ht] and teacher_weight
  * [vocab, Ht] in weight_dtype (no gradient), whose logits are formed chunk by chunk the same way.
@@ -759,7 +776,8 @@ typedef struct {
  * as a 16-bit matmul's output is), the loss math runs on them in fp32, and G is rounded once to
  * weight_dtype, the products' operand type. Except on a 9.0 GPU (H100, H200) with BF16 hidden and
  * weight (row strides of multiples of 8 elements, 16-byte aligned) for a plan without ENTROPY,
- * distillation, label smoothing, soft cap or GSPO's sequence ratio (sharded or not): there the
+ * distillation, label smoothing, soft cap or GSPO's sequence ratio, and a call without bias or
+ * grad_bias (sharded or not): there the
  * logits are never stored. The first product (the library's own kernel) keeps them in fp32 and stores
  * e = exp(z_hat - s_r) in BF16, with s_r a shift per row (16, or the row's max where its max lies
  * outside [s_r - 64, s_r + 48]: those rows' blocks run the product again), and the loss's

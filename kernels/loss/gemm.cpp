@@ -76,10 +76,11 @@ struct Shape {
   hl_dtype_t d_dtype;
   uint32_t align_a, align_b, align_d;
   size_t ws;  // the workspace the algorithm may use
+  bool bias;  // the bias epilogue
   bool operator==(const Shape &o) const {
     return ta == o.ta && tb == o.tb && m == o.m && n == o.n && k == o.k && lda == o.lda &&
            ldb == o.ldb && ldd == o.ldd && d_dtype == o.d_dtype && align_a == o.align_a &&
-           align_b == o.align_b && align_d == o.align_d && ws == o.ws;
+           align_b == o.align_b && align_d == o.align_d && ws == o.ws && bias == o.bias;
   }
 };
 
@@ -155,16 +156,28 @@ int preferred(const Shape &s, const cublasLtMatmulHeuristicResult_t *r, int foun
   return 0;
 }
 
+// A shape's operation descriptor; with the bias epilogue, `bias` is its vector (the bias's dtype
+// is D's, cuBLASLt's default).
+hl_status_t make_desc(const char *fn, const Shape &s, const void *bias, cublasLtMatmulDesc_t *desc) {
+  const Lt &l = lt();
+  HL_LT_TRY(l.desc_create(desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = s.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = s.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  HL_LT_TRY(l.desc_set(*desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  HL_LT_TRY(l.desc_set(*desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  if (!s.bias) return HL_STATUS_SUCCESS;
+  const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+  HL_LT_TRY(l.desc_set(*desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
+  HL_LT_TRY(l.desc_set(*desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+  return HL_STATUS_SUCCESS;
+}
+
 // The descriptors of a shape and its algorithm: the heuristic's deterministic answer that
-// preferred() picks.
-hl_status_t prepare(const char *fn, Gemms &g, const Shape &s, Prepared &p) {
+// preferred() picks. bias: a stand-in for the bias epilogue's vector (each call sets its own).
+hl_status_t prepare(const char *fn, Gemms &g, const Shape &s, const void *bias, Prepared &p) {
   const Lt &l = lt();
   p.shape = s;
   const cudaDataType_t in = cuda_type(g.operand), out = cuda_type(s.d_dtype);
-  HL_LT_TRY(l.desc_create(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t ta = s.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = s.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-  HL_LT_TRY(l.desc_set(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-  HL_LT_TRY(l.desc_set(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  HL_TRY(make_desc(fn, s, bias, &p.desc));
   HL_LT_TRY(l.layout_create(&p.a, in, uint64_t(s.ta ? s.k : s.m), uint64_t(s.ta ? s.m : s.k), s.lda));
   HL_LT_TRY(l.layout_create(&p.b, in, uint64_t(s.tb ? s.n : s.k), uint64_t(s.tb ? s.k : s.n), s.ldb));
   HL_LT_TRY(l.layout_create(&p.d, out, uint64_t(s.m), uint64_t(s.n), s.ldd));
@@ -214,7 +227,7 @@ int gemms_device(const Gemms &g) { return g.device; }
 
 hl_status_t run_gemm(const char *fn, Gemms &g, const GemmCall &c, GemmSpace ws, cudaStream_t stream) {
   const Shape s{c.ta, c.tb, c.m, c.n, c.k, c.lda, c.ldb, c.ldd, c.d_dtype,
-                alignment(c.a), alignment(c.b), alignment(c.d), ws.bytes};
+                alignment(c.a), alignment(c.b), alignment(c.d), ws.bytes, c.bias != nullptr};
   const Prepared *p = nullptr;
   {
     std::lock_guard<std::mutex> lock(g.mu);
@@ -222,14 +235,22 @@ hl_status_t run_gemm(const char *fn, Gemms &g, const GemmCall &c, GemmSpace ws, 
       if (e->shape == s) p = e.get();
     if (!p) {
       auto e = std::make_unique<Prepared>();
-      HL_TRY(prepare(fn, g, s, *e));
+      HL_TRY(prepare(fn, g, s, c.bias, *e));
       g.cache.push_back(std::move(e));
       p = g.cache.back().get();
     }
   }
   const float one = 1.0f, beta = c.accumulate ? 1.0f : 0.0f;
-  HL_LT_TRY(lt().matmul(g.handle, p->desc, &one, c.a, p->a, c.b, p->b, &beta, c.d, p->d, c.d, p->d,
-                        &p->algo, ws.ptr, ws.bytes, stream));
+  // A call's bias pointer goes into a descriptor of its own: the shape's is shared by threads.
+  struct CallDesc {
+    cublasLtMatmulDesc_t d = nullptr;
+    ~CallDesc() {
+      if (d) lt().desc_destroy(d);
+    }
+  } own;
+  if (c.bias) HL_TRY(make_desc(fn, s, c.bias, &own.d));
+  HL_LT_TRY(lt().matmul(g.handle, c.bias ? own.d : p->desc, &one, c.a, p->a, c.b, p->b, &beta, c.d, p->d, c.d,
+                        p->d, &p->algo, ws.ptr, ws.bytes, stream));
   return HL_STATUS_SUCCESS;
 }
 

@@ -26,6 +26,7 @@ struct GemmCall {
   int64_t ldd;
   hl_dtype_t d_dtype;
   bool accumulate;  // D += op(A) op(B), else D = op(A) op(B)
+  const void *bias = nullptr;  // [m] in d_dtype added to every column of D (cuBLASLt's bias epilogue)
 };
 
 struct Gemms;

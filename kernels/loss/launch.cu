@@ -283,7 +283,7 @@ static Params make_params(const hl_loss_plan_st &p, const CudaLaunch &c, const h
   k.topk_ids_stride = a.teacher_topk_ids_stride, k.topk_lp_stride = a.teacher_topk_logprobs_stride;
   k.topk_ids64 = d.teacher_topk_ids_dtype == HL_DTYPE_I64;
   k.tok_loss = a.token_loss, k.tok_logp = a.token_logp, k.tok_entropy = a.token_entropy;
-  k.tok_lse = a.token_lse;
+  k.tok_lse = a.token_lse, k.tok_argmax = a.token_argmax;
   if (workspace) {
     char *w = static_cast<char *>(workspace);
     k.prep = reinterpret_cast<PrepOut *>(w);

@@ -3,7 +3,8 @@
 // workspace, the row kernel runs over them as over any logits (statistics, and the gradient G
 // written over them in place), then grad_hidden = G W for the chunk's rows and grad_weight += G^T X.
 // The prep kernel runs once before the first chunk (D over every row), the reduce kernel once
-// after the last, so the scalars are those of the whole call.
+// after the last, so the scalars are those of the whole call. A bias rides on the logits' product
+// (cuBLASLt's bias epilogue); grad_bias sums G's columns a chunk at a time (bias.h).
 //
 // The products, column-major as cuBLASLt sees our row-major data (a row-major [r, c] matrix with
 // row stride ld is the column-major [c, r] one with leading dimension ld):
@@ -14,6 +15,7 @@
 #include <type_traits>
 
 #include "common/cuda_util.h"
+#include "loss/bias.h"
 #include "loss/config.h"
 #include "loss/cuda_plan.h"
 #include "loss/gemm.h"
@@ -29,6 +31,7 @@ namespace {
 constexpr size_t kSlack = 256;
 struct Layout {
   int64_t ldz, ldt;      // row strides of the logits and teacher chunks (16-byte multiples)
+  size_t bias;           // grad_bias's sums (bias.h), with a grad_bias_mode
   size_t gemm, gemm_bytes, logits, teacher;  // cuBLASLt's workspace (offset, size), the chunks' offsets
   size_t row_bytes;      // a chunk's bytes per row
   size_t fixed;          // bytes before the first row's (base, cuBLASLt's, the alignments)
@@ -45,7 +48,8 @@ Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes) {
   L.ldt = d.teacher_hidden > 0 ? L.ldz : 0;
   const bool shifted = p.cuda->shifted;  // room for its buffers (shifted.h), after the logits
   L.row_bytes = size_t(L.ldz + L.ldt) * elt + (shifted ? shifted_row_bytes(p) : 0);
-  L.gemm = round_up(cuda_base_workspace(p, rows), 256);  // saturated sizes stay so (refused)
+  L.bias = round_up(cuda_base_workspace(p, rows), 256);  // saturated sizes stay so (refused)
+  L.gemm = round_up(sat_add(L.bias, d.grad_bias_mode ? bias_workspace(d.vocab) : 0), 256);
   // past the base, the slack and one row (so that a workspace of min_bytes holds one row)
   const size_t slack = kSlack + (shifted ? kShiftedSlack : 0), least = sat_add(sat_add(L.gemm, slack), L.row_bytes);
   const size_t spare = bytes > least ? bytes - least : 0;
@@ -88,6 +92,7 @@ hl_loss_args_t chunk_args(const hl_loss_plan_st &p, const hl_loss_args_t &a, int
   c.rollout_logprobs = at(a.rollout_logprobs);
   c.token_loss = at(a.token_loss), c.token_logp = at(a.token_logp);
   c.token_entropy = at(a.token_entropy), c.token_lse = at(a.token_lse);
+  c.token_argmax = at(a.token_argmax);
   c.grad_token_logp = at(a.grad_token_logp), c.grad_token_entropy = at(a.grad_token_entropy);
   c.grad_token_lse = at(a.grad_token_lse);
   return c;
@@ -121,7 +126,10 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   const hl_dtype_t wd = d.weight_dtype;
   const bool grads = writes_outputs(phase) && p.dlogits;
   const bool grad_weight = grads && a.grad_weight, grad_hidden = grads && a.grad_hidden;
+  const bool grad_bias = grads && a.grad_bias;
   if (N == 0) {
+    if (grad_bias && d.grad_bias_mode == HL_LOSS_GRAD_WRITE)
+      HL_CUDA_TRY(cudaMemsetAsync(a.grad_bias, 0, size_t(V) * dtype_size(d.grad_bias_dtype), stream));
     if (grad_weight && d.grad_weight_mode == HL_LOSS_GRAD_WRITE)
       HL_CUDA_TRY(cudaMemset2DAsync(a.grad_weight, size_t(a.grad_weight_stride) * dtype_size(d.grad_weight_dtype),
                                     0, size_t(H) * dtype_size(d.grad_weight_dtype), size_t(V), stream));
@@ -154,7 +162,7 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
     }
     if (form) {
       HL_TRY(run_gemm(fn, g, {true, false, V, n, H, a.weight, a.weight_stride, x, a.hidden_stride, z,
-                              L.ldz, wd, false}, gemm_ws, stream));
+                              L.ldz, wd, false, a.bias}, gemm_ws, stream));
       if (d.teacher_hidden > 0)
         HL_TRY(run_gemm(fn, g, {true, false, V, n, d.teacher_hidden, a.teacher_weight,
                                 a.teacher_weight_stride, row(a.teacher_hidden, i0, a.teacher_hidden_stride, wd),
@@ -162,6 +170,9 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
     }
     const hl_loss_args_t c = chunk_args(p, a, i0, n, z, t, L);
     HL_TRY(rows_run(p, c, phase, i0, N, gathered, block, workspace, stream, false));
+    if (grad_bias)
+      HL_TRY(bias_grad_chunk(z, L.ldz, wd, n, V, reinterpret_cast<float *>(w + L.bias), i0 == 0, i0 + n == N,
+                             a.grad_bias, d.grad_bias_dtype, d.grad_bias_mode == HL_LOSS_GRAD_ACCUMULATE, stream));
     if (grad_hidden)
       HL_TRY(run_gemm(fn, g, {false, false, H, n, V, a.weight, a.weight_stride, z, L.ldz, gh,
                               a.grad_hidden_stride, d.grad_hidden_dtype,

@@ -30,6 +30,7 @@ struct Params {
   int64_t topk_ids_stride, topk_lp_stride;
   bool topk_ids64;
   float *tok_loss, *tok_logp, *tok_entropy, *tok_lse;
+  int64_t *tok_argmax;
   PrepOut *prep;
   // kCounters counters the prep kernel zeroes: the next row to hand out, one per cluster rank
   // (the split's finish: each rank's CTAs take rows alone), then the reduce kernel's ticket.

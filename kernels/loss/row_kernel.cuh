@@ -786,6 +786,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       if (p.tok_logp) p.tok_logp[r] = row.logp;
       if (p.tok_entropy) p.tok_entropy[r] = row.entropy;
       if (p.tok_lse) p.tok_lse[r] = row.lse;
+      if (p.tok_argmax) p.tok_argmax[r] = row.argmax;
     }
     if (GRAD) {
       RowResult<float> rr = row;  // coefficients in registers for the loop

@@ -136,6 +136,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) finish_kernel(const __grid_con
     if (k.tok_logp) k.tok_logp[r] = row.logp;
     if (k.tok_entropy) k.tok_entropy[r] = row.entropy;
     if (k.tok_lse) k.tok_lse[r] = row.lse;
+    if (k.tok_argmax) k.tok_argmax[r] = row.argmax;
   }
   // G = p cp + [v = y] cy = alpha E', E' being E with the label's element G_y / alpha.
   bf16 *er = f.e + r * f.lde;
@@ -227,7 +228,7 @@ bool shifted_plan(const hl_loss_plan_st &p) {
 }
 
 bool shifted_call(const hl_loss_args_t &a) {
-  return a.rows < INT32_MAX && hl::dev::aligned16(a.hidden) && hl::dev::aligned16(a.weight) &&
+  return !a.bias && !a.grad_bias && a.rows < INT32_MAX && hl::dev::aligned16(a.hidden) && hl::dev::aligned16(a.weight) &&
          a.hidden_stride % 8 == 0 && a.weight_stride % 8 == 0 && hl::dev::device_is_sm90() &&
          hl::dev::tensor_maps_available();
 }

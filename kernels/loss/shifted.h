@@ -21,8 +21,8 @@ namespace hl::loss::dev {
 // holds its kernel); HEADLOSS_LINEAR_PATH=rows turns it off (tests, A/B timing). Read when a plan is
 // created (CudaPlan::shifted, cuda_plan.h).
 bool shifted_plan(const hl_loss_plan_st &p);
-// Whether this call can take it: a 9.0 device, hidden and weight 16-byte aligned with row strides
-// of multiples of 8 elements.
+// Whether this call can take it: no bias and no grad_bias, a 9.0 device, hidden and weight 16-byte
+// aligned with row strides of multiples of 8 elements.
 bool shifted_call(const hl_loss_args_t &a);
 // The workspace a chunk row takes beyond its logits, and the slack of its buffers' alignment.
 size_t shifted_row_bytes(const hl_loss_plan_st &p);

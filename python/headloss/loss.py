@@ -92,6 +92,7 @@ class LossOutput(NamedTuple):
     token_logp: Optional[Any] = None
     token_entropy: Optional[Any] = None
     token_lse: Optional[Any] = None
+    token_argmax: Optional[Any] = None  # int64 [rows], with argmax=True
 
     def as_dict(self) -> dict:
         """The scalars as Python floats by name (synchronises with the device)."""
@@ -125,6 +126,8 @@ class LossPlan:
     gradients of those per-token outputs, grad_token_logp= etc. [rows] fp32, and the gradient adds
     their vector-Jacobian product (unweighted: neither weights, divisor nor grad_scale apply; with
     terms=() it is the product alone). Temperature T: logit_scale = 1 / T.
+    token_scaling=True (Liger's use_token_scaling; terms "ce" and "z" only): each token's loss and
+    gradient times its own p_y = exp(logp), a constant; D, the weights and the metrics unchanged.
 
     Tensor parallelism: with vocab_global and ranks set, the plan is the shard [vocab_start,
     vocab_start + vocab) of the vocabulary; run it with stats(), an all-gather of the blocks, and
@@ -145,10 +148,10 @@ class LossPlan:
                  kl_estimator=None, ratio_level=None, rollout_correction=None, rollout_level=None,
                  rollout_cap=None, rollout_floor=None, cu_seqlens_dtype=None, jsd_beta=None,
                  teacher_topk=None, topk_ids_dtype="int64", vocab_start=None, vocab_global=None,
-                 ranks=None, token_grads=(), preference=None, pref_loss_type=None, pref_logp=None,
-                 pref_weight=None, pref_beta=None, pref_gamma=None, pref_label_smoothing=None,
-                 pref_tau=None, kto_desirable_weight=None, kto_undesirable_weight=None,
-                 _linear: Optional[dict] = None, **unknown):
+                 ranks=None, token_grads=(), token_scaling: bool = False, preference=None,
+                 pref_loss_type=None, pref_logp=None, pref_weight=None, pref_beta=None, pref_gamma=None,
+                 pref_label_smoothing=None, pref_tau=None, kto_desirable_weight=None,
+                 kto_undesirable_weight=None, _linear: Optional[dict] = None, **unknown):
         plan_fields(unknown)  # HeadlossTypeError naming the first unknown option
         local = locals()
         fields = plan_fields({k: local[k] for k in PLAN_OPTIONS})
@@ -160,7 +163,8 @@ class LossPlan:
         d = descriptor(_Desc, backend=DEVICES[device], vocab=vocab, terms=terms_bits(terms),
                        logits_dtype=_optional_dtype(dtype, "dtype"),
                        labels_dtype=_optional_dtype(labels_dtype, "labels_dtype"),
-                       flags=(0 if check else _abi.HL_LOSS_UNCHECKED) | _token_grad_bits(token_grads),
+                       flags=((0 if check else _abi.HL_LOSS_UNCHECKED) | _token_grad_bits(token_grads) |
+                              (_abi.HL_LOSS_TOKEN_SCALING if token_scaling else 0)),
                        grad_mode=_grad_mode(grad, "grad"),
                        grad_dtype=_optional_dtype(grad_dtype, "grad_dtype"),
                        cu_seqlens_dtype=_optional_dtype(cu_seqlens_dtype, "cu_seqlens_dtype"), **fields)
@@ -201,7 +205,7 @@ class LossPlan:
                  token_outputs: bool = False, in_place: bool = False, scalars=None, tokens=None,
                  teacher_topk_ids=None, teacher_topk_logprobs=None, grad_token_logp=None,
                  grad_token_entropy=None, grad_token_lse=None, ref_seq_logprobs=None,
-                 kto_labels=None) -> LossOutput:
+                 kto_labels=None, argmax=False) -> LossOutput:
         """Runs the plan on logits [..., vocab] (leading dims flattened to rows; rows may have a
         stride, the last dimension contiguous). labels and the per-row fp32 inputs (weights,
         advantages, old / ref / rollout log-probs) have one packed element a row; teacher_logits
@@ -214,6 +218,7 @@ class LossPlan:
         grad_token_logp / _entropy / _lse: the upstream gradients the plan's token_grads name.
         ref_seq_logprobs (fp32) / kto_labels (int32) [sequences]: a preference term's per-sequence
         inputs (headloss.h, "Preference losses").
+        argmax: True (or an int64 [rows] array) for token_argmax, each row's first maximal column.
         Every array is checked before the call: HeadlossError naming the one at fault."""
         inputs = dict(weights=weights, teacher_logits=teacher_logits, advantages=advantages,
                       old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
@@ -223,7 +228,7 @@ class LossPlan:
                       grad_token_lse=grad_token_lse, ref_seq_logprobs=ref_seq_logprobs,
                       kto_labels=kto_labels)
         a, lv, out = self._args(logits, labels, inputs, divisor, grad_scale, grad, token_outputs,
-                                in_place, scalars, tokens)
+                                in_place, scalars, tokens, argmax=argmax)
         ws, wp, nbytes = self._workspace(lv, a.rows)
         _check(_execute(self._handle, ctypes.byref(a), wp, nbytes, lv.stream))
         return out
@@ -331,11 +336,12 @@ class LossPlan:
         rest = (kwargs.pop("divisor", None), kwargs.pop("grad_scale", None), kwargs.pop("grad", None),
                 kwargs.pop("token_outputs", False), kwargs.pop("in_place", False),
                 kwargs.pop("scalars", None), kwargs.pop("tokens", None))
+        argmax = kwargs.pop("argmax", False)
         _no_more(kwargs)
-        return self._args(logits, labels, inputs, *rest)
+        return self._args(logits, labels, inputs, *rest, argmax=argmax)
 
     def _args(self, logits, labels, inputs, divisor, grad_scale, grad, token_outputs, in_place, scalars,
-              tokens, outputs=True):
+              tokens, outputs=True, argmax=False):
         """The hl_loss_args_t of one call (inputs: the INPUTS given, by name), its logits' view and
         the LossOutput it fills (outputs allocated here unless passed; none for the statistics step)."""
         d = self.desc
@@ -355,7 +361,7 @@ class LossPlan:
             a.grad, a.grad_stride = gv.ptr, gv.stride
         elif grad is not None or in_place:
             raise HeadlossValueError("grad is given, but the plan forms no gradient (it was made with grad=None)")
-        toks = _scalar_outputs(a, lv, lv.shape[:-1], rows, token_outputs, scalars, tokens)
+        toks = _scalar_outputs(a, lv, lv.shape[:-1], rows, token_outputs, scalars, tokens, argmax)
         return a, lv, LossOutput(toks[0], grad if self.grad_mode else None, *toks[1:])
 
     def _set_inputs(self, a, like: ArrayView, labels, inputs: dict) -> None:
@@ -418,6 +424,8 @@ class LinearLossOutput(NamedTuple):
     token_logp: Optional[Any] = None
     token_entropy: Optional[Any] = None
     token_lse: Optional[Any] = None
+    grad_bias: Optional[Any] = None   # [vocab], with grad_bias
+    token_argmax: Optional[Any] = None  # int64 [rows], with argmax=True
 
     as_dict = LossOutput.as_dict
 
@@ -433,11 +441,14 @@ class LinearLossPlan(LossPlan):
     grad_hidden / grad_weight: "write" (default), "accumulate" or None; grad_*_dtype: None (the
     weight's) or "float32". teacher_hidden > 0: distillation from a teacher given as its own
     hidden states and weight (teacher_hidden= / teacher_weight= at call time) instead of
-    teacher_logits."""
+    teacher_logits. A head bias is a call's bias= [vocab] (the logits hidden @ weight.T + bias);
+    grad_bias: "write", "accumulate" or None (default), its gradient (the column sums of the
+    logits' gradient; grad_bias_dtype as grad_weight_dtype). On CUDA a call with a bias or
+    grad_bias takes the row path (headloss.h)."""
 
     def __init__(self, vocab: int, hidden: int, dtype, *, grad_hidden: Optional[str] = "write",
                  grad_weight: Optional[str] = "write", grad_hidden_dtype=None, grad_weight_dtype=None,
-                 teacher_hidden: int = 0, **options):
+                 teacher_hidden: int = 0, grad_bias: Optional[str] = None, grad_bias_dtype=None, **options):
         for k in ("grad", "grad_dtype"):
             if k in options:
                 raise HeadlossTypeError(f"{k} is the logits form's option; use grad_hidden / grad_weight")
@@ -445,7 +456,9 @@ class LinearLossPlan(LossPlan):
                       grad_hidden_mode=_grad_mode(grad_hidden, "grad_hidden"),
                       grad_hidden_dtype=_optional_dtype(grad_hidden_dtype, "grad_hidden_dtype"),
                       grad_weight_mode=_grad_mode(grad_weight, "grad_weight"),
-                      grad_weight_dtype=_optional_dtype(grad_weight_dtype, "grad_weight_dtype"))
+                      grad_weight_dtype=_optional_dtype(grad_weight_dtype, "grad_weight_dtype"),
+                      grad_bias_mode=_grad_mode(grad_bias, "grad_bias"),
+                      grad_bias_dtype=_optional_dtype(grad_bias_dtype, "grad_bias_dtype"))
         super().__init__(vocab, None, grad=None, _linear=linear, **options)
         self.hidden = hidden
 
@@ -463,21 +476,22 @@ class LinearLossPlan(LossPlan):
         return out
 
     def stats(self, hidden, weight, labels=None, *, teacher_hidden=None, teacher_weight=None,
-              teacher_logits=None, teacher_topk_ids=None, teacher_topk_logprobs=None, workspace=None):
+              teacher_logits=None, teacher_topk_ids=None, teacher_topk_logprobs=None, workspace=None, bias=None):
         """Step 1 of the sharded loss (see LossPlan.stats). Pass the same workspace to finish()
         (and middle()): when it holds every row's logits (fast_bytes of a sharded plan) they
-        reuse them."""
+        reuse them. bias: this shard's, as for every step."""
         kw = dict(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_logits=teacher_logits,
-                  teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs)
+                  teacher_topk_ids=teacher_topk_ids, teacher_topk_logprobs=teacher_topk_logprobs, bias=bias)
         a, lv, _ = self._linear_args(hidden, weight, labels, kw, None, None, outputs=False)
         if workspace is None and lv.backend == BACKEND_CUDA:
             workspace = self.workspace(hidden, a.rows, self.workspace_sizes(a.rows)[0])
         return self._stats_call(a, lv, workspace)
 
     def middle(self, gathered, hidden, weight, labels=None, *, teacher_hidden=None, teacher_weight=None,
-               teacher_logits=None, workspace=None):
+               teacher_logits=None, workspace=None, bias=None):
         """Step 2a of a plan of two exchanges (see LossPlan.middle); pass stats()' workspace."""
-        kw = dict(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_logits=teacher_logits)
+        kw = dict(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_logits=teacher_logits,
+                  bias=bias)
         a, lv, _ = self._linear_args(hidden, weight, labels, kw, None, None, outputs=False)
         return self._middle_call(a, lv, gathered, workspace)
 
@@ -502,6 +516,7 @@ class LinearLossPlan(LossPlan):
         divisor, grad_scale = kwargs.pop("divisor", None), kwargs.pop("grad_scale", None)
         token_outputs, scalars, tokens = (kwargs.pop("token_outputs", False), kwargs.pop("scalars", None),
                                           kwargs.pop("tokens", None))
+        bias, grad_bias, argmax = kwargs.pop("bias", None), kwargs.pop("grad_bias", None), kwargs.pop("argmax", False)
         _no_more(kwargs)
         d, H = self.desc, self.hidden
         hv = expect(hidden, "hidden", d.weight_dtype, cols=H)
@@ -510,6 +525,8 @@ class LinearLossPlan(LossPlan):
         a = descriptor(_Args, rows=rows, hidden=hv.ptr, hidden_stride=hv.stride, weight=wv.ptr,
                        weight_stride=wv.stride, divisor=call_value("divisor", divisor), grad_scale=call_value("grad_scale", grad_scale))
         self._set_inputs(a, hv, labels, opt)
+        if bias is not None:
+            a.bias = expect(bias, "bias", d.weight_dtype, size=self.vocab, like=hv).ptr
         if not outputs:
             return a, hv, None
         grads = []
@@ -524,8 +541,15 @@ class LinearLossPlan(LossPlan):
                 raise HeadlossValueError(f"{name} is given, but the plan forms no {name} (it was made with "
                                          f"{name}=None)")
             grads.append(g)
-        toks = _scalar_outputs(a, hv, (rows,), rows, token_outputs, scalars, tokens)
-        return a, hv, LinearLossOutput(toks[0], *grads, *toks[1:])
+        if d.grad_bias_mode:
+            dt = d.grad_bias_dtype or d.weight_dtype
+            grad_bias = empty(hv, (self.vocab,), dt) if grad_bias is None else grad_bias
+            a.grad_bias = expect(grad_bias, "grad_bias", dt, size=self.vocab, like=hv).ptr
+        elif grad_bias is not None:
+            raise HeadlossValueError("grad_bias is given, but the plan forms no grad_bias (it was made with "
+                                     "grad_bias=None)")
+        toks = _scalar_outputs(a, hv, (rows,), rows, token_outputs, scalars, tokens, argmax)
+        return a, hv, LinearLossOutput(toks[0], *grads, *toks[1:5], grad_bias, toks[5])
 
 
 LossPlan.__doc__ = LossPlan.__doc__.format(options=describe_options())
@@ -546,8 +570,9 @@ def _buffer(x, name: str, like: ArrayView):
     return v, math.prod(v.shape) * ITEMSIZE[v.dtype]
 
 
-def _scalar_outputs(a, like, token_shape, rows, token_outputs, scalars, tokens) -> list:
-    """[scalars, 4 per-token outputs or None]: the given fp32 arrays, else new ones, set in a."""
+def _scalar_outputs(a, like, token_shape, rows, token_outputs, scalars, tokens, argmax=False) -> list:
+    """[scalars, 4 per-token outputs or None, token_argmax or None]: the given arrays (argmax: True
+    or an int64 array), else new ones, set in a."""
     if scalars is None:
         scalars = empty(like, (len(SCALARS),), DTYPE_F32)
     sv = expect(scalars, "scalars", DTYPE_F32, size=len(SCALARS), like=like)
@@ -562,7 +587,11 @@ def _scalar_outputs(a, like, token_shape, rows, token_outputs, scalars, tokens) 
     for name, t in zip(TOKEN_OUTPUTS, toks):
         if t is not None:
             setattr(a, name, expect(t, name, DTYPE_F32, size=rows, like=like).ptr)
-    return [scalars] + toks
+    top = None
+    if argmax is not False and argmax is not None:
+        top = empty(like, token_shape, DTYPE_I64) if argmax is True else argmax
+        a.token_argmax = expect(top, "token_argmax", DTYPE_I64, size=rows, like=like).ptr
+    return [scalars] + toks + [top]
 
 
 @lru_cache(maxsize=64)

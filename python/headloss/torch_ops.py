@@ -429,7 +429,8 @@ def _compute_dtype(hidden: Tensor, others: dict) -> dict:
 def _head_weight(weight) -> Tensor:
     if isinstance(weight, torch.nn.Linear):
         if weight.bias is not None:
-            raise HeadlossValueError("linear_loss: the nn.Linear has a bias; the fused linear form has none")
+            raise HeadlossValueError("linear_loss: the nn.Linear has a bias, which linear_loss does not take; "
+                                     "headloss.integrations.liger (or LinearLossPlan's bias=) does")
         return weight.weight
     return weight
 

@@ -28,7 +28,7 @@ constexpr unsigned kLabelTerms = HL_LOSS_CE | HL_LOSS_GRPO | HL_LOSS_GRPO_KL_REF
 constexpr std::initializer_list<size_t> kEarlierDescSizes = {128, 136, 176, 192, 232};
 constexpr std::initializer_list<size_t> kEarlierArgsSizes = {160, 256, 312, 336};
 constexpr unsigned kTokenGradFlags = HL_LOSS_GRAD_TOKEN_LOGP | HL_LOSS_GRAD_TOKEN_ENTROPY | HL_LOSS_GRAD_TOKEN_LSE;
-constexpr unsigned kAllFlags = HL_LOSS_UNCHECKED | kTokenGradFlags;
+constexpr unsigned kAllFlags = HL_LOSS_UNCHECKED | kTokenGradFlags | HL_LOSS_TOKEN_SCALING;
 
 hl_status_t check_finite(const char *fn, const char *arg, float v) {
   if (!std::isfinite(v)) return fail(HL_STATUS_INVALID_VALUE, "%s: %s is not finite", fn, arg);
@@ -109,7 +109,9 @@ hl_status_t validate_linear_desc(const char *fn, hl_loss_plan_desc_t &d) {
                                    {"grad_hidden_mode", d.grad_hidden_mode != HL_LOSS_GRAD_NONE},
                                    {"grad_hidden_dtype", d.grad_hidden_dtype != HL_DTYPE_NONE},
                                    {"grad_weight_mode", d.grad_weight_mode != HL_LOSS_GRAD_NONE},
-                                   {"grad_weight_dtype", d.grad_weight_dtype != HL_DTYPE_NONE}}))
+                                   {"grad_weight_dtype", d.grad_weight_dtype != HL_DTYPE_NONE},
+                                   {"grad_bias_mode", d.grad_bias_mode != HL_LOSS_GRAD_NONE},
+                                   {"grad_bias_dtype", d.grad_bias_dtype != HL_DTYPE_NONE}}))
       return fail(HL_STATUS_INVALID_VALUE, "%s: %s is set, but it belongs to the fused linear form and "
                   "hidden is 0 (the logits form)", fn, f);
     return HL_STATUS_SUCCESS;
@@ -125,6 +127,10 @@ hl_status_t validate_linear_desc(const char *fn, hl_loss_plan_desc_t &d) {
                 "fused linear form has grad_hidden_mode and grad_weight_mode", fn);
   HL_TRY(resolve_grad_dtype(fn, "grad_hidden_dtype", d.grad_hidden_mode, d.weight_dtype, d.grad_hidden_dtype));
   HL_TRY(resolve_grad_dtype(fn, "grad_weight_dtype", d.grad_weight_mode, d.weight_dtype, d.grad_weight_dtype));
+  if (!d.grad_bias_mode && d.grad_bias_dtype != HL_DTYPE_NONE)
+    return fail(HL_STATUS_INVALID_VALUE, "%s: grad_bias_dtype is %s but grad_bias_mode is NONE", fn,
+                dtype_name(d.grad_bias_dtype));
+  HL_TRY(resolve_grad_dtype(fn, "grad_bias_dtype", d.grad_bias_mode, d.weight_dtype, d.grad_bias_dtype));
   if (d.teacher_hidden > 0 && !(d.terms & kDistillTerms))
     return fail(HL_STATUS_INVALID_VALUE, "%s: teacher_hidden is %lld but the plan has no "
                 "distillation term", fn, (long long)d.teacher_hidden);
@@ -234,10 +240,12 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
                           enum_field("grad_weight_mode", d.grad_weight_mode),
                           enum_field("grad_weight_dtype", d.grad_weight_dtype),
                           enum_field("cu_seqlens_dtype", d.cu_seqlens_dtype),
-                          enum_field("teacher_topk_ids_dtype", d.teacher_topk_ids_dtype)}));
+                          enum_field("teacher_topk_ids_dtype", d.teacher_topk_ids_dtype),
+                          enum_field("grad_bias_mode", d.grad_bias_mode),
+                          enum_field("grad_bias_dtype", d.grad_bias_dtype)}));
   HL_TRY(check_backend(fn, d.backend));
   HL_TRY(validate_linear_desc(fn, d));
-  const bool grads = d.grad_mode || d.grad_hidden_mode || d.grad_weight_mode;
+  const bool grads = d.grad_mode || d.grad_hidden_mode || d.grad_weight_mode || d.grad_bias_mode;
   const bool token_grads = d.flags & kTokenGradFlags;
   if (!d.terms && !token_grads && grads)
     return fail(HL_STATUS_INVALID_VALUE, "%s: terms is 0 (metrics only) and no HL_LOSS_GRAD_TOKEN_* "
@@ -259,6 +267,10 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
     return fail(HL_STATUS_INVALID_VALUE, "%s: terms has unknown bits 0x%x", fn, d.terms & ~kAllTerms);
   if (d.flags & ~kAllFlags)
     return fail(HL_STATUS_INVALID_VALUE, "%s: flags has unknown bits 0x%x", fn, d.flags & ~kAllFlags);
+  if ((d.flags & HL_LOSS_TOKEN_SCALING) && (d.labels_dtype == HL_DTYPE_NONE || (d.terms & ~(HL_LOSS_CE | HL_LOSS_Z))))
+    return fail(HL_STATUS_INVALID_VALUE, "%s: flags has HL_LOSS_TOKEN_SCALING, which scales CE and Z by "
+                "p_y: it needs labels and no other term (terms 0x%x, labels_dtype %s)", fn, d.terms,
+                dtype_name(d.labels_dtype));
   const unsigned distill = d.terms & kDistillTerms;
   if (distill & (distill - 1))
     return fail(HL_STATUS_INVALID_VALUE, "%s: terms has more than one of HL_LOSS_DISTILL_FWD, "
@@ -327,6 +339,7 @@ hl_status_t validate_desc(const char *fn, hl_loss_plan_desc_t &d, Options &o) {
   o.grpo_w = on(HL_LOSS_GRPO, d.grpo_weight);
   o.beta = on(HL_LOSS_GRPO_KL_REF, d.kl_ref_beta);
   o.cispo_w = on(HL_LOSS_CISPO, d.cispo_weight);
+  o.token_scaling = (d.flags & HL_LOSS_TOKEN_SCALING) != 0;
   o.smoothing = (d.terms & HL_LOSS_CE) ? d.label_smoothing : 0.0f;
   o.cap = d.softcap;
   o.inv_tt = 1.0f / tt;
@@ -370,13 +383,14 @@ hl_status_t require(const char *fn, const char *name, const void *p, const char 
 }
 
 // Every matrix and vector a call passes (strides resolved), for the pointer and aliasing checks.
-// Without rows only grad_weight (written whole), the scalars and cu_seqlens are used.
+// Without rows only grad_weight and grad_bias (written whole), the scalars and cu_seqlens are used.
 std::vector<Buffer> arg_buffers(const hl_loss_plan_st &p, const hl_loss_args_t &a) {
   const hl_loss_plan_desc_t &d = p.desc;
   const int64_t V = d.vocab, H = d.hidden, Ht = d.teacher_hidden, N = a.rows, K = d.teacher_topk;
   const hl_dtype_t wd = d.weight_dtype, f32 = HL_DTYPE_F32;
   std::vector<Buffer> used = {
       {"grad_weight", a.grad_weight, V, H, a.grad_weight_stride, d.grad_weight_dtype, true, "grad_weight_stride"},
+      {"grad_bias", a.grad_bias, 1, V, V, d.grad_bias_dtype, true},
       {"scalars", a.scalars, 1, p.opt.scalars, p.opt.scalars, f32, true},
       {"cu_seqlens", a.cu_seqlens, a.num_seqs + 1, 1, 1, d.cu_seqlens_dtype, false},
       {"ref_seq_logprobs", a.ref_seq_logprobs, a.num_seqs, 1, 1, f32, false},
@@ -409,6 +423,8 @@ std::vector<Buffer> arg_buffers(const hl_loss_plan_st &p, const hl_loss_args_t &
       {"grad_token_logp", a.grad_token_logp, N, 1, 1, f32, false},
       {"grad_token_entropy", a.grad_token_entropy, N, 1, 1, f32, false},
       {"grad_token_lse", a.grad_token_lse, N, 1, 1, f32, false},
+      {"bias", a.bias, 1, V, V, wd, false},
+      {"token_argmax", a.token_argmax, N, 1, 1, HL_DTYPE_I64, true},
   });
   return used;
 }
@@ -420,7 +436,9 @@ hl_status_t check_form(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
                                            {"teacher_hidden", a.teacher_hidden != nullptr},
                                            {"teacher_weight", a.teacher_weight != nullptr},
                                            {"grad_hidden", a.grad_hidden != nullptr},
-                                           {"grad_weight", a.grad_weight != nullptr}});
+                                           {"grad_weight", a.grad_weight != nullptr},
+                                           {"bias", a.bias != nullptr},
+                                           {"grad_bias", a.grad_bias != nullptr}});
   if (other)
     return fail(HL_STATUS_INVALID_VALUE, "%s: %s is set, but the plan is the %s form (hidden = %lld)", fn,
                 other, p.linear ? "fused linear" : "logits", (long long)p.desc.hidden);
@@ -481,6 +499,8 @@ hl_status_t check_row_args(const char *fn, const hl_loss_plan_st &p, hl_loss_arg
     HL_TRY(resolve_stride(fn, "hidden_stride", a.hidden_stride, H, &a.hidden_stride));
     HL_TRY(resolve_stride(fn, "weight_stride", a.weight_stride, H, &a.weight_stride));
     if (a.grad_hidden) HL_TRY(resolve_stride(fn, "grad_hidden_stride", a.grad_hidden_stride, H, &a.grad_hidden_stride));
+    if (d.backend == HL_BACKEND_CUDA && reinterpret_cast<uintptr_t>(a.bias) % 16)  // cuBLASLt's bias epilogue
+      return fail(HL_STATUS_MISALIGNED, "%s: bias (%p) must be 16-byte aligned on CUDA", fn, a.bias);
   } else {
     HL_TRY(check_not_null(fn, "logits", a.logits));
     HL_TRY(resolve_stride(fn, "logits_stride", a.logits_stride, V, &a.logits_stride));
@@ -573,6 +593,7 @@ hl_status_t validate_args(const char *fn, const hl_loss_plan_st &p, hl_loss_args
   HL_TRY(check_output(fn, "grad_hidden", a.grad_hidden, a.rows, d.grad_hidden_mode, "grad_hidden_mode", phase));
   // grad_weight has vocab rows whatever the call's rows (zeros for none: the empty sum).
   HL_TRY(check_output(fn, "grad_weight", a.grad_weight, d.vocab, d.grad_weight_mode, "grad_weight_mode", phase));
+  HL_TRY(check_output(fn, "grad_bias", a.grad_bias, d.vocab, d.grad_bias_mode, "grad_bias_mode", phase));
   if (a.grad_weight)
     HL_TRY(resolve_stride(fn, "grad_weight_stride", a.grad_weight_stride, d.hidden, &a.grad_weight_stride));
   if (a.rows > 0) HL_TRY(check_row_args(fn, p, a, phase));
@@ -925,7 +946,8 @@ HL_API hl_status_t hl_loss_plan_create(const hl_loss_plan_desc_t *desc, hl_loss_
     p->opt = o;
     p->needs_labels = (d.terms & kLabelTerms) != 0;
     p->linear = d.hidden > 0;
-    p->dlogits = p->linear ? d.grad_hidden_mode != HL_LOSS_GRAD_NONE || d.grad_weight_mode != HL_LOSS_GRAD_NONE
+    p->dlogits = p->linear ? d.grad_hidden_mode != HL_LOSS_GRAD_NONE || d.grad_weight_mode != HL_LOSS_GRAD_NONE ||
+                                 d.grad_bias_mode != HL_LOSS_GRAD_NONE
                            : d.grad_mode != HL_LOSS_GRAD_NONE;
     p->sequences = d.cu_seqlens_dtype != HL_DTYPE_NONE;
     p->pref = pref;

@@ -56,9 +56,11 @@ class Rows {
     const int64_t V = d.vocab;
     if (!p.linear) return;
     if (grads && a.grad_weight) dw_.assign(size_t(V * d.hidden), 0.0);
+    if (grads && a.grad_bias) db_.assign(size_t(V), 0.0);
     if (a.rows == 0) return;  // weights neither read nor required: grad_weight is the empty sum
     const hl_dtype_t wd = d.weight_dtype;
     w_ = to_f64({a.weight, a.weight_stride, wd}, V, d.hidden);
+    if (a.bias) b_ = to_f64({a.bias, V, wd}, 1, V);
     if (d.teacher_hidden && a.teacher_weight)
       wt_ = to_f64({a.teacher_weight, a.teacher_weight_stride, wd}, V, d.teacher_hidden);
   }
@@ -66,8 +68,10 @@ class Rows {
   void load_row(int64_t i, std::vector<double> &z, std::vector<double> &v) {
     const Options &o = p_.opt;
     const hl_loss_plan_desc_t &d = p_.desc;
-    if (p_.linear) matvec({a_.hidden, a_.hidden_stride, d.weight_dtype}, i, w_, d.hidden, xr_, z);
-    else
+    if (p_.linear) {
+      matvec({a_.hidden, a_.hidden_stride, d.weight_dtype}, i, w_, d.hidden, xr_, z);
+      for (size_t j = 0; j < b_.size(); ++j) z[j] += b_[j];
+    } else
       for (size_t j = 0; j < z.size(); ++j) z[j] = load(a_.logits, d.logits_dtype, i * a_.logits_stride + int64_t(j));
     for (double &x : z) {
       x *= o.scale;
@@ -83,7 +87,8 @@ class Rows {
   }
 
   // Row i's gradient w.r.t. its raw logits (this shard's columns): into grad (logits form), or
-  // grad_hidden's row i = g W and grad_weight += g^T x_i (linear form; grad_weight at finish()).
+  // grad_hidden's row i = g W, grad_weight += g^T x_i and grad_bias += g (linear form; the sums
+  // stored at finish()).
   void put_grad(int64_t i, const std::vector<double> &g) {
     const hl_loss_plan_desc_t &d = p_.desc;
     if (!p_.linear) {
@@ -91,6 +96,7 @@ class Rows {
       return;
     }
     const int64_t H = d.hidden;
+    for (size_t j = 0; j < db_.size(); ++j) db_[j] += g[j];
     if (a_.grad_hidden) {
       std::vector<double> gh(size_t(H), 0.0);
       for (size_t j = 0; j < g.size(); ++j) {
@@ -109,10 +115,12 @@ class Rows {
     }
   }
 
-  // Stores grad_weight (written whole with WRITE: zeros where no row contributed).
+  // Stores grad_weight and grad_bias (written whole with WRITE: zeros where no row contributed).
   void finish() {
-    if (dw_.empty()) return;
     const hl_loss_plan_desc_t &d = p_.desc;
+    for (size_t j = 0; j < db_.size(); ++j)
+      store(a_.grad_bias, d.grad_bias_dtype, d.grad_bias_mode, int64_t(j), db_[j]);
+    if (dw_.empty()) return;
     for (int64_t j = 0; j < d.vocab; ++j)
       for (int64_t k = 0; k < d.hidden; ++k)
         store(a_.grad_weight, d.grad_weight_dtype, d.grad_weight_mode, j * a_.grad_weight_stride + k,
@@ -127,7 +135,7 @@ class Rows {
 
   const hl_loss_plan_st &p_;
   const hl_loss_args_t &a_;
-  std::vector<double> w_, wt_, dw_, xr_;
+  std::vector<double> w_, wt_, dw_, db_, b_, xr_;
 };
 
 // The statistics of one row's shard; label and argmax in shard-local columns, amax reported
@@ -338,7 +346,7 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
   const double kd = D > 0 ? double(a.grad_scale == 0.0f ? 1.0f : a.grad_scale) / D : 0.0;
 
   const int64_t first = p.desc.vocab_start;
-  const bool grads = a.grad || a.grad_hidden || a.grad_weight;
+  const bool grads = a.grad || a.grad_hidden || a.grad_weight || a.grad_bias;
   Rows rows(p, a, grads);
   std::vector<double> z(size_t(p.desc.vocab)), v(has_teacher(a) ? z.size() : 0), g(z.size());
   std::vector<double> sum(kRecFields, 0.0), seq_lr, seq_roll, pref_g;
@@ -380,6 +388,7 @@ hl_status_t cpu_finish(const hl_loss_plan_st &p, const hl_loss_args_t &a, const 
     if (a.token_logp) a.token_logp[i] = float(r.logp);
     if (a.token_entropy) a.token_entropy[i] = float(r.entropy);
     if (a.token_lse) a.token_lse[i] = float(r.lse);
+    if (a.token_argmax) a.token_argmax[i] = r.argmax;
     const double w = r.rec[R_W];
     for (int k = 0; k < kRecFields; ++k) sum[size_t(k)] += (k == R_W || k == R_VALID) ? r.rec[k] : w * r.rec[k];
     if (w > 0) {

@@ -1131,7 +1131,8 @@ static void create_full_extra(Gen *g) {
 static const Field kDescFields[] = {
     LD(struct_size, F_STRUCT_SIZE, .lo = 0), LD(backend, F_ENUM, .lo = 1, .bad1 = 3), LD(vocab, F_SIZE, .lo = 0),
     LD(logits_dtype, F_ENUM, .lo = 1, .bad1 = HL_DTYPE_I32), LD(labels_dtype, F_ENUM, .bad1 = HL_DTYPE_F32, .buf = "labels"),
-    LD(terms, F_FLAGS, .hi = 0x3FF), LD(flags, F_FLAGS, .hi = HL_LOSS_UNCHECKED | HL_LOSS_GRAD_TOKEN_LOGP | HL_LOSS_GRAD_TOKEN_ENTROPY | HL_LOSS_GRAD_TOKEN_LSE,
+    LD(terms, F_FLAGS, .hi = 0x3FF), LD(flags, F_FLAGS, .hi = HL_LOSS_UNCHECKED | HL_LOSS_GRAD_TOKEN_LOGP | HL_LOSS_GRAD_TOKEN_ENTROPY | HL_LOSS_GRAD_TOKEN_LSE |
+                                           HL_LOSS_TOKEN_SCALING,
        .lo = HL_LOSS_UNCHECKED),
     LD(ce_weight, F_FLOAT, .def = 1), LD(z_weight, F_FLOAT, .def = 1e-4f), LD(entropy_weight, F_FLOAT, .rule = FR_SET, .def = NAN, .term = HL_LOSS_ENTROPY),
     LD(distill_weight, F_FLOAT, .def = 1), LD(grpo_weight, F_FLOAT, .def = 1),
@@ -1154,7 +1155,8 @@ static const Field kDescFields[] = {
     LD(preference, F_ENUM, .bad1 = 5), LD(pref_loss_type, F_ENUM, .bad1 = 11), LD(pref_logp, F_ENUM, .bad1 = 3),
     LD(pref_weight, F_FLOAT, .def = 1), LD(pref_beta, F_FLOAT, .def = 0.1f), LD(pref_gamma, F_FLOAT, .def = NAN),
     LD(pref_label_smoothing, F_FLOAT, .def = NAN), LD(pref_tau, F_FLOAT, .def = 0.05f),
-    LD(kto_desirable_weight, F_FLOAT, .def = 1), LD(kto_undesirable_weight, F_FLOAT, .def = 1)};
+    LD(kto_desirable_weight, F_FLOAT, .def = 1), LD(kto_undesirable_weight, F_FLOAT, .def = 1),
+    LD(grad_bias_mode, F_ENUM, .bad1 = 3), LD(grad_bias_dtype, F_ENUM, .bad1 = HL_DTYPE_I32, .bad2 = HL_DTYPE_F16)};
 
 #define AF(f, K, ...) FIELD(W_DESC, hl_loss_args_t, f, K, __VA_ARGS__)
 #define AP(f) AF(f, F_PTR, .buf = #f)
@@ -1170,7 +1172,7 @@ static const Field kArgsFields[] = {
     AP(cu_seqlens), AF(num_seqs, F_SIZE, .lo = 0, .buf = "cu_seqlens"), AP(rollout_logprobs), AP(teacher_topk_ids),
     AS(teacher_topk_ids_stride, teacher_topk_ids), AP(teacher_topk_logprobs),
     AS(teacher_topk_logprobs_stride, teacher_topk_logprobs), AP(grad_token_logp), AP(grad_token_entropy),
-    AP(grad_token_lse), AP(ref_seq_logprobs), AP(kto_labels)};
+    AP(grad_token_lse), AP(ref_seq_logprobs), AP(kto_labels), AP(bias), AP(grad_bias), AP(token_argmax)};
 
 #define PF(f, K, ...) FIELD(W_PARAM, LossParams, f, K, __VA_ARGS__)
 #define PLAN PF(plan, F_PLAN, .lo = 0)

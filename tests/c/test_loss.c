@@ -742,8 +742,8 @@ static void token_gradients(void **state) {
   create_fails(d, HL_STATUS_INVALID_VALUE, "HL_LOSS_GRAD_TOKEN_* bits but no gradient");
   d.grad_mode = HL_LOSS_GRAD_WRITE, d.labels_dtype = HL_DTYPE_NONE;
   create_fails(d, HL_STATUS_INVALID_VALUE, "HL_LOSS_GRAD_TOKEN_LOGP needs labels");
-  d = desc_ce(), d.flags = 1u << 4;
-  create_fails(d, HL_STATUS_INVALID_VALUE, "flags has unknown bits 0x10");
+  d = desc_ce(), d.flags = 1u << 5;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "flags has unknown bits 0x20");
   float g_logp[N], g_ent[N], g_lse[N];
   for (int i = 0; i < N; ++i) g_logp[i] = 0.5f - 0.25f * (float)i, g_ent[i] = 0.3f * (float)i - 0.2f, g_lse[i] = 0.125f;
   hl_loss_args_t a = args_for(b);
@@ -791,6 +791,68 @@ static void token_gradients(void **state) {
   free(b);
 }
 
+/* 0.7's options: token scaling's validation, the logits form refusing a bias, token_argmax (the
+ * first maximal column, ignored rows too), and the linear form's bias and grad_bias against the
+ * logits form on X W^T + b (H = 1, X = 1: the logits are W + b; grad_bias = the column sums). */
+static void options_0_7(void **state) {
+  (void)state;
+  Bufs *b = calloc(1, sizeof *b);
+  fill(b);
+  hl_loss_plan_desc_t d = desc_ce();
+  d.flags = HL_LOSS_TOKEN_SCALING, d.terms = HL_LOSS_CE | HL_LOSS_ENTROPY, d.entropy_weight = -1e-3f;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "flags has HL_LOSS_TOKEN_SCALING");
+  d = desc_ce(), d.grad_bias_mode = HL_LOSS_GRAD_WRITE;
+  create_fails(d, HL_STATUS_INVALID_VALUE, "grad_bias_mode is set, but it belongs to the fused linear form");
+  hl_loss_args_t a = args_for(b);
+  float bias[V] = {0};
+  a.bias = bias;
+  execute_fails(desc_ce(), a, b, HL_STATUS_INVALID_VALUE, "bias is set, but the plan is the logits form");
+
+  b->logits[2 * V + 4] = 9.0f, b->logits[2 * V + 5] = 9.0f;  /* a tie: the first column counts */
+  int64_t top[N];
+  a = args_for(b), a.token_argmax = top;
+  hl_loss_plan_t p;
+  d = desc_ce(), d.flags = HL_LOSS_TOKEN_SCALING;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  assert_ok(hl_loss_plan_destroy(p));
+  for (int i = 0; i < N; ++i) {
+    int64_t want = 0;
+    for (int j = 1; j < V; ++j)
+      if (b->logits[i * V + j] > b->logits[i * V + want]) want = j;
+    assert_int_equal(top[i], want);
+  }
+
+  /* The linear form with H = 1: hidden is 1 a row, weight [V, 1] a column of row 0's logits minus
+   * the bias; every row then has row 0's logits. */
+  float x[N], w[V], gh[N], gw[V], gb[V], sc[HL_LOSS_NUM_SCALARS], zrep[N * V], g[N * V];
+  for (int j = 0; j < V; ++j) bias[j] = 0.125f * (float)j, w[j] = b->logits[j] - bias[j];
+  for (int i = 0; i < N; ++i) {
+    x[i] = 1.0f;
+    for (int j = 0; j < V; ++j) zrep[i * V + j] = b->logits[j];
+  }
+  hl_loss_plan_desc_t dl = desc_ce();
+  dl.hidden = 1, dl.weight_dtype = HL_DTYPE_F32, dl.grad_mode = HL_LOSS_GRAD_NONE, dl.flags = HL_LOSS_TOKEN_SCALING;
+  dl.grad_hidden_mode = dl.grad_weight_mode = dl.grad_bias_mode = HL_LOSS_GRAD_WRITE;
+  hl_loss_args_t al = args_for(b);
+  al.logits = NULL, al.grad = NULL, al.token_loss = NULL, al.scalars = sc;
+  al.hidden = x, al.weight = w, al.bias = bias, al.grad_hidden = gh, al.grad_weight = gw, al.grad_bias = gb;
+  assert_ok(hl_loss_plan_create(&dl, &p));
+  assert_ok(hl_loss_plan_execute(p, &al, NULL, 0, NULL));
+  assert_ok(hl_loss_plan_destroy(p));
+  a = args_for(b), a.logits = zrep, a.grad = g, a.token_loss = NULL, a.scalars = b->scalars;
+  assert_ok(hl_loss_plan_create(&d, &p));
+  assert_ok(hl_loss_plan_execute(p, &a, NULL, 0, NULL));
+  assert_ok(hl_loss_plan_destroy(p));
+  assert_true(fabs(sc[HL_LOSS_OUT_LOSS] - b->scalars[HL_LOSS_OUT_LOSS]) < 1e-6);
+  for (int j = 0; j < V; ++j) {
+    double col = 0;
+    for (int i = 0; i < N; ++i) col += g[i * V + j];
+    assert_true(fabs(gb[j] - col) < 1e-6 && fabs(gw[j] - col) < 1e-6);  /* x = 1: grad_weight is the sums too */
+  }
+  free(b);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {cmocka_unit_test(bad_descriptions), cmocka_unit_test(bad_arguments),
                                      cmocka_unit_test(small_exact_case), cmocka_unit_test(split_calls),
@@ -800,6 +862,7 @@ int main(void) {
                                      cmocka_unit_test(integers_are_read_exactly), cmocka_unit_test(linear_without_rows),
                                      cmocka_unit_test(only_the_allowed_alias), cmocka_unit_test(sizes_and_enums),
                                      cmocka_unit_test(size_queries), cmocka_unit_test(struct_sizes),
-                                     cmocka_unit_test(gathered_headers), cmocka_unit_test(token_gradients)};
+                                     cmocka_unit_test(gathered_headers), cmocka_unit_test(token_gradients),
+                                     cmocka_unit_test(options_0_7)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -65,11 +65,13 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
               student_temperature=1.0, eps_low=0.2, eps_high=0.2, ignore_index=None, dual_clip=0.0,
               cispo_weight=1.0, cispo_eps_high=0.0, kl_estimator="k3", rollout=None, cu_seqlens=None,
               ratio_level="token", rollout_correction=None, rollout_level="token", rollout_cap=0.0,
-              rollout_floor=0.0, cu_seqlens_dtype=None, jsd_beta=0.0, topk_ids=None, topk_logprobs=None):
+              rollout_floor=0.0, cu_seqlens_dtype=None, jsd_beta=0.0, topk_ids=None, topk_logprobs=None,
+              token_scaling=False):
     """Returns (scalars dict, per-token dict, gradient w.r.t. z) for raw logits z [N, V] (fp64).
     GSPO (ratio_level "seq_mean") as verl's GSPO-token: each token's ratio has the value of its
     sequence's and the gradient of its own log-prob. A sparse teacher: topk_ids / topk_logprobs
-    [N, k] instead of teacher."""
+    [N, k] instead of teacher. token_scaling: each valid token's terms and their gradient times
+    its p_y (a constant)."""
     z = np.asarray(z, np.float64)
     N, V = z.shape
     s = logit_scale
@@ -177,6 +179,10 @@ def reference(z, labels=None, *, terms=("ce",), weights=None, teacher=None, adv=
                  "grpo": grpo_weight, "kl_ref": kl_ref_beta, "cispo": cispo_weight}
     tok = np.zeros(N)
     g = np.zeros_like(z)
+    if token_scaling:
+        for t in terms:
+            per[t] = per[t] * np.exp(logp)
+            grads[t] = grads[t] * np.exp(logp)[:, None]
     for t in terms:
         tok += weight_of[t] * per[t]
         g += weight_of[t] * grads[t]

@@ -54,6 +54,7 @@ struct Options {
   int rollout;        // HL_LOSS_ROLLOUT_*
   int rollout_level;  // HL_LOSS_LEVEL_*
   float rollout_cap, rollout_floor;
+  bool token_scaling; // HL_LOSS_TOKEN_SCALING: a token's loss and gradient times its p_y (a constant)
   int scalars;        // how many scalars the caller's header has (an older one: fewer)
   unsigned terms;     // HL_LOSS_* bits
   int64_t vocab;
@@ -228,6 +229,7 @@ template <class F>
 struct RowResult {
   F rec[kRecFields];
   F lse, entropy, logp, token_loss;
+  int64_t argmax;  // the record's first maximal column
   F cp, cpz, cc, cy, dk;
   F lse_s, lse_t, dist_loss;  // distillation: student lse at tau_s, teacher lse (v units), KL
   F dsum, ar;  // JSD and sparse: sum_i p_s_i a_i; sparse: a_r, the rest bucket's a (headloss.h)
@@ -390,15 +392,18 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
     r.dist_loss = dist;
   }
   const F ce_w = F(o.ce_w), z_w = F(o.z_w), ent_w = F(o.ent_w), g_w = F(o.grpo_w), beta = F(o.beta);
+  // Token scaling's constant p_y (validation keeps it to CE and Z, whose fields it scales).
+  const F ts = o.token_scaling && in.valid && in.has_label ? m_exp(logp) : F(1);
   const F tok = ce_w * ce + z_w * lse * lse + ent_w * H + F(o.dist_w) * dist + g_w * grpo +
                 F(o.cispo_w) * cispo + beta * klref;
   r.logp = logp;
-  r.token_loss = in.valid ? tok : F(0);
+  r.argmax = st.amax;
+  r.token_loss = in.valid ? ts * tok : F(0);
   r.rec[R_W] = w;
   r.rec[R_VALID] = in.valid ? F(1) : F(0);
   r.rec[R_LOSS] = r.token_loss;
-  r.rec[R_CE] = ce;
-  r.rec[R_Z] = lse * lse;
+  r.rec[R_CE] = ts * ce;
+  r.rec[R_Z] = ts * lse * lse;
   r.rec[R_ENT] = H;
   r.rec[R_DIST] = dist;
   r.rec[R_GRPO] = grpo;
@@ -411,7 +416,7 @@ HL_HD RowResult<F> finish_row(const RowStats<F> &st, const RowInputs<F> &in, con
   // per-token outputs' upstream gradients times the logit scale alone (a plain VJP; logp is 0 on a
   // row without a label, whatever its upstream value holds, while H and lse are every row's); a
   // preference term's share is such an upstream gradient of logp.
-  const F k = kd * w * F(o.scale);
+  const F k = kd * w * ts * F(o.scale);
   const F gl = in.label >= 0 ? F(o.scale) * (in.g_logp + in.seq_g) : F(0);
   const F ge = F(o.scale) * in.g_ent, gs = F(o.scale) * in.g_lse;
   const F eps = F(o.smoothing);

@@ -1,4 +1,5 @@
 """One-line integrations with model libraries (each imports its library on demand):
 headloss.integrations.transformers (Hugging Face causal LMs: RMSNorm and the LM-head loss),
 headloss.integrations.verl (verl's fused linear_cross_entropy: per-token log-probs and entropy),
-headloss.integrations.megatron (Megatron-core's tensor-parallel language-model loss)."""
+headloss.integrations.megatron (Megatron-core's tensor-parallel language-model loss),
+headloss.integrations.liger (Liger-Kernel's fused linear cross-entropy module and function)."""
