@@ -1,4 +1,4 @@
-"""The fused linear CE's options of issue #51 against the same call without them (the bar: 1.02x):
+"""The fused linear CE's options against the same call without them (the bar: 1.02x):
 forward + backward of CE at bf16, paired ratios (common.paired_ratio) of the call with one option
 over CE alone, each at the plan's fast workspace. Options: class weights (per-token weights
 ce_weight[y]), reduction "sum" (D = 1), token scaling, token_argmax, a head bias with grad_bias (the
