@@ -141,7 +141,7 @@ def worker(rank: int, init: str, args) -> None:
             f"(loss {ce_ref:.6f}):", "",
             table(ce, ["per rank", "ms", "collectives", "peak above inputs, GiB", "Megatron-core / this",
                        "Megatron-core fused / this"]), "",
-            f"CE + z + entropy with gradient, the same logits; loss {ref:.6f} (sharded {ours:.6f}):", "",
+            f"CE + z + entropy with gradient, the same bf16 [{N}, {V}] logits; loss {ref:.6f} (sharded {ours:.6f}):", "",
             table(rows, ["per rank", "ms", "collectives", "bytes"]), "",
             f"Dense JSD (CE + JSD, beta 0.5), bf16 student and teacher logits [{N}, {V}], the same shards:", "",
             table(more(jt, jcolls), ["per rank", "ms", "collectives"]), "",
