@@ -47,21 +47,24 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import _abi
 from ._arrays import DTYPE_NAMES, FLOATS, INTS, dtype_code, expect, spec
-from ._lib import _HERE, DTYPE_F32, HeadlossValueError, lib_path
+from ._lib import _HERE, DTYPE_F32, DTYPE_I32, HeadlossValueError, lib_path
 from ._loss_options import SCALARS, call_value, plan_fields, temperature_scale, terms_bits
 from .loss import DEFAULT_MAX_WORKSPACE_BYTES, LossPlan
 from .rmsnorm import cast_code
 
 __all__ = ["rmsnorm", "rmsnorm_fwd", "rmsnorm_bwd", "fused_loss", "sharded_fused_loss", "loss_stats",
            "loss_middle", "loss_finish", "loss_exchanges", "linear_loss", "sharded_linear_loss", "TokenLogprobs",
-           "token_logprobs", "linear_token_logprobs", "loss_plan_count", "adapter_path"]
+           "token_logprobs", "linear_token_logprobs", "preference_loss", "PREFERENCE_METRICS", "loss_plan_count",
+           "adapter_path"]
 
 _OPTIONAL_INPUTS = ("labels", "weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
 _TEACHER_INPUTS = ("teacher_hidden", "teacher_weight")  # the fused linear form's teacher
 _SEQ_INPUTS = ("rollout_logprobs", "cu_seqlens")
 _TOPK_INPUTS = ("teacher_topk_ids", "teacher_topk_logprobs")  # a sparse teacher
+_GRAD_INPUTS = ("grad_token_logp", "grad_token_entropy", "grad_token_lse")  # token_logprobs' backward
+_PREF_INPUTS = ("ref_seq_logprobs", "kto_labels")  # the preference term's, one value a sequence
 # Every optional input in the adapter's order (both forms): input k is bit 1 << k of `inputs`.
-_ALL_INPUTS = _OPTIONAL_INPUTS + _TEACHER_INPUTS + _SEQ_INPUTS + _TOPK_INPUTS
+_ALL_INPUTS = _OPTIONAL_INPUTS + _TEACHER_INPUTS + _SEQ_INPUTS + _TOPK_INPUTS + _GRAD_INPUTS + _PREF_INPUTS
 
 
 def _find_adapter() -> Path:
@@ -261,7 +264,11 @@ def _check_inputs(extras, rows: int, vocab: int, dtype: int, k=None) -> None:
     for name in _PER_ROW_F32:
         _spec(x[name], name, DTYPE_F32, size=rows)
     _spec(x["teacher_logits"], "teacher_logits", dtype, rows=rows, cols=vocab)
-    _spec(x["cu_seqlens"], "cu_seqlens", INTS, shape=(None,))
+    cu = _spec(x["cu_seqlens"], "cu_seqlens", INTS, shape=(None,))
+    for name, dt in zip(_PREF_INPUTS, (DTYPE_F32, DTYPE_I32)):
+        if x[name] is not None and cu is None:
+            raise HeadlossValueError(f"{name} needs cu_seqlens (one value a sequence)")
+        _spec(x[name], name, dt, shape=(None if cu is None else x["cu_seqlens"].shape[0] - 1,))
     ids, lp = x["teacher_topk_ids"], x["teacher_topk_logprobs"]
     if (ids is None) != (lp is None):
         raise HeadlossValueError("teacher_topk_ids and teacher_topk_logprobs go together")
@@ -278,10 +285,15 @@ def _extras(kw: dict, labels, names) -> tuple:
     return (labels, *(kw.pop(k, None) if k in names else None for k in _ALL_INPUTS[1:]))
 
 
+def _by_bit(**inputs) -> tuple:
+    """The optional inputs given by name, in _ALL_INPUTS' order (None where not given)."""
+    return tuple(inputs.get(k) for k in _ALL_INPUTS)
+
+
 def _kwargs_config(fn: str, logits, labels, kwargs: dict, **shard):
     """(cfg, extras) from fused_loss's keyword arguments as a dict."""
     kw = dict(kwargs)
-    extras = _extras(kw, labels, _OPTIONAL_INPUTS + _SEQ_INPUTS + _TOPK_INPUTS)
+    extras = _extras(kw, labels, _OPTIONAL_INPUTS + _SEQ_INPUTS + _TOPK_INPUTS + _PREF_INPUTS)
     cfg = _config(fn, logits, extras, kw.pop("terms", ("ce",)), kw.pop("divisor", None),
                   kw.pop("ignore_index", None), kw.pop("check", True), kw.pop("grad_dtype", None),
                   kw.pop("token_outputs", False), kw, **shard)
@@ -292,7 +304,7 @@ def _linear_config(fn: str, hidden, weight, labels, kwargs: dict, **shard):
     """(cfg, extras) of the fused linear form from linear_loss's keyword arguments as a dict;
     extras: _ALL_INPUTS."""
     kw = dict(kwargs)
-    extras = _extras(kw, labels, _ALL_INPUTS)
+    extras = _extras(kw, labels, tuple(k for k in _ALL_INPUTS if k not in _GRAD_INPUTS))
     hv = _spec(hidden, "hidden", FLOATS, matrix=True)
     H = hidden.shape[-1]
     _spec(weight, "weight", hv.dtype, shape=(None, H))
@@ -498,7 +510,7 @@ def _metrics(scalars) -> Dict[str, Any]:
 def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=None,
                teacher_logits=None, advantages=None, old_logprobs=None, ref_logprobs=None,
                rollout_logprobs=None, cu_seqlens=None, teacher_topk_ids=None, teacher_topk_logprobs=None,
-               divisor: Optional[float] = None, token_outputs: bool = False, ignore_index: Optional[int] = None,
+               ref_seq_logprobs=None, kto_labels=None, divisor: Optional[float] = None, token_outputs: bool = False, ignore_index: Optional[int] = None,
                check: bool = True, grad_dtype=None, **options
                ) -> Tuple[Any, Dict[str, Any]] | Tuple[Any, Dict[str, Any], Tuple[Any, ...]]:
     """The fused LM-head loss plan (see headloss.h and headloss.LossPlan for the options).
@@ -515,16 +527,20 @@ def fused_loss(logits, labels=None, *, terms: Sequence[str] = ("ce",), weights=N
     teacher_temperature, student_temperature, eps_low, eps_high, dual_clip, cispo_weight,
     cispo_eps_high, kl_estimator, ratio_level, rollout_correction, rollout_level, rollout_cap,
     rollout_floor, jsd_beta (names as headloss.LossPlan's); rollout_logprobs [...] float32 and
-    cu_seqlens int32 / int64 [sequences + 1] over the flattened rows as LossPlan's call.
-    divisor (static): D, None (default) = the sum of the valid rows' weights.
+    cu_seqlens int32 / int64 [sequences + 1] over the flattened rows as LossPlan's call;
+    ref_seq_logprobs float32 and kto_labels int32 [sequences]: the preference term's (see
+    preference_loss). divisor (static): D, None (default) = the sum of the valid rows' weights.
 
     Returns (loss, metrics) where metrics maps every name of headloss.loss.SCALARS to a 0-d fp32
     array (no gradient flows through metrics), plus (token_loss, token_logp, token_entropy,
     token_lse) when token_outputs. jax.grad of the loss w.r.t. the logits uses the gradient formed
     in the same pass (the forward of a jax.grad / jax.vjp computes and keeps it).
     """
-    extras = (labels, weights, teacher_logits, advantages, old_logprobs, ref_logprobs, None, None,
-              rollout_logprobs, cu_seqlens, teacher_topk_ids, teacher_topk_logprobs)
+    extras = _by_bit(labels=labels, weights=weights, teacher_logits=teacher_logits, advantages=advantages,
+                     old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                     cu_seqlens=cu_seqlens, teacher_topk_ids=teacher_topk_ids,
+                     teacher_topk_logprobs=teacher_topk_logprobs, ref_seq_logprobs=ref_seq_logprobs,
+                     kto_labels=kto_labels)
     cfg = _config("fused_loss", logits, extras, terms, divisor, ignore_index, check, grad_dtype,
                   token_outputs, options)
     return _results(cfg, (logits,), extras)
@@ -613,6 +629,48 @@ def sharded_linear_loss(hidden, weight_shard, labels=None, *, axis_name, vocab_g
     return _results(cfg._replace(axis_name=axis_name), (hidden, weight_shard), extras)
 
 
+# ---- preference losses -----------------------------------------------------------------------------
+
+# TRL's metric names for the plan's scalars (as headloss.torch_preference.METRICS).
+PREFERENCE_METRICS = {"rewards/chosen": "rewards_chosen", "rewards/rejected": "rewards_rejected",
+                      "rewards/accuracies": "rewards_accuracy", "rewards/margins": "rewards_margin",
+                      "logps/chosen": "logps_chosen", "logps/rejected": "logps_rejected", "nll_loss": "ce",
+                      "log_odds_ratio": "log_odds_ratio", "log_odds_chosen": "log_odds_chosen", "kl": "kto_kl"}
+
+
+def preference_loss(hidden, weight, labels, cu_seqlens, ref_logps=None, *, loss: str = "dpo",
+                    loss_type: str = "sigmoid", beta: float = 0.1, gamma: Optional[float] = None,
+                    label_smoothing: float = 0.0, nll_weight: float = 0.0, kto_labels=None,
+                    max_workspace_bytes: Optional[int] = DEFAULT_MAX_WORKSPACE_BYTES, **options):
+    """(loss, metrics) of a preference loss (docs/loss.md "Preference losses"), as
+    headloss.torch_preference.preference_loss: hidden [rows, H] with the head's weight [V, H]
+    (linear_loss: no [rows, V] logits), or logits [rows, V] with weight None (fused_loss).
+    2P sequences by cu_seqlens [2P + 1], the P chosen completions first, then their rejected ones
+    in the same order; prompt tokens carry label -100. ref_logps [2P]: the reference's sequence
+    log-probs (DPO, KTO); kto_labels [2P]: KTO's 1 desirable, 0 undesirable, -1 KL completion.
+    loss: "dpo", "simpo", "orpo", "cpo" or "kto"; loss_type DPO's and CPO's (TRL's names); gamma
+    SimPO's margin (None: 0.5 as TRL); nll_weight > 0 adds the chosen tokens' NLL (TRL's
+    rpo_alpha, ORPO's and CPO's NLL) in the same pass. Other plan options (pref_logp, pref_tau,
+    kto_*_weight, ...) by keyword. metrics: TRL's names (PREFERENCE_METRICS), without gradient.
+    Differentiable w.r.t. hidden and weight (or the logits) under jax.grad and jax.jit."""
+    opts = dict(options, preference=loss, pref_beta=beta,
+                pref_loss_type=loss_type if loss in ("dpo", "cpo") else None,
+                pref_gamma=(0.5 if gamma is None else gamma) if loss == "simpo" else None,
+                pref_label_smoothing=label_smoothing or None, ce_weight=nll_weight or None,
+                terms=("ce", "preference") if nll_weight else ("preference",),
+                ref_seq_logprobs=None if ref_logps is None else jnp.asarray(ref_logps, jnp.float32),
+                kto_labels=None if kto_labels is None else jnp.asarray(kto_labels, jnp.int32))
+    if nll_weight:  # CE on the chosen completions' tokens alone (the first half of the sequences)
+        chosen_end = cu_seqlens[(cu_seqlens.shape[0] - 1) // 2]
+        opts["weights"] = (jnp.arange(labels.shape[0]) < chosen_end).astype(jnp.float32)
+    if weight is None:
+        loss_value, metrics = fused_loss(hidden, labels, cu_seqlens=cu_seqlens, **opts)
+    else:
+        loss_value, metrics = linear_loss(hidden, weight, labels, cu_seqlens=cu_seqlens,
+                                          max_workspace_bytes=max_workspace_bytes, **opts)
+    return loss_value, {name: metrics[s] for name, s in PREFERENCE_METRICS.items()}
+
+
 # ---- per-token outputs with a backward ---------------------------------------------------------------
 
 class TokenLogprobs(NamedTuple):
@@ -621,7 +679,7 @@ class TokenLogprobs(NamedTuple):
     lse: Any      # log-sum-exp of the row's logits (after temperature and soft cap)
 
 
-# The upstream gradients' names; the adapter's input bits for them follow _ALL_INPUTS'.
+# The upstream gradients' names (_GRAD_INPUTS' order).
 _TOKEN_GRADS = ("logp", "entropy", "lse")
 
 
@@ -653,7 +711,7 @@ def _tokens_bwd(cfg, saved, cts):
                 for n, g in zip(_TOKEN_GRADS, cts))
     if all(u is None for u in ups):
         return tuple(jnp.zeros_like(x) if n else None for x, n in zip(operands, need.grads)), None
-    extras = (labels,) + (None,) * (len(_ALL_INPUTS) - 1) + ups
+    extras = _by_bit(labels=labels, **dict(zip(_GRAD_INPUTS, ups)))
     _, gs, _ = _loss_call(cfg._replace(token_outputs=False), operands, extras, need.grads)
     return tuple(None if g is None else g.astype(dt) for g, dt in zip(gs, cfg.dtypes)), None
 

@@ -19,7 +19,8 @@
 //                       teacher_topk_logprobs [.., k] f32: a sparse teacher, teacher_topk = k from
 //                       their shape; 4096 grad_token_logp, 8192 grad_token_entropy, 16384
 //                       grad_token_lse f32 [rows]: per-token upstream gradients, each setting its
-//                       HL_LOSS_GRAD_TOKEN_* flag)
+//                       HL_LOSS_GRAD_TOKEN_* flag; with cu_seqlens, 32768 ref_seq_logprobs f32 and
+//                       65536 kto_labels s32 [sequences]: the preference term's)
 //                       rets scalars f32[HL_LOSS_NUM_SCALARS], [grad: grad_mode != 0],
 //                       [token_loss, token_logp, token_entropy, token_lse: token_outputs]
 //                       attrs: the hl_loss_plan_desc_t fields by name (terms, flags, ce_weight, ...,
@@ -337,12 +338,17 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
                              {"eps_high", &d.eps_high}, {"dual_clip", &d.dual_clip},
                              {"cispo_weight", &d.cispo_weight}, {"cispo_eps_high", &d.cispo_eps_high},
                              {"rollout_cap", &d.rollout_cap}, {"rollout_floor", &d.rollout_floor},
-                             {"jsd_beta", &d.jsd_beta}})
+                             {"jsd_beta", &d.jsd_beta}, {"pref_weight", &d.pref_weight},
+                             {"pref_beta", &d.pref_beta}, {"pref_gamma", &d.pref_gamma},
+                             {"pref_label_smoothing", &d.pref_label_smoothing}, {"pref_tau", &d.pref_tau},
+                             {"kto_desirable_weight", &d.kto_desirable_weight},
+                             {"kto_undesirable_weight", &d.kto_undesirable_weight}})
     Take(attrs, name, field);
   for (auto [name, field] : {std::pair{"kl_estimator", &d.kl_estimator}, {"ratio_level", &d.ratio_level},
                              {"rollout_correction", &d.rollout_correction},
                              {"rollout_level", &d.rollout_level}, {"use_ignore_index", &d.use_ignore_index},
-                             {"ranks", &d.ranks}})
+                             {"ranks", &d.ranks}, {"preference", &d.preference},
+                             {"pref_loss_type", &d.pref_loss_type}, {"pref_logp", &d.pref_logp}})
     Take(attrs, name, field);
   // An attribute (the statistics step gets no cu_seqlens, and its plan must be the finish's).
   Take<int32_t>(attrs, "cu_seqlens_dtype", &d.cu_seqlens_dtype);
@@ -431,6 +437,22 @@ ffi::Error LossInputs(hl_backend_t backend, ffi::RemainingArgs args, ffi::Dictio
     HL_JAX_TRY(per_row(b, up[k].name));
     *up[k].ptr = static_cast<const float *>(b.untyped_data());
     d.flags |= up[k].flag;
+  }
+  // The preference term's per-sequence inputs: one value a sequence of cu_seqlens.
+  const struct {
+    const void **ptr;
+    hl_dtype_t dtype;
+    const char *name;
+  } seq[] = {{reinterpret_cast<const void **>(&a.ref_seq_logprobs), HL_DTYPE_F32, "ref_seq_logprobs"},
+             {reinterpret_cast<const void **>(&a.kto_labels), HL_DTYPE_I32, "kto_labels"}};
+  for (int k = 0; k < 2; ++k) {
+    if (!(inputs & (1 << (15 + k)))) continue;
+    HL_JAX_ARG(b, args, c->ai++);
+    HL_JAX_TRY(CheckDtype(b, seq[k].dtype, seq[k].name));
+    if (!(inputs & 512) || int64_t(b.element_count()) != a.num_seqs)
+      return Invalid(std::string(seq[k].name) + " has " + std::to_string(b.element_count()) +
+                     " elements; expected one a sequence of cu_seqlens (" + std::to_string(a.num_seqs) + ")");
+    *seq[k].ptr = b.untyped_data();
   }
   return ffi::Error::Success();
 }
