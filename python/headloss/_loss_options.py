@@ -159,3 +159,27 @@ def _zero_refused(name: str, default: str, instead: str) -> HeadlossValueError:
 def describe_options() -> str:
     """The options and their defaults, one a line, for docstrings."""
     return "\n".join(f"      {k}: default {OPTION_DEFAULTS[k]}" for k in PLAN_OPTIONS)
+
+
+# The preference front ends' (torch_preference, jax): TRL's names of the preference term's scalars,
+# and the plan options of a preference_loss call.
+PREFERENCE_METRICS = {"rewards/chosen": "rewards_chosen", "rewards/rejected": "rewards_rejected",
+                      "rewards/accuracies": "rewards_accuracy", "rewards/margins": "rewards_margin",
+                      "logps/chosen": "logps_chosen", "logps/rejected": "logps_rejected", "nll_loss": "ce",
+                      "log_odds_ratio": "log_odds_ratio", "log_odds_chosen": "log_odds_chosen", "kl": "kto_kl"}
+
+
+def preference_options(loss: str, loss_type: str, beta: float, gamma, label_smoothing: float,
+                       nll_weight: float) -> dict:
+    """The plan options (terms included) of preference_loss's arguments: loss_type for DPO and CPO,
+    SimPO's gamma (None: 0.5, TRL's), and CE weighted by nll_weight when it is set."""
+    opts = dict(preference=loss, pref_beta=beta, terms=("ce", "preference") if nll_weight else ("preference",))
+    if loss in ("dpo", "cpo"):
+        opts["pref_loss_type"] = loss_type
+    if loss == "simpo":
+        opts["pref_gamma"] = 0.5 if gamma is None else gamma
+    if label_smoothing:
+        opts["pref_label_smoothing"] = label_smoothing
+    if nll_weight:
+        opts["ce_weight"] = nll_weight
+    return opts

@@ -48,7 +48,8 @@ from jax.custom_derivatives import SymbolicZero
 from . import _abi
 from ._arrays import DTYPE_NAMES, FLOATS, INTS, dtype_code, expect, spec
 from ._lib import _HERE, DTYPE_F32, DTYPE_I32, HeadlossValueError, lib_path
-from ._loss_options import SCALARS, call_value, plan_fields, temperature_scale, terms_bits
+from ._loss_options import (PREFERENCE_METRICS, SCALARS, call_value, plan_fields, preference_options,
+                            temperature_scale, terms_bits)
 from .loss import DEFAULT_MAX_WORKSPACE_BYTES, LossPlan
 from .rmsnorm import cast_code
 
@@ -632,12 +633,6 @@ def sharded_linear_loss(hidden, weight_shard, labels=None, *, axis_name, vocab_g
 # ---- preference losses -----------------------------------------------------------------------------
 
 # TRL's metric names for the plan's scalars (as headloss.torch_preference.METRICS).
-PREFERENCE_METRICS = {"rewards/chosen": "rewards_chosen", "rewards/rejected": "rewards_rejected",
-                      "rewards/accuracies": "rewards_accuracy", "rewards/margins": "rewards_margin",
-                      "logps/chosen": "logps_chosen", "logps/rejected": "logps_rejected", "nll_loss": "ce",
-                      "log_odds_ratio": "log_odds_ratio", "log_odds_chosen": "log_odds_chosen", "kl": "kto_kl"}
-
-
 def preference_loss(hidden, weight, labels, cu_seqlens, ref_logps=None, *, loss: str = "dpo",
                     loss_type: str = "sigmoid", beta: float = 0.1, gamma: Optional[float] = None,
                     label_smoothing: float = 0.0, nll_weight: float = 0.0, kto_labels=None,
@@ -653,11 +648,7 @@ def preference_loss(hidden, weight, labels, cu_seqlens, ref_logps=None, *, loss:
     rpo_alpha, ORPO's and CPO's NLL) in the same pass. Other plan options (pref_logp, pref_tau,
     kto_*_weight, ...) by keyword. metrics: TRL's names (PREFERENCE_METRICS), without gradient.
     Differentiable w.r.t. hidden and weight (or the logits) under jax.grad and jax.jit."""
-    opts = dict(options, preference=loss, pref_beta=beta,
-                pref_loss_type=loss_type if loss in ("dpo", "cpo") else None,
-                pref_gamma=(0.5 if gamma is None else gamma) if loss == "simpo" else None,
-                pref_label_smoothing=label_smoothing or None, ce_weight=nll_weight or None,
-                terms=("ce", "preference") if nll_weight else ("preference",),
+    opts = dict(options, **preference_options(loss, loss_type, beta, gamma, label_smoothing, nll_weight),
                 ref_seq_logprobs=None if ref_logps is None else jnp.asarray(ref_logps, jnp.float32),
                 kto_labels=None if kto_labels is None else jnp.asarray(kto_labels, jnp.int32))
     if nll_weight:  # CE on the chosen completions' tokens alone (the first half of the sequences)

@@ -20,14 +20,11 @@ from typing import Optional, Tuple
 
 import torch
 
+from ._loss_options import PREFERENCE_METRICS, preference_options
 from .loss import DEFAULT_MAX_WORKSPACE_BYTES, SCALARS, LinearLossPlan, LossPlan
 from .torch_loss import keep_grads, linear_workspace, scale_grad, take_grads
 
-# TRL's metric names for the plan's scalars.
-METRICS = {"rewards/chosen": "rewards_chosen", "rewards/rejected": "rewards_rejected",
-           "rewards/accuracies": "rewards_accuracy", "rewards/margins": "rewards_margin",
-           "logps/chosen": "logps_chosen", "logps/rejected": "logps_rejected", "nll_loss": "ce",
-           "log_odds_ratio": "log_odds_ratio", "log_odds_chosen": "log_odds_chosen", "kl": "kto_kl"}
+METRICS = PREFERENCE_METRICS  # TRL's metric names for the plan's scalars
 
 
 @lru_cache(maxsize=64)
@@ -73,16 +70,7 @@ def preference_loss(hidden: torch.Tensor, weight: Optional[torch.Tensor], labels
     robust, bco_pair, sppo_hard, apo_zero, apo_down, discopop); beta, gamma (SimPO's margin, default
     0.5 as TRL), label_smoothing as TRL; other plan options (pref_logp, pref_tau, kto_*_weight, ...)
     by keyword. metrics: TRL's names (METRICS), 0-d tensors without gradient."""
-    opts = dict(options, preference=loss, pref_beta=beta)
-    if loss in ("dpo", "cpo"):
-        opts["pref_loss_type"] = loss_type
-    if loss == "simpo":
-        opts["pref_gamma"] = 0.5 if gamma is None else gamma
-    if label_smoothing:
-        opts["pref_label_smoothing"] = label_smoothing
-    terms = ("ce", "preference") if nll_weight else ("preference",)
-    if nll_weight:
-        opts["ce_weight"] = nll_weight
+    opts = dict(options, **preference_options(loss, loss_type, beta, gamma, label_smoothing, nll_weight))
     opts["cu_seqlens_dtype"] = str(cu_seqlens.dtype).replace("torch.", "")
     kw = dict(cu_seqlens=cu_seqlens)
     if ref_logps is not None:
@@ -94,7 +82,7 @@ def preference_loss(hidden: torch.Tensor, weight: Optional[torch.Tensor], labels
         kw["weights"] = (rows < cu_seqlens[(cu_seqlens.shape[0] - 1) // 2]).float()
     H = 0 if weight is None else hidden.shape[-1]
     grads = (hidden.requires_grad, weight is not None and weight.requires_grad, grad_weight_dtype)
-    key = tuple(sorted(dict(opts, terms=terms, labels_dtype=str(labels.dtype).replace("torch.", "")).items()))
+    key = tuple(sorted(dict(opts, labels_dtype=str(labels.dtype).replace("torch.", "")).items()))
     V = hidden.shape[-1] if weight is None else weight.shape[0]
     plan = _plan(key, V, H, hidden.dtype, hidden.device.type, grads)
     value, scalars = _Preference.apply(hidden, weight, labels, plan, max_workspace_bytes, kw)
