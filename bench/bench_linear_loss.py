@@ -137,6 +137,29 @@ def graphed(fn):
     return g.replay
 
 
+def floor_products(x, w):
+    """The floor: the three products of a fused linear loss's shapes (logits = X W^T, dX = G W,
+    dW = G^T X; bf16 in and out, fp32 accumulation, into preallocated outputs, G random), and the same
+    with a copy of the logits between them (the limit of a design that runs the loss as its own pass
+    over stored logits). Both share their buffers, freed with the two functions."""
+    N, V = x.shape[0], w.shape[0]
+    z = torch.empty(N, V, device=x.device, dtype=x.dtype)
+    g = torch.randn(N, V, device=x.device).to(x.dtype)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+
+    def products():
+        torch.matmul(x, w.T, out=z)
+        torch.matmul(g, w, out=dx)
+        torch.matmul(g.T, x, out=dw)
+
+    def products_copy():
+        torch.matmul(x, w.T, out=z)
+        g.copy_(z)
+        torch.matmul(g, w, out=dx)
+        torch.matmul(g.T, x, out=dw)
+    return products, products_copy
+
+
 def fwd_bwd(fn, x, w, y):
     def run():
         x.grad = w.grad = None
@@ -195,17 +218,9 @@ def matched_memory(N, H, V, y, x, w, peer_name, peer_fn, iters) -> str:
         ours["matched"] = Direct(x, w, y, ("ce",), nbytes=cap)
     ours["cap"] = Direct(x, w, y, ("ce",), nbytes=min(hi, max(lo, MEM_WORKSPACE)))
     ours["fast"] = Direct(x, w, y, ("ce",))
-    z = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn(N, V, device="cuda").to(torch.bfloat16)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
-
-    def products():
-        torch.matmul(x, w.T, out=z)
-        torch.matmul(g, w, out=dx)
-        torch.matmul(g.T, x, out=dw)
     fns = {k: v for k, v in ours.items() if k in ("matched", "cap", "fast")}
-    t = interleaved_ms({"floor": products, **fns}, warmup=1, iters=iters)
-    del z, g, dx, dw, fns
+    t = interleaved_ms({"floor": floor_products(x, w)[0], **fns}, warmup=1, iters=iters)
+    del fns
     ours.pop("matched", None), ours.pop("cap"), ours.pop("fast")
     torch.cuda.empty_cache()
     f = lambda k: f"{t[k]:.2f} ({t[k] / t['floor']:.2f}x)" if k in t else "n/a"  # noqa: E731
@@ -286,21 +301,7 @@ def main():
             w = (torch.randn(V, H, device="cuda") * (std / H ** 0.5)).to(torch.bfloat16)
             y = torch.randint(0, V, (N,), device="cuda")
             y[::17] = -100
-            # The floor: the three products, bf16 in and out, fp32 accumulation.
-            z = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
-            g = torch.randn(N, V, device="cuda").to(torch.bfloat16)
-            dx, dw = torch.empty_like(x), torch.empty_like(w)
-
-            def products():
-                torch.matmul(x, w.T, out=z)
-                torch.matmul(g, w, out=dx)
-                torch.matmul(g.T, x, out=dw)
-
-            def products_copy():  # a design's limit that runs the loss as its own pass over the logits
-                torch.matmul(x, w.T, out=z)
-                g.copy_(z)
-                torch.matmul(g, w, out=dx)
-                torch.matmul(g.T, x, out=dw)
+            products, products_copy = floor_products(x, w)
             ce = Direct(x, w, y, ("ce",))
             adv = torch.randn(N, device="cuda")
             old = -torch.rand(N, device="cuda") * 8 - 4
@@ -324,7 +325,7 @@ def main():
             if args.profile and not profile_lines:
                 profile_lines = profile("3 products", products) + profile("headloss CE", ce)
                 print("\n".join(profile_lines), flush=True)
-            del z, g, dx, dw, ce, full, rl, f32
+            del products, products_copy, fns, ce, full, rl, f32
             torch.cuda.empty_cache()
             bound_gib, mem = peak_memory(N, H, V, y, x, w, peer_fns)  # memory as users meet it
             t_peers = []

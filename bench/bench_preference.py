@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import headloss  # noqa: E402
 from headloss.torch_preference import preference_loss  # noqa: E402
-from bench_linear_loss import peak_extra_gib  # noqa: E402
+from bench_linear_loss import floor_products, fwd_bwd, peak_extra_gib  # noqa: E402
 from common import header, interleaved_ms  # noqa: E402
 
 LOSSES = {"DPO": dict(loss="dpo", beta=0.1), "ORPO": dict(loss="orpo", beta=0.1, nll_weight=1.0),
@@ -41,12 +41,9 @@ def liger_losses() -> dict:
             "ORPO": LigerFusedLinearORPOLoss(beta=0.1), "SimPO": LigerFusedLinearSimPOLoss(beta=2.0, gamma=0.5)}
 
 
-def step(fn, x, w):
-    def run():
-        x.grad = w.grad = None
-        out = fn()
-        (out[0] if isinstance(out, tuple) else out).backward()
-    return run
+def first(out):
+    """The loss of a call that returns it alone or first in a tuple (Liger's chunked losses)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def main():
@@ -75,34 +72,27 @@ def main():
         flat = labels.reshape(-1)
         cu = torch.arange(0, N + 1, T, device="cuda", dtype=torch.int32)
         ref = torch.zeros(2 * P, device="cuda")
-        z = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
-        dx, dw = torch.empty_like(x), torch.empty_like(w)
-
-        def products():
-            torch.matmul(x.detach(), w.detach().T, out=z)
-            torch.matmul(z, w.detach(), out=dx)
-            torch.matmul(z.T, x.detach(), out=dw)
         for name, opts in LOSSES.items():
             r = ref if name == "DPO" else None
-            fns = {"floor": products,
-                   "capped": step(lambda: preference_loss(x, w, flat, cu, r, **opts), x, w),
-                   "fast": step(lambda: preference_loss(x, w, flat, cu, r, max_workspace_bytes=None, **opts), x, w)}
+            ours = lambda x, w, y, **ws: first(preference_loss(x, w, y, cu, r, **ws, **opts))  # noqa: E731
+            fns = {"floor": floor_products(x.detach(), w.detach())[0],
+                   "capped": fwd_bwd(ours, x, w, flat),
+                   "fast": fwd_bwd(lambda x, w, y: ours(x, w, y, max_workspace_bytes=None), x, w, flat)}
             if name in liger:
                 xs = x.detach().reshape(2 * P, T, H).requires_grad_()
-                fns["liger"] = step(lambda: liger[name](w, xs, labels), xs, w)
+                fns["liger"] = fwd_bwd(lambda xs, w, y: first(liger[name](w, xs, y)), xs, w, labels)
             t = interleaved_ms(fns, warmup=1, iters=args.iters)
-            del z
+            del fns["floor"]
             torch.cuda.empty_cache()
             mem = [peak_extra_gib(fns[k], x, w) for k in ("capped", "fast")]
             if "liger" in fns:
                 mem.append(peak_extra_gib(fns["liger"], xs, w))
-            z = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
             f = lambda k: (f"{t[k]:.2f}", f"{t[k] / t['floor']:.3f}x") if k in t else ("n/a", "")  # noqa: E731
             row = [str(V), name, f"{t['floor']:.2f}", *f("capped"), *f("fast"), *f("liger"),
                    " / ".join(f"{m:.2f}" for m in mem)]
             lines.append("| " + " | ".join(row) + " |")
             print(lines[-1], flush=True)
-        del x, w, z, dx, dw
+        del x, w
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
