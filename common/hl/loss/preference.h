@@ -9,11 +9,6 @@
 
 namespace hl::loss {
 
-HL_HD float m_expm1(float x) { return expm1f(x); }
-HL_HD double m_expm1(double x) { return expm1(x); }
-HL_HD float m_abs(float x) { return fabsf(x); }
-HL_HD double m_abs(double x) { return fabs(x); }
-
 // The plan's preference options, defaults resolved (kind -1: no preference term).
 struct PrefOptions {
   int kind;          // HL_LOSS_PREF_*

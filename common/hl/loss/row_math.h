@@ -19,6 +19,10 @@ HL_HD float m_exp(float x) { return expf(x); }
 HL_HD double m_exp(double x) { return exp(x); }
 HL_HD float m_log(float x) { return logf(x); }
 HL_HD double m_log(double x) { return log(x); }
+HL_HD float m_expm1(float x) { return expm1f(x); }
+HL_HD double m_expm1(double x) { return expm1(x); }
+HL_HD float m_abs(float x) { return fabsf(x); }
+HL_HD double m_abs(double x) { return fabs(x); }
 template <class F> HL_HD F m_max(F a, F b) { return a > b ? a : b; }
 template <class F> HL_HD F m_min(F a, F b) { return a < b ? a : b; }
 template <class F> HL_HD F neg_inf() { return -F(INFINITY); }
