@@ -26,8 +26,9 @@ from .loss import DEFAULT_MAX_WORKSPACE_BYTES, SCALARS, LinearLossPlan, LossPlan
 
 _BASE = ("weights", "teacher_logits", "advantages", "old_logprobs", "ref_logprobs")
 # 0.4's inputs, after those of earlier versions' order (LinearLossFunction takes them positionally)
-_NEW = ("rollout_logprobs", "cu_seqlens", "teacher_topk_ids", "teacher_topk_logprobs")
-_INPUTS = _BASE + _NEW
+_NEW = ("rollout_logprobs", "cu_seqlens", "teacher_topk_ids", "teacher_topk_logprobs",
+        "ref_seq_logprobs", "kto_labels")  # the last two: 0.7's preference term, one value a sequence
+INPUTS = _BASE + _NEW
 LINEAR_INPUTS = _BASE + ("teacher_hidden", "teacher_weight") + _NEW
 
 
@@ -85,7 +86,7 @@ def run_linear(plan: LinearLossPlan, hidden, weight, labels, divisor: Optional[f
 class FusedLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, plan: LossPlan, in_place: bool, divisor: Optional[float], *inputs):
-        kw = {k: v for k, v in zip(_INPUTS, inputs) if v is not None}
+        kw = {k: v for k, v in zip(INPUTS, inputs) if v is not None}
         out = plan(logits, labels, divisor=divisor, in_place=in_place, **kw)
         keep_grads(ctx, out.grad)
         ctx.logits_dtype = logits.dtype
@@ -96,7 +97,7 @@ class FusedLossFunction(torch.autograd.Function):
     def backward(ctx, dloss, _dscalars):
         (g,) = take_grads(ctx)
         g = None if g is None else scale_grad(g, dloss, ctx.logits_dtype)
-        return (g, None, None, None, None) + (None,) * len(_INPUTS)
+        return (g, None, None, None, None) + (None,) * len(INPUTS)
 
 
 class LinearLossFunction(torch.autograd.Function):
@@ -147,18 +148,19 @@ class FusedLMHeadLoss(torch.nn.Module):
 
     def forward(self, logits, labels=None, *, weights=None, teacher_logits=None, advantages=None,
                 old_logprobs=None, ref_logprobs=None, rollout_logprobs=None, cu_seqlens=None,
-                teacher_topk_ids=None, teacher_topk_logprobs=None, divisor: Optional[float] = None):
+                teacher_topk_ids=None, teacher_topk_logprobs=None, ref_seq_logprobs=None, kto_labels=None,
+                divisor: Optional[float] = None):
         plan = self._plan(logits, labels, cu_seqlens)
         loss, scalars = FusedLossFunction.apply(logits, labels, plan, self.in_place, divisor, weights,
                                                 teacher_logits, advantages, old_logprobs, ref_logprobs,
                                                 rollout_logprobs, cu_seqlens, teacher_topk_ids,
-                                                teacher_topk_logprobs)
+                                                teacher_topk_logprobs, ref_seq_logprobs, kto_labels)
         return loss, dict(zip(SCALARS, scalars.unbind(0)))
 
 
 def fused_lm_head_loss(logits, labels=None, *, terms=("ce",), in_place: bool = False, **kwargs):
     """Functional form; options and inputs as FusedLMHeadLoss. Returns (loss, metrics dict)."""
-    inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in _INPUTS or k == "divisor"}
+    inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in INPUTS or k == "divisor"}
     return _module(terms_key(terms), in_place, tuple(sorted(kwargs.items())))(logits, labels, **inputs)
 
 

@@ -1,7 +1,7 @@
 """PyTorch front end of the plan's preference term (DPO and its loss types, IPO, SimPO, ORPO, CPO,
 KTO; docs/loss.md "Preference losses"): one call on the policy's hidden states and head weight (or on
 its logits) for a batch of completions grouped by cu_seqlens, the loss and TRL's metrics out, the
-gradients formed in the same pass and handed to autograd in backward (as torch_loss's Functions).
+gradients formed in the same pass and handed to autograd in backward (torch_loss's Functions).
 
     loss, metrics = preference_loss(hidden, lm_head.weight, labels, cu_seqlens, ref_logps, loss="dpo", beta=0.1)
     loss.backward()
@@ -22,7 +22,7 @@ import torch
 
 from ._loss_options import PREFERENCE_METRICS, preference_options
 from .loss import DEFAULT_MAX_WORKSPACE_BYTES, SCALARS, LinearLossPlan, LossPlan
-from .torch_loss import keep_grads, linear_workspace, scale_grad, take_grads
+from .torch_loss import INPUTS, LINEAR_INPUTS, FusedLossFunction, LinearLossFunction
 
 METRICS = PREFERENCE_METRICS  # TRL's metric names for the plan's scalars
 
@@ -36,26 +36,6 @@ def _plan(key: tuple, vocab: int, hidden: int, dtype: torch.dtype, device: str, 
                               grad_weight="write" if gw else None,
                               grad_weight_dtype=gw_dtype if gw else None, **opts)
     return LossPlan(vocab, dtype, device=device, grad_dtype=None, **opts)
-
-
-class _Preference(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, labels, plan, max_workspace_bytes, kw):
-        if weight is None:  # logits form
-            out = plan(x, labels, **kw)
-            grads, ctx.dtypes = (out.grad,), (x.dtype,)
-        else:
-            ws = linear_workspace(plan, x, x.shape[0], max_workspace_bytes)
-            out = plan(x, weight, labels, workspace=ws, **kw)
-            grads, ctx.dtypes = (out.grad_hidden, out.grad_weight), (x.dtype, weight.dtype)
-        keep_grads(ctx, *grads)
-        ctx.mark_non_differentiable(out.scalars)
-        return out.scalars[0].clone(), out.scalars
-
-    @staticmethod
-    def backward(ctx, dloss, _dscalars):
-        grads = [None if g is None else scale_grad(g, dloss, dt) for g, dt in zip(take_grads(ctx), ctx.dtypes)]
-        return tuple(grads + [None] * (6 - len(grads)))
 
 
 def preference_loss(hidden: torch.Tensor, weight: Optional[torch.Tensor], labels: torch.Tensor,
@@ -85,6 +65,10 @@ def preference_loss(hidden: torch.Tensor, weight: Optional[torch.Tensor], labels
     key = tuple(sorted(dict(opts, labels_dtype=str(labels.dtype).replace("torch.", "")).items()))
     V = hidden.shape[-1] if weight is None else weight.shape[0]
     plan = _plan(key, V, H, hidden.dtype, hidden.device.type, grads)
-    value, scalars = _Preference.apply(hidden, weight, labels, plan, max_workspace_bytes, kw)
+    if weight is None:
+        value, scalars = FusedLossFunction.apply(hidden, labels, plan, False, None, *(kw.get(k) for k in INPUTS))
+    else:
+        value, scalars = LinearLossFunction.apply(hidden, weight, labels, plan, None, max_workspace_bytes,
+                                                  *(kw.get(k) for k in LINEAR_INPUTS))
     index = {k: i for i, k in enumerate(SCALARS)}
     return value, {name: scalars[index[s]] for name, s in METRICS.items()}
