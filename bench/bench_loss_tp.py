@@ -15,7 +15,11 @@ the peak memory above the inputs per rank.
 Also dense JSD distillation (CE + JSD against teacher logits sharded the same way: a middle step and
 a second all-gather) and the fused linear form (hidden [N, H], the weight sharded by vocabulary rows:
 one all-gather for the loss, one all-reduce of grad_hidden), the latter against its floor on a rank:
-the shard's three products through cuBLAS and the all-reduce of grad_hidden.
+the shard's three products through cuBLAS and the all-reduce of grad_hidden. Then Megatron's output
+layer and loss on per-token losses: its product and fused_vocab_parallel_cross_entropy against
+headloss's fused output layer (integrations.megatron's fused_output_layer: four products, the
+upstream per-token gradient being known in the backward only) and their floor (four products and
+the all-reduce), time and peak memory.
 Labels unchecked (no host synchronisation), as the peers do not check them.
 
 Usage: python3 bench/bench_loss_tp.py [--out table.md] [--shape 8192x128256] [--linear 8192x4096x128256]
@@ -127,7 +131,7 @@ def worker(rank: int, init: str, args) -> None:
     del grad, x
     torch.cuda.empty_cache()
     jt, jcolls = jsd_times(rank, N, V, y, comm)
-    lt, lcolls = linear_times(rank, *map(int, args.linear.split("x")), comm, dist)
+    lt, lcolls, lpeaks = linear_times(rank, *map(int, args.linear.split("x")), comm, dist)
     comm.destroy()
     if rank == 0:
         assert abs(ours - ref) <= 1e-5 * abs(ref), (ours, ref)
@@ -135,6 +139,7 @@ def worker(rank: int, init: str, args) -> None:
         rows = [[k, f"{v:.3f}", "1 all-gather" if "headloss:" in k else "", nbytes if "headloss:" in k else ""]
                 for k, v in t.items()]
         more = lambda tt, cc: [[k, f"{v:.3f}", cc.get(k, "")] for k, v in tt.items()]  # noqa: E731
+        lrows = [[k, f"{v:.3f}", lcolls.get(k, ""), lpeaks.get(k, "")] for k, v in lt.items()]
         text = "\n".join([
             f"{header()}; 2 GPUs, one process each, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}",
             f"CE with gradient, bf16 [{N}, {V}] in two shards of {V // 2} columns, beside Megatron-core "
@@ -147,7 +152,7 @@ def worker(rank: int, init: str, args) -> None:
             table(more(jt, jcolls), ["per rank", "ms", "collectives"]), "",
             f"Fused linear form, CE, bf16 hidden [{args.linear.split('x')[0]}, {args.linear.split('x')[1]}], "
             f"the weight's {args.linear.split('x')[2]} rows in two shards:", "",
-            table(more(lt, lcolls), ["per rank", "ms", "collectives"])])
+            table(lrows, ["per rank", "ms", "collectives", "peak above inputs, GiB"])])
         print(text, flush=True)
         if args.out:
             Path(args.out).write_text(text + "\n")
@@ -248,7 +253,58 @@ def linear_times(rank, N, H, V, comm, dist):
     t["  vs its floor"] = both["ours"] / both["floor"]
     colls = {"linear floor: the shard's 3 products + all-reduce": "1 all-reduce",
              "linear: hl_loss_plan_execute_nccl": "1 all-gather + 1 all-reduce"}
-    return t, colls
+    del gh, gw, ws
+    torch.cuda.empty_cache()
+    out, peaks = output_layer_times(x, w, y, z, floor, dist)
+    del z, dx, dw
+    t.update(out)
+    colls.update({"output layer floor: 4 products + all-reduce": "1 all-reduce",
+                  "headloss: fused output layer (linear_token_loss)": "1 all-gather + 1 all-reduce",
+                  "Megatron-core: product + fused_vocab_parallel_cross_entropy": "3 all-reduces"})
+    return t, colls, peaks
+
+
+def output_layer_times(x, w, y, z, floor, dist):
+    """Megatron's output layer and loss on per-token losses (a masked mean, forward + backward, the
+    all-reduce of grad_hidden): its product then fused_vocab_parallel_cross_entropy on the [s, b,
+    V / tp] logits, against headloss's fused output layer (torch_token_loss.linear_token_loss: four
+    products, no logits) and the floor of four products + the all-reduce, timed in turns; peak GiB
+    above the inputs."""
+    from common import interleaved_ms
+    from headloss.torch_token_loss import linear_token_loss
+    mask = (y >= 0).float()
+
+    def step(losses_of, reduce=False):
+        def run():
+            h, wt = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+            loss = (losses_of(h, wt).view(-1) * mask).sum() / mask.sum()
+            loss.backward()
+            if reduce:  # Megatron's copy_to_tensor_model_parallel_region, in its backward
+                dist.all_reduce(h.grad)
+            return h.grad
+        return run
+
+    def floor4():
+        floor()
+        torch.matmul(x, w.T, out=z)
+
+    runs = {"output layer floor: 4 products + all-reduce": floor4,
+            "headloss: fused output layer (linear_token_loss)":
+                step(lambda h, wt: linear_token_loss(h, wt, y, group=dist.group.WORLD, check=False))}
+    try:
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+        def megatron(h, wt):
+            return fused_vocab_parallel_cross_entropy((h @ wt.T).view(h.shape[0], 1, -1), y.view(-1, 1),
+                                                      dist.group.WORLD)
+        runs["Megatron-core: product + fused_vocab_parallel_cross_entropy"] = step(megatron, reduce=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"# megatron-core unavailable: {type(e).__name__}: {e}", flush=True)
+    t = interleaved_ms(runs, iters=5)
+    ours = "headloss: fused output layer (linear_token_loss)"
+    t["  fused output layer vs its floor"] = t[ours] / t["output layer floor: 4 products + all-reduce"]
+    peaks = {k: f"{peak_gib(f):.2f}" for k, f in runs.items() if "floor" not in k}
+    return t, peaks
 
 
 def main():

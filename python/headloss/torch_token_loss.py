@@ -1,17 +1,22 @@
-"""Per-token losses with a per-token backward, in the logits form, whole or over a vocabulary-sharded
-head: what engines that apply their own loss mask and reduction take (Megatron-core's
-vocab_parallel_cross_entropy, DTensor's loss_parallel).
+"""Per-token losses with a per-token backward, whole or over a vocabulary-sharded head, from logits
+or fused with the head's product from hidden states: what engines that apply their own loss mask and
+reduction take (Megatron-core's vocab_parallel_cross_entropy and output layer, DTensor's loss_parallel).
 
     losses = token_loss(logits, labels, terms=("ce", "z"), z_weight=1e-4)   # labels' shape, fp32
     (losses * mask).sum().backward()
     losses = token_loss(shard, labels, group=tp_group)  # rank r holds columns [r n, (r + 1) n)
+    losses = linear_token_loss(hidden, weight_shard, labels, group=tp_group)  # no logits
 
-The forward runs the plan with divisor 1 and no weights, so its token_loss output is each token's
-loss and the gradient row t is d loss_t / dz. The gradient is formed there, in one pass over the
-logits (sharded: statistics, one all-gather of per-row records on the group, finish), and kept;
-backward scales its rows by the upstream per-token gradient in place (in fp32, one rounding) and
-hands it over (torch_loss.keep_grads): one gradient the size of the logits lives from the forward
-to the backward (Megatron-core keeps an fp32 softmax, twice that for bf16 logits).
+The forward runs a plan without gradient (whole: one pass over the logits, or one product a chunk;
+sharded: statistics, one all-gather of per-row records on the group, and a finish that reads the
+gathered records alone) and keeps its inputs (and the gathered records); the backward runs the
+finish of a plan with gradient, each row weighted by its upstream gradient and divisor 1: the
+vector-Jacobian product in one pass that reads the logits and writes their gradient (in fp32 inside,
+rounded once), or forms the logits again chunk by chunk for grad_hidden and grad_weight (four
+products in all; grad_hidden summed over the group by one all-reduce), with no second exchange of
+records. A forward without backward (evaluation, reference log-probs) forms no gradient; backward
+may run twice (retain_graph=True). Megatron-core keeps an fp32 softmax from the forward to the
+backward, twice the logits' size for bf16 logits; this keeps the logits (or nothing of [rows, V]).
 Labels are global ids; a negative one (or ignore_index) has loss 0 and gradient 0.
 """
 from __future__ import annotations
@@ -25,46 +30,97 @@ from torch import Tensor
 
 from ._lib import HeadlossTypeError
 from ._loss_options import terms_key
-from .loss import LossPlan
-from .torch_loss import keep_grads, take_grads
+from .loss import DEFAULT_MAX_WORKSPACE_BYTES, LinearLossPlan, LossPlan
+from .torch_loss import linear_workspace
+from .torch_ops import _head_weight
 from .torch_tokens import _on
 
-__all__ = ["TokenLossFunction", "token_loss"]
+__all__ = ["TokenLossFunction", "token_loss", "linear_token_loss"]
 
 
 @lru_cache(maxsize=64)
-def _plan(vocab: int, dtype: torch.dtype, device: torch.device, labels_dtype: torch.dtype, shard: tuple,
-          options: tuple) -> LossPlan:
+def _plan(vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, labels_dtype: torch.dtype,
+          shard: tuple, options: tuple, grads: tuple) -> LossPlan:
+    """The logits form's plan (hidden 0) or the fused linear one; grads: the gradients it writes,
+    () for the forward's, (logits,) or (hidden, weight) as booleans for a backward's."""
+    options = dict(shard, **dict(options))
+    if grads:  # the forward's plan checked these labels
+        options["check"] = False
+    else:
+        options.pop("grad_dtype", None), options.pop("grad_weight_dtype", None)
+    mode = [("write" if g else None) for g in grads] or [None, None]
     with _on(device):
-        return LossPlan(vocab, dtype, device=device.type, labels_dtype=labels_dtype, **dict(shard),
-                        **dict(options))
+        if not hidden:
+            return LossPlan(vocab, dtype, device=device.type, labels_dtype=labels_dtype, grad=mode[0], **options)
+        return LinearLossPlan(vocab, hidden, dtype, device=device.type, labels_dtype=labels_dtype,
+                              grad_hidden=mode[0], grad_weight=mode[1], **options)
+
+
+def _call(plan: LossPlan, mats: tuple, y: Tensor, group, gathered: Optional[Tensor], max_ws, **kw):
+    """One run of plan on mats ((logits,) or (hidden, weight), as [rows, n] matrices): whole, or the
+    finish of a shard on gathered records, or (gathered None, group given) statistics, their
+    all-gather on the group and the finish; returns (its output, the gathered records)."""
+    ws = {}
+    if isinstance(plan, LinearLossPlan):
+        ws["workspace"] = linear_workspace(plan, mats[0], mats[0].shape[0], max_ws)
+    if group is None:
+        return plan(*mats, y, divisor=1.0, **ws, **kw), None
+    if gathered is None:
+        block = plan.stats(*mats, y, **ws)
+        gathered = block.new_empty(dist.get_world_size(group) * block.numel())
+        dist.all_gather_into_tensor(gathered, block, group=group)
+    return plan.finish(gathered, *mats, y, divisor=1.0, **ws, **kw), gathered
 
 
 class TokenLossFunction(torch.autograd.Function):
-    """apply(logits [..., n], labels [...], plan, group) -> per-token losses [...] (fp32): the
-    plan (grad "write", a shard's with group's size as ranks, or a whole one with group None)
-    runs with divisor 1; its gradient waits for the upstream per-token gradient."""
+    """apply(labels [...], plans, group, max_workspace_bytes, *inputs) -> per-token losses [...]
+    (fp32). inputs: (logits [..., n],) or (hidden [..., H], weight [n, H]); plans: the forward's
+    (no gradient) and the backward's (the gradients of the inputs) of the same options, a shard's
+    with group's size as ranks or whole ones with group None."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, plan: LossPlan, group):
-        x, y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).contiguous()
-        with _on(logits.device):
-            if group is None:
-                out = plan(x, y, divisor=1.0, token_outputs=True)
-            else:
-                block = plan.stats(x, y)
-                gathered = block.new_empty(dist.get_world_size(group) * block.numel())
-                dist.all_gather_into_tensor(gathered, block, group=group)
-                out = plan.finish(gathered, x, y, divisor=1.0, token_outputs=True)
-        keep_grads(ctx, out.grad.view(logits.shape))
-        ctx.logits_dtype = logits.dtype
+    def forward(ctx, labels: Tensor, plans: tuple, group, max_ws, *inputs):
+        mats, y = _mats(inputs), labels.reshape(-1).contiguous()
+        with _on(inputs[0].device):
+            out, gathered = _call(plans[0], mats, y, group, None, max_ws, token_outputs=True)
+        ctx.save_for_backward(y, gathered, *inputs)
+        ctx.plan, ctx.group, ctx.max_ws = plans[1], group, max_ws
         return out.token_loss.view(labels.shape)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        (grad,) = take_grads(ctx)
-        grad.mul_(g.float().unsqueeze(-1))  # fp32 product, rounded once into the gradient's dtype
-        return grad.to(ctx.logits_dtype), None, None, None
+        y, gathered, *inputs = ctx.saved_tensors
+        w = g.reshape(-1).float().contiguous()
+        with _on(inputs[0].device):
+            out, _ = _call(ctx.plan, _mats(inputs), y, ctx.group, gathered, ctx.max_ws, weights=w)
+        if len(inputs) == 1:
+            return None, None, None, None, out.grad.view(inputs[0].shape)
+        gh, gw = out.grad_hidden, out.grad_weight
+        if gh is not None and ctx.group is not None:
+            dist.all_reduce(gh, group=ctx.group)  # each shard's part of d loss / d hidden
+        return (None, None, None, None, None if gh is None else gh.view(inputs[0].shape),
+                None if gw is None else gw.to(inputs[1].dtype))
+
+
+def _mats(inputs: tuple) -> tuple:
+    return (inputs[0].reshape(-1, inputs[0].shape[-1]),) + tuple(inputs[1:])
+
+
+def _shard(group, n: int, vocab_start: Optional[int], vocab_global: Optional[int]) -> tuple:
+    """The plan's shard options on group (by default equal shards of n in rank order), and the group
+    itself (None for one rank)."""
+    ranks = 1 if group is None else dist.get_world_size(group)
+    if ranks == 1:
+        return (), None
+    rank = dist.get_rank(group)
+    return ((("vocab_start", rank * n if vocab_start is None else vocab_start),
+             ("vocab_global", ranks * n if vocab_global is None else vocab_global), ("ranks", ranks)), group)
+
+
+def _key(terms, options: dict) -> tuple:
+    if "grad" in options:
+        raise HeadlossTypeError("token_loss: the backward writes the gradient (no grad option)")
+    return tuple(sorted(dict(options, terms=terms_key(terms)).items()))
 
 
 def token_loss(logits: Tensor, labels: Tensor, *, group=None, vocab_start: Optional[int] = None,
@@ -74,15 +130,25 @@ def token_loss(logits: Tensor, labels: Tensor, *, group=None, vocab_start: Optio
     or one rank: the whole vocabulary); by default equal shards in rank order (vocab_start = rank
     n, vocab_global = ranks n, Megatron's layout), else pass both. options: LossPlan's (terms'
     weights, label_smoothing, softcap, logit_scale, ignore_index, grad_dtype, check=False to skip
-    the label-range check and its synchronisation, ...); the plan always forms its gradient."""
-    if "grad" in options:
-        raise HeadlossTypeError("token_loss: the plan always writes its gradient (no grad option)")
-    ranks = 1 if group is None else dist.get_world_size(group)
-    n, shard = logits.shape[-1], ()
-    if ranks > 1:
-        rank = dist.get_rank(group)
-        shard = (("vocab_start", rank * n if vocab_start is None else vocab_start),
-                 ("vocab_global", ranks * n if vocab_global is None else vocab_global), ("ranks", ranks))
-    key = tuple(sorted(dict(options, terms=terms_key(terms)).items()))
-    plan = _plan(n, logits.dtype, logits.device, labels.dtype, shard, key)
-    return TokenLossFunction.apply(logits, labels, plan, group if ranks > 1 else None)
+    the label-range check and its synchronisation, ...); no grad option: the backward writes the gradient."""
+    key, (shard, group) = _key(terms, options), _shard(group, logits.shape[-1], vocab_start, vocab_global)
+    plans = tuple(_plan(logits.shape[-1], 0, logits.dtype, logits.device, labels.dtype, shard, key, grads)
+                  for grads in ((), (True,)))
+    return TokenLossFunction.apply(labels, plans, group, None, logits)
+
+
+def linear_token_loss(hidden: Tensor, weight, labels: Tensor, *, group=None, vocab_start: Optional[int] = None,
+                      vocab_global: Optional[int] = None, terms=("ce",),
+                      max_workspace_bytes: Optional[int] = DEFAULT_MAX_WORKSPACE_BYTES, **options) -> Tensor:
+    """token_loss of the logits hidden @ weight.T without forming them: hidden [..., H] (the same on
+    every rank of group), weight [n, H] (this rank's rows of the head; an nn.Linear without bias)
+    in one dtype, labels [hidden's leading shape]. The backward gives grad_hidden (summed over
+    group) and grad_weight (this shard's), those that require grad. options: LinearLossPlan's
+    (grad_weight_dtype="float32" sums grad_weight over the chunks in fp32, ...) and token_loss's;
+    max_workspace_bytes as headloss.torch_ops.linear_loss."""
+    weight = _head_weight(weight)
+    key, (shard, group) = _key(terms, options), _shard(group, weight.shape[0], vocab_start, vocab_global)
+    grads = (hidden.requires_grad, weight.requires_grad)
+    plans = tuple(_plan(weight.shape[0], hidden.shape[-1], hidden.dtype, hidden.device, labels.dtype, shard, key, gr)
+                  for gr in ((), grads if any(grads) else (True, True)))
+    return TokenLossFunction.apply(labels, plans, group, max_workspace_bytes, hidden, weight)

@@ -7,7 +7,11 @@ where present:
   would be) within 1e-6 of the largest for fp32 from the unfused path, a bf16 unit in the last
   place otherwise (the fused path rounds its gradient to bf16);
 - z-loss through the options; Megatron's label_smoothing against Megatron at tp = 1;
-- a GPTModel trains four steps with the switch on and off: the same loss curve (1e-5).
+- the fused output layer (apply_headloss(model, fused_output_layer=True)): a GPTModel's per-token
+  losses and every parameter's gradient against the stock model's, fp32, and under sequence
+  parallelism on GPUs (gloo has no reduce-scatter);
+- a GPTModel trains four steps with the switch off, on, and on with the fused output layer: the same
+  loss curve (1e-5).
 Megatron's model code runs on CPU ranks with two shims in the workers (tests only):
 torch.cuda.current_device -> "cpu" (its global memory buffer) and a no-op RNG-tracker fork (no
 dropout here)."""
@@ -36,7 +40,7 @@ def _megatron(device: str):
     return parallel_state
 
 
-def _gpt(device: str):
+def _gpt(device: str, **config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -45,7 +49,7 @@ def _gpt(device: str):
                             tensor_model_parallel_size=torch.distributed.get_world_size(),
                             attention_dropout=0.0, hidden_dropout=0.0, bias_dropout_fusion=False,
                             apply_rope_fusion=False, gradient_accumulation_fusion=False,
-                            masked_softmax_fusion=False, persist_layer_norm=False)
+                            masked_softmax_fusion=False, persist_layer_norm=False, **config)
     return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=V,
                     max_sequence_length=S).to(device)
 
@@ -106,18 +110,49 @@ def _loss_level(rank, ranks, device):
     assert _close(ours, theirs_ce(full.clone(), ys, label_smoothing=0.1, tp_group=single), tol, False)
 
 
-def _training(rank, ranks, device):
-    from headloss.integrations.megatron import apply_headloss
+def _batch(device):
     g = torch.Generator().manual_seed(9)
     ids = torch.randint(0, V, (B, S + 1), generator=g).to(device)
     mask = (torch.rand(B, S, generator=g) > 0.1).float().to(device)
     pos = torch.arange(S, device=device).expand(B, S)
     causal = torch.ones(B, 1, S, S, dtype=torch.bool, device=device).tril().logical_not()
+    return ids, mask, pos, causal
+
+
+def _fused_output_layer(rank, ranks, device):
+    import headloss.integrations.megatron as switch
+    calls, linear = [], switch.linear_token_loss
+    switch.linear_token_loss = lambda *a, **k: calls.append(a[0].shape) or linear(*a, **k)
+    ids, mask, pos, causal = _batch(device)
+    up = torch.randn(B, S, generator=torch.Generator().manual_seed(3)).to(device) * mask
+    tol = 1e-6 if device == "cpu" else 1e-5
+    for config in ({}, dict(sequence_parallel=True)) if device == "cuda" else ({},):
+        runs = []
+        for fused in (False, True):
+            model = _gpt(device, **config)
+            if fused:
+                switch.apply_headloss(model, fused_output_layer=True)
+            losses = model(ids[:, :-1], pos, causal, labels=ids[:, 1:])
+            assert len(calls) == fused, calls  # hidden states [s, b, H], not logits
+            calls.clear()
+            (losses * up).sum().backward()
+            runs.append((losses.detach(), {k: p.grad for k, p in model.named_parameters()}))
+        (stock, stock_g), (ours, ours_g) = runs
+        what = f"rank {rank}, {config}"
+        assert ours.shape == (B, S) and _close(ours, stock, tol, False), f"{what}: losses"
+        for k, g in stock_g.items():
+            assert _close(ours_g[k], g, 10 * tol, False), f"{what}: {k}'s gradient"
+    switch.linear_token_loss = linear
+
+
+def _training(rank, ranks, device):
+    from headloss.integrations.megatron import apply_headloss
+    ids, mask, pos, causal = _batch(device)
     curves = []
-    for switch in (False, True):
+    for switch in (None, {}, dict(fused_output_layer=True)):
         model = _gpt(device)
-        if switch:
-            apply_headloss(model)
+        if switch is not None:
+            apply_headloss(model, **switch)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         curve = []
         for _ in range(4):
@@ -128,14 +163,15 @@ def _training(rank, ranks, device):
             opt.step()
             curve.append(loss.item())
         curves.append(curve)
-    stock, ours = map(torch.tensor, curves)
+    stock, *ours = map(torch.tensor, curves)
     assert stock[-1] < stock[0], curves  # it trains
-    assert torch.allclose(ours, stock, rtol=1e-5), curves
+    assert all(torch.allclose(c, stock, rtol=1e-5) for c in ours), curves
 
 
 def _both(rank, ranks, device):
     _megatron(device)
     _loss_level(rank, ranks, device)
+    _fused_output_layer(rank, ranks, device)
     _training(rank, ranks, device)
 
 
