@@ -14,7 +14,9 @@ finish of a plan with gradient, each row weighted by its upstream gradient and d
 vector-Jacobian product in one pass that reads the logits and writes their gradient (in fp32 inside,
 rounded once), or forms the logits again chunk by chunk for grad_hidden and grad_weight (four
 products in all; grad_hidden summed over the group by one all-reduce), with no second exchange of
-records. A forward without backward (evaluation, reference log-probs) forms no gradient; backward
+records. A shard's fused linear form with max_workspace_bytes=None keeps the statistics step's
+workspace, which then holds every row's logits of the shard, from the forward to the backward: three
+products, the memory of the shard's logits in their dtype. A forward without backward (evaluation, reference log-probs) forms no gradient; backward
 may run twice (retain_graph=True). Megatron-core keeps an fp32 softmax from the forward to the
 backward, twice the logits' size for bf16 logits; this keeps the logits (or nothing of [rows, V]).
 Labels are global ids; a negative one (or ignore_index) has loss 0 and gradient 0.
@@ -56,43 +58,64 @@ def _plan(vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, lab
                               grad_hidden=mode[0], grad_weight=mode[1], **options)
 
 
-def _call(plan: LossPlan, mats: tuple, y: Tensor, group, gathered: Optional[Tensor], max_ws, **kw):
-    """One run of plan on mats ((logits,) or (hidden, weight), as [rows, n] matrices): whole, or the
-    finish of a shard on gathered records, or (gathered None, group given) statistics, their
-    all-gather on the group and the finish; returns (its output, the gathered records)."""
-    ws = {}
-    if isinstance(plan, LinearLossPlan):
-        ws["workspace"] = linear_workspace(plan, mats[0], mats[0].shape[0], max_ws)
-    if group is None:
-        return plan(*mats, y, divisor=1.0, **ws, **kw), None
-    if gathered is None:
-        block = plan.stats(*mats, y, **ws)
-        gathered = block.new_empty(dist.get_world_size(group) * block.numel())
-        dist.all_gather_into_tensor(gathered, block, group=group)
-    return plan.finish(gathered, *mats, y, divisor=1.0, **ws, **kw), gathered
+def _workspace(plan: LossPlan, mats: tuple, max_ws) -> dict:
+    """{} for the logits form; the fused linear form's workspace= (max_ws as linear_workspace's)."""
+    if not isinstance(plan, LinearLossPlan):
+        return {}
+    return {"workspace": linear_workspace(plan, mats[0], mats[0].shape[0], max_ws)}
+
+
+def _every_row(plan: LossPlan, ws: dict, mats: tuple) -> bool:
+    """Does the workspace hold every row's logits, which a shard's finish then takes from its
+    statistics step instead of forming them?"""
+    w = ws.get("workspace")
+    return w is not None and w.numel() * 4 >= plan.workspace_sizes(mats[0].shape[0])[1]
 
 
 class TokenLossFunction(torch.autograd.Function):
     """apply(labels [...], plans, group, max_workspace_bytes, *inputs) -> per-token losses [...]
     (fp32). inputs: (logits [..., n],) or (hidden [..., H], weight [n, H]); plans: the forward's
     (no gradient) and the backward's (the gradients of the inputs) of the same options, a shard's
-    with group's size as ranks or whole ones with group None."""
+    with group's size as ranks or whole ones with group None. A shard's statistics come from the
+    backward's plan: where its workspace holds every row's logits (max_workspace_bytes None in the
+    fused linear form), the backward finds them there and forms them no more (three products in
+    all), the workspace kept from the forward to the backward."""
 
     @staticmethod
     def forward(ctx, labels: Tensor, plans: tuple, group, max_ws, *inputs):
         mats, y = _mats(inputs), labels.reshape(-1).contiguous()
+        fwd, bwd = plans
+        gathered, ctx.kept = None, None
         with _on(inputs[0].device):
-            out, gathered = _call(plans[0], mats, y, group, None, max_ws, token_outputs=True)
+            if group is None:
+                out = fwd(*mats, y, divisor=1.0, token_outputs=True, **_workspace(fwd, mats, max_ws))
+            else:
+                ws = _workspace(bwd, mats, max_ws)
+                block = bwd.stats(*mats, y, **ws)
+                gathered = block.new_empty(dist.get_world_size(group) * block.numel())
+                dist.all_gather_into_tensor(gathered, block, group=group)
+                out = fwd.finish(gathered, *mats, y, divisor=1.0, token_outputs=True, **_workspace(fwd, mats, 0))
+                if _every_row(bwd, ws, mats):
+                    ctx.kept = ws["workspace"]
         ctx.save_for_backward(y, gathered, *inputs)
-        ctx.plan, ctx.group, ctx.max_ws = plans[1], group, max_ws
+        ctx.plan, ctx.group, ctx.max_ws = bwd, group, max_ws
         return out.token_loss.view(labels.shape)
 
     @staticmethod
     def backward(ctx, g: Tensor):
         y, gathered, *inputs = ctx.saved_tensors
-        w = g.reshape(-1).float().contiguous()
+        mats, w = _mats(inputs), g.reshape(-1).float().contiguous()
+        # The kept logits serve once: the finish writes their gradient over them. A second backward
+        # (retain_graph) whose workspace holds every row forms them there again with a statistics step.
+        ws = {"workspace": ctx.kept} if ctx.kept is not None else _workspace(ctx.plan, mats, ctx.max_ws)
         with _on(inputs[0].device):
-            out, _ = _call(ctx.plan, _mats(inputs), y, ctx.group, gathered, ctx.max_ws, weights=w)
+            if gathered is None:
+                out = ctx.plan(*mats, y, weights=w, divisor=1.0, **ws)
+            else:
+                if ctx.kept is None and _every_row(ctx.plan, ws, mats):
+                    ctx.plan.stats(*mats, y, **ws)
+                out = ctx.plan.finish(gathered, *mats, y, weights=w, divisor=1.0, **ws)
+        ctx.kept = None
         if len(inputs) == 1:
             return None, None, None, None, out.grad.view(inputs[0].shape)
         gh, gw = out.grad_hidden, out.grad_weight
@@ -145,7 +168,8 @@ def linear_token_loss(hidden: Tensor, weight, labels: Tensor, *, group=None, voc
     in one dtype, labels [hidden's leading shape]. The backward gives grad_hidden (summed over
     group) and grad_weight (this shard's), those that require grad. options: LinearLossPlan's
     (grad_weight_dtype="float32" sums grad_weight over the chunks in fp32, ...) and token_loss's;
-    max_workspace_bytes as headloss.torch_ops.linear_loss."""
+    max_workspace_bytes as headloss.torch_ops.linear_loss; None over a group of two or more ranks
+    keeps the shard's logits from the forward to the backward (see the module docstring)."""
     weight = _head_weight(weight)
     key, (shard, group) = _key(terms, options), _shard(group, weight.shape[0], vocab_start, vocab_global)
     grads = (hidden.requires_grad, weight.requires_grad)

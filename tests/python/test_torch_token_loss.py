@@ -93,9 +93,16 @@ def _sharded(rank, ranks, device, dtypes):
                 check(loss.cpu(), xs.grad.cpu(), ref, z, up, dtype, device, slice(lo, hi))
                 h, w = linear_inputs(dtype)
                 hs, ws = h.to(device).requires_grad_(True), w[lo:hi].to(device).requires_grad_(True)
-                loss = linear_token_loss(hs, ws, y.to(device), group=dist.group.WORLD, **shard, **OPTS[case])
-                (loss * up.to(device)).sum().backward()
+                # uneven: the least workspace (chunks; the logits formed again in the backward);
+                # even: the default, which on a GPU holds these rows' logits from the forward on
+                cap = dict(max_workspace_bytes=0) if uneven else {}
+                loss = linear_token_loss(hs, ws, y.to(device), group=dist.group.WORLD, **shard, **cap, **OPTS[case])
+                (loss * up.to(device)).sum().backward(retain_graph=True)
                 check_linear(loss, hs.grad, ws.grad, h, w, y, up, OPTS[case], dtype, device, slice(lo, hi))
+                first = hs.grad.clone(), ws.grad.clone()
+                hs.grad = ws.grad = None
+                (loss * up.to(device)).sum().backward()  # the kept logits were overwritten: formed again
+                assert torch.equal(first[0], hs.grad) and torch.equal(first[1], ws.grad)
 
 
 def test_two_cpu_ranks():

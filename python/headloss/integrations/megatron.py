@@ -30,12 +30,15 @@ The output layer fused too: apply_headloss(model, fused_output_layer=True) makes
 training forward (labels given, no output_processor of the caller's, no MuP logit scaling) compute
 the per-token losses from the decoder's hidden states and the output layer's weight shard (or the
 shared embedding's) with the fused linear form (torch_token_loss.linear_token_loss): the [s, b,
-V / tp] logits and Megatron's fp32 copy of them never exist. The forward is the shard's product a
-chunk (statistics) and one all-gather; the backward forms the logits again for grad_hidden and
-grad_weight (four products in all: the upstream per-token gradient is not known in the forward),
-and sums grad_hidden over the tensor-parallel group with one all-reduce (under sequence parallelism
-the hidden states are gathered first, as the output layer does). Forwards without labels keep
-Megatron's output layer (and the switched loss).
+V / tp] logits are formed once, into a workspace kept from the forward to the backward, and
+Megatron's fp32 copies of them never exist. The forward is the shard's product (statistics) and one
+all-gather; the backward writes the logits' gradient over them for grad_hidden and grad_weight (three
+products in all) and sums grad_hidden over the tensor-parallel group with one all-reduce (under
+sequence parallelism the hidden states are gathered first, as the output layer does). With
+max_workspace_bytes=N (bytes) the workspace is at most N, nothing of [s, b, V / tp] is kept, and
+the backward forms the logits again chunk by chunk (four products: the upstream per-token gradient
+is not known in the forward); so does tensor parallelism 1. Forwards without labels keep Megatron's
+output layer (and the switched loss).
 
 Extra keyword arguments of apply_headloss are loss-plan options (LossPlan's: terms, z_weight,
 entropy_weight, label_smoothing as the plan's eps, softcap, logit_scale, grad_dtype="float32",
@@ -92,7 +95,7 @@ def _fused_output(self, *, hidden_states, output_layer, output_weight, labels, *
                                                              group=self.tp_group)
     weight = output_layer.weight if output_weight is None else output_weight
     loss = linear_token_loss(hidden_states, weight, labels.transpose(0, 1), group=self.tp_group,
-                             **self._headloss_loss_options)
+                             max_workspace_bytes=self._headloss_workspace, **self._headloss_loss_options)
     return loss.transpose(0, 1).contiguous()
 
 
@@ -112,17 +115,19 @@ def _language_modules(model) -> list:
     return [m for c in chunks for m in c.modules() if isinstance(m, LanguageModule)]
 
 
-def apply_headloss(model, *, fused_output_layer: bool = False, **loss_options):
+def apply_headloss(model, *, fused_output_layer: bool = False, max_workspace_bytes: Optional[int] = None,
+                   **loss_options):
     """Makes every LanguageModule in model (a module or a list of modules) compute its language-model
     loss with headloss's sharded plan (see the module docstring), and with fused_output_layer every
-    GPTModel its output layer and loss in one (the fused linear form); returns model. Calling it
-    again replaces the options; remove_headloss undoes it."""
+    GPTModel its output layer and loss in one (the fused linear form, its workspace capped at
+    max_workspace_bytes); returns model. Calling it again replaces the options; remove_headloss
+    undoes it."""
     LossPlan(2, "float32", **loss_options)  # refuses a bad option now rather than at the first step
     found = _language_modules(model)
     if not found:
         raise HeadlossValueError(f"headloss: no Megatron-core LanguageModule in {type(model).__name__}")
     for m in found:
-        m._headloss_loss_options = dict(loss_options)
+        m._headloss_loss_options, m._headloss_workspace = dict(loss_options), max_workspace_bytes
         m.compute_language_model_loss = types.MethodType(_compute_language_model_loss, m)
         m.__dict__.pop("forward", None)
         if fused_output_layer and "output_processor" in inspect.signature(type(m).forward).parameters:
@@ -133,6 +138,6 @@ def apply_headloss(model, *, fused_output_layer: bool = False, **loss_options):
 def remove_headloss(model):
     """Undoes apply_headloss: Megatron's own compute_language_model_loss again."""
     for m in _language_modules(model):
-        for attr in ("compute_language_model_loss", "_headloss_loss_options", "forward"):
+        for attr in ("compute_language_model_loss", "_headloss_loss_options", "_headloss_workspace", "forward"):
             m.__dict__.pop(attr, None)
     return model
