@@ -139,6 +139,11 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   char *w = static_cast<char *>(workspace);
   const GemmSpace gemm_ws{w + L.gemm, L.gemm_bytes};
   void *z = w + L.logits, *t = w + L.teacher;
+  if (phase == kFinish && !p.dlogits) {  // every row from the gathered records, no logits read: one pass
+    HL_TRY(rows_begin(fn, p, a, gathered, workspace, stream));
+    HL_TRY(rows_run(p, chunk_args(p, a, 0, N, z, t, L), phase, 0, N, gathered, block, workspace, stream, false));
+    return rows_end(p, a, workspace, stream);
+  }
   ShiftedBuffers sb{};
   const bool shifted = p.cuda->shifted && phase != kMiddle && shifted_call(a);
   if (shifted) {  // E where the logits chunk would be, its buffers after it
@@ -147,9 +152,8 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
   }
   if (phase != kStats) HL_TRY(rows_begin(fn, p, a, gathered, workspace, stream));
   // A split's middle step and finish reuse the statistics step's logits (the shifted path's E,
-  // statistics and shifts) when every row's stayed (the middle step writes no gradient over them);
-  // a finish without a gradient reads none.
-  const bool form = phase == kMiddle ? !L.keep : phase != kFinish || (p.dlogits && !L.keep);
+  // statistics and shifts) when every row's stayed (the middle step writes no gradient over them).
+  const bool form = (phase != kMiddle && phase != kFinish) || !L.keep;
   for (int64_t i0 = 0; i0 < N; i0 += L.chunk) {
     const int64_t n = std::min(L.chunk, N - i0);
     const void *x = row(a.hidden, i0, a.hidden_stride, wd);
