@@ -310,8 +310,8 @@ def output_layer_times(x, w, y, z, floor, dist):
         runs["Megatron-core: product + fused_vocab_parallel_cross_entropy"] = step(megatron, reduce=True)
         with torch.no_grad():  # the same per-token losses
             theirs, mine = megatron(x, w), ours(None)(x, w)
-        assert torch.allclose(mine.view(-1), theirs.view(-1).float(), rtol=2e-2, atol=2e-2), \
-            float((mine.view(-1) - theirs.view(-1)).abs().max())
+        gap = (mine.view(-1) - theirs.view(-1).float()).abs()  # bf16 logits on both sides
+        assert float(gap.max()) < 0.1 and float(gap.mean()) < 1e-3 * float(mine.mean()), float(gap.max())
     except Exception as e:  # noqa: BLE001
         print(f"# megatron-core unavailable: {type(e).__name__}: {e}", flush=True)
     t = interleaved_ms(runs, iters=5)
