@@ -6,6 +6,9 @@ V even and uneven (67: shards of 34 and 33), -100 labels among them:
 - bf16 logits against loss_parallel on their fp32 copy (torchtitan's pred.float()): the loss within a
   bf16 rounding, the gradient within a bf16 unit in the last place; torchtitan's cross_entropy_loss
   (fp32 sum) within 1e-6;
+- linear_cross_entropy, the lm_head weight [V, 16] placed Shard(0) (hidden a plain tensor and a
+  replicated DTensor), against F.cross_entropy of hidden @ weight.T: the loss within 1e-6, hidden's
+  gradient within 1e-6 of its largest, the weight's placed Shard(0) and within as much;
 - a plain tensor (the whole vocabulary) against F.cross_entropy, and the refusals."""
 import pytest
 
@@ -17,7 +20,7 @@ if not torch.distributed.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 import headloss  # noqa: E402
-from headloss.integrations.torchtitan import cross_entropy, cross_entropy_loss  # noqa: E402
+from headloss.integrations.torchtitan import cross_entropy, cross_entropy_loss, linear_cross_entropy  # noqa: E402
 from spawn_ranks import run_ranks  # noqa: E402
 
 B, S = 4, 8
@@ -103,6 +106,36 @@ def _compare(rank, ranks):
 
     with pytest.raises(headloss.HeadlossValueError, match="Shard"):
         cross_entropy(distribute_tensor(full, mesh, [Replicate()]), labels)
+    _linear(mesh)
+
+
+def _linear(mesh):
+    """linear_cross_entropy with the weight placed Shard(0), hidden plain or replicated."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    for V in (64, 67):
+        _, labels, up = _inputs(V, torch.float32)
+        g = torch.Generator().manual_seed(1)
+        h, w = torch.randn(B, S, 16, generator=g), torch.randn(V, 16, generator=g)
+        for replicated in (False, True):
+            for reduction in ("mean", "none"):
+                hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+                ref = F.cross_entropy((hr @ wr.T).flatten(0, 1), labels.flatten(), reduction=reduction)
+                ref = ref.view(B, S) if reduction == "none" else ref
+                (ref * up if reduction == "none" else ref).sum().backward()
+                hd = distribute_tensor(h, mesh, [Replicate()]) if replicated else h.clone()
+                hd.requires_grad_()
+                wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+                loss = linear_cross_entropy(hd, wd, labels, reduction=reduction)
+                _backward(loss, up, reduction)
+                what = (V, replicated, reduction)
+                assert loss.placements == (Replicate(),) and loss.shape == ref.shape, what
+                assert float((loss.full_tensor().detach() - ref.detach()).abs().max()) <= 1e-6 * float(ref.abs().max()), what
+                gh = hd.grad.full_tensor() if replicated else hd.grad
+                assert float((gh - hr.grad).abs().max()) <= 1e-6 * float(hr.grad.abs().max()), what
+                assert wd.grad.placements == (Shard(0),), what
+                assert float((wd.grad.full_tensor() - wr.grad).abs().max()) <= 1e-6 * float(wr.grad.abs().max()), what
+    with pytest.raises(headloss.HeadlossValueError, match="Shard"):
+        linear_cross_entropy(h, distribute_tensor(w, mesh, [Replicate()]), labels)
 
 
 def test_against_loss_parallel_on_two_cpu_ranks():

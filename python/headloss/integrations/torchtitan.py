@@ -11,8 +11,15 @@ ignore_index=..., reduction=...) returns under torch.distributed.tensor.parallel
 the logits a gradient placed as they are (Shard(-1)); a plain tensor logits is the whole vocabulary
 and gets a plain tensor back. It runs the sharded loss plan (torch_token_loss.token_loss) on the
 mesh's process group, this rank's columns where DTensor's layout puts them (uneven shards too): one
-all-gather of per-row records (loss_parallel: three all-reduces) and a gradient in the logits' dtype
-formed in the forward (loss_parallel: an fp32 log-softmax kept, its gradient formed in the backward).
+all-gather of per-row records (loss_parallel: three all-reduces), the logits kept for the backward,
+which writes their gradient in one pass (loss_parallel: an fp32 log-softmax kept).
+
+linear_cross_entropy(hidden, weight, labels) is cross_entropy of the logits hidden @ weight.T without
+forming them, for an lm_head weight placed Shard(0) on the mesh (its vocabulary rows, as a
+ColwiseParallel lm_head holds them) and hidden states that every rank holds (a plain tensor or a
+replicated DTensor): the fused linear form on the mesh's group (torch_token_loss.linear_token_loss),
+its backward giving the weight a gradient placed as it is and hidden the gradient summed over the
+mesh (one all-reduce).
 
 cross_entropy_loss(pred, labels) is torchtitan's function of that name (components/loss.py, read at
 commit 00a388d): the sum over tokens in fp32, -100 ignored, pred [T, V] a DTensor placed Shard(1) on the
@@ -35,9 +42,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .._lib import HeadlossValueError
-from ..torch_token_loss import token_loss
+from ..torch_token_loss import linear_token_loss, token_loss
 
-__all__ = ["cross_entropy", "cross_entropy_loss"]
+__all__ = ["cross_entropy", "cross_entropy_loss", "linear_cross_entropy"]
 
 
 class _LocalShard(torch.autograd.Function):
@@ -87,6 +94,33 @@ def _cross_entropy(logits, labels, ignore_index: int, reduction: str, dtype, opt
                         vocab_global=logits.shape[-1], ignore_index=ignore_index, **options)
     # Every rank holds the same losses: a replicated DTensor, whose gradient reaches each shard.
     out = _reduce(losses, y, ignore_index, reduction).to(dtype)
+    return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+
+
+def linear_cross_entropy(hidden, weight, labels, *, ignore_index: int = -100, reduction: str = "mean",
+                         **plan_options):
+    """cross_entropy of hidden @ weight.T (see the module docstring): hidden [..., H] (a plain tensor,
+    the same on every rank, or a replicated DTensor), weight [V, H] (a DTensor placed Shard(0) on a
+    1-D mesh, or a plain tensor: the whole head), labels [...] -> as cross_entropy, in hidden's
+    dtype. plan_options: linear_token_loss's (max_workspace_bytes, ...) and the plan's."""
+    if reduction not in ("mean", "sum", "none"):
+        raise HeadlossValueError(f"headloss: reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
+    y = _local_labels(labels)
+    if not isinstance(weight, DTensor):
+        losses = linear_token_loss(hidden, weight, y, ignore_index=ignore_index, **plan_options)
+        return _reduce(losses, y, ignore_index, reduction).to(hidden.dtype)
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise HeadlossValueError(f"headloss: the weight must be placed (Shard(0),) on a 1-D mesh, not "
+                                 f"{tuple(weight.placements)} on a {mesh.ndim}-D one")
+    if isinstance(hidden, DTensor):
+        if not all(p.is_replicate() for p in hidden.placements):
+            raise HeadlossValueError(f"headloss: hidden must be replicated on the mesh, not {tuple(hidden.placements)}")
+        hidden = _LocalShard.apply(hidden)
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    losses = linear_token_loss(hidden, _LocalShard.apply(weight), y, group=mesh.get_group(), vocab_start=offset[0],
+                               vocab_global=weight.shape[0], ignore_index=ignore_index, **plan_options)
+    out = _reduce(losses, y, ignore_index, reduction).to(hidden.dtype)
     return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
 
 
