@@ -1,6 +1,6 @@
-"""Benchmark of the vocabulary-sharded loss on two GPUs (one process each), side by side in one run.
+"""Benchmark of the vocabulary-sharded loss on two GPUs or more (one process each, --ranks), side by side in one run.
 
-The loss: CE + z-loss + entropy (as a small bonus) with gradient, bf16 logits [N, V] split in two
+The loss: CE + z-loss + entropy (as a small bonus) with gradient, bf16 logits [N, V] split in --ranks
 contiguous shards. Per rank, median CUDA-event times (ms) of:
   - headloss, the caller's collective: stats -> torch.distributed.all_gather_into_tensor -> finish
     (one collective), and each step alone;
@@ -24,6 +24,7 @@ three and four products and the all-reduce, time and peak memory.
 Labels unchecked (no host synchronisation), as the peers do not check them.
 
 Usage: python3 bench/bench_loss_tp.py [--out table.md] [--shape 8192x128256] [--linear 8192x4096x128256]
+       [--ranks 2]
 """
 from __future__ import annotations
 
@@ -40,6 +41,12 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests" / "python"), str(Path(_
 
 Z_W, ENT_W = 1e-4, -1e-2
 TERMS = ("ce", "z", "entropy")
+
+
+def shard(V: int, rank: int, ranks: int) -> tuple:
+    """(first column, columns) of rank's contiguous shard: equal ones, the remainder on the last."""
+    n = V // ranks
+    return rank * n, (V - rank * n if rank == ranks - 1 else n)
 
 
 def megatron_runs(x, y, group):
@@ -91,14 +98,15 @@ def worker(rank: int, init: str, args) -> None:
     from nccl_comm import Comm
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2,
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=args.ranks,
                             device_id=torch.device("cuda", rank))
     N, V = map(int, args.shape.split("x"))
     g = torch.Generator(device="cuda").manual_seed(0)
     full = (torch.randn(N, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
     y = torch.randint(0, V, (N,), device="cuda", generator=g)
     y[::17] = -100
-    lo, n = (0, V // 2) if rank == 0 else (V // 2, V - V // 2)
+    R = args.ranks
+    lo, n = shard(V, rank, R)
     x = full[:, lo:lo + n].contiguous()  # what a rank holds
     opts = dict(z_weight=Z_W, entropy_weight=ENT_W, check=False)
     t = {}
@@ -111,10 +119,10 @@ def worker(rank: int, init: str, args) -> None:
     del full
     torch.cuda.empty_cache()
     plan = LossPlan(n, "bfloat16", terms=TERMS, device="cuda", vocab_start=lo, vocab_global=V,
-                    ranks=2, **opts)
+                    ranks=R, **opts)
     grad = torch.empty_like(x)
     block = plan.stats(x, y)
-    gathered = torch.empty(2 * block.numel(), dtype=block.dtype, device="cuda")
+    gathered = torch.empty(R * block.numel(), dtype=block.dtype, device="cuda")
 
     def split():
         b = plan.stats(x, y)
@@ -136,14 +144,14 @@ def worker(rank: int, init: str, args) -> None:
     comm.destroy()
     if rank == 0:
         assert abs(ours - ref) <= 1e-5 * abs(ref), (ours, ref)
-        nbytes = f"{2 * block.numel() * 8 / 1e3:.0f} KB gathered"
+        nbytes = f"{R * block.numel() * 8 / 1e3:.0f} KB gathered"
         rows = [[k, f"{v:.3f}", "1 all-gather" if "headloss:" in k else "", nbytes if "headloss:" in k else ""]
                 for k, v in t.items()]
         more = lambda tt, cc: [[k, f"{v:.3f}", cc.get(k, "")] for k, v in tt.items()]  # noqa: E731
         lrows = [[k, f"{v:.3f}", lcolls.get(k, ""), lpeaks.get(k, "")] for k, v in lt.items()]
         text = "\n".join([
-            f"{header()}; 2 GPUs, one process each, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}",
-            f"CE with gradient, bf16 [{N}, {V}] in two shards of {V // 2} columns, beside Megatron-core "
+            f"{header()}; {R} GPUs, one process each, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}",
+            f"CE with gradient, bf16 [{N}, {V}] in {R} shards of {V // R} columns, beside Megatron-core "
             f"(loss {ce_ref:.6f}):", "",
             table(ce, ["per rank", "ms", "collectives", "peak above inputs, GiB", "Megatron-core / this",
                        "Megatron-core fused / this"]), "",
@@ -152,7 +160,7 @@ def worker(rank: int, init: str, args) -> None:
             f"Dense JSD (CE + JSD, beta 0.5), bf16 student and teacher logits [{N}, {V}], the same shards:", "",
             table(more(jt, jcolls), ["per rank", "ms", "collectives"]), "",
             f"Fused linear form, CE, bf16 hidden [{args.linear.split('x')[0]}, {args.linear.split('x')[1]}], "
-            f"the weight's {args.linear.split('x')[2]} rows in two shards:", "",
+            f"the weight's {args.linear.split('x')[2]} rows in {R} shards:", "",
             table(lrows, ["per rank", "ms", "collectives", "peak above inputs, GiB"])])
         print(text, flush=True)
         if args.out:
@@ -166,10 +174,10 @@ def ce_times(V, lo, x, y, comm, dist):
     from common import median_ms
     from headloss.loss import LossPlan
     plan = LossPlan(x.shape[1], "bfloat16", terms=("ce",), device="cuda", vocab_start=lo, vocab_global=V,
-                    ranks=2, check=False)
+                    ranks=dist.get_world_size(), check=False)
     grad = torch.empty_like(x)
     block = plan.stats(x, y)
-    gathered = torch.empty(2 * block.numel(), dtype=block.dtype, device="cuda")
+    gathered = torch.empty(dist.get_world_size() * block.numel(), dtype=block.dtype, device="cuda")
 
     def split():
         dist.all_gather_into_tensor(gathered, plan.stats(x, y))
@@ -206,11 +214,13 @@ def jsd_times(rank, N, V, y, comm):
         gw = torch.empty_like(full)
         t["JSD unsharded, 1 GPU"] = median_ms(lambda: whole(full, y, teacher_logits=tfull, grad=gw), iters=20)
         del gw
-    lo, n = (0, V // 2) if rank == 0 else (V // 2, V - V // 2)
+    import torch.distributed as dist
+    lo, n = shard(V, rank, dist.get_world_size())
     x, u = full[:, lo:lo + n].contiguous(), tfull[:, lo:lo + n].contiguous()
     del full, tfull
     torch.cuda.empty_cache()
-    plan = LossPlan(n, "bfloat16", terms=terms, device="cuda", vocab_start=lo, vocab_global=V, ranks=2, **opts)
+    plan = LossPlan(n, "bfloat16", terms=terms, device="cuda", vocab_start=lo, vocab_global=V,
+                    ranks=dist.get_world_size(), **opts)
     grad = torch.empty_like(x)
     t["JSD: hl_loss_plan_execute_nccl"] = median_ms(
         lambda: plan.nccl(comm.ptr, x, y, teacher_logits=u, grad=grad), iters=20)
@@ -233,11 +243,11 @@ def linear_times(rank, N, H, V, comm, dist):
         t["linear unsharded, 1 GPU"] = interleaved_ms(
             {"u": lambda: whole(x, w, y, grad_hidden=gh, grad_weight=gw, workspace=ws)}, iters=5)["u"]
         del gh, gw, ws
-    lo, n = (0, V // 2) if rank == 0 else (V // 2, V - V // 2)
+    lo, n = shard(V, rank, dist.get_world_size())
     w = w[lo:lo + n].contiguous()
     torch.cuda.empty_cache()
     plan = LinearLossPlan(n, H, "bfloat16", terms=("ce",), device="cuda", vocab_start=lo, vocab_global=V,
-                          ranks=2, check=False)
+                          ranks=dist.get_world_size(), check=False)
     gh, gw, ws = torch.empty_like(x), torch.empty_like(w), plan.workspace(x, N)
     z, dx, dw = torch.empty(N, n, device="cuda", dtype=x.dtype), torch.empty_like(x), torch.empty_like(w)
 
@@ -326,14 +336,15 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--shape", default="8192x128256")
     ap.add_argument("--linear", default="8192x4096x128256", help="N x H x V of the fused linear rows")
+    ap.add_argument("--ranks", type=int, default=2, help="GPUs, one process each (the vocabulary in as many shards)")
     args = ap.parse_args()
-    if torch.cuda.device_count() < 2:
-        print("# bench_loss_tp: needs two GPUs; skipped")
+    if torch.cuda.device_count() < args.ranks:
+        print(f"# bench_loss_tp: needs {args.ranks} GPUs; skipped")
         return
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(f"file://{tmp}/init", args), nprocs=2)
+        mp.spawn(worker, args=(f"file://{tmp}/init", args), nprocs=args.ranks)
 
 
 if __name__ == "__main__":
