@@ -39,15 +39,16 @@ struct Layout {
   bool keep;             // every row fits: a split's finish reuses its statistics step's logits
 };
 
-// bytes: the workspace passed; 0 lays out the least one (one row, no cuBLASLt workspace).
-Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes) {
+// bytes: the workspace passed; 0 lays out the least one (one row, no cuBLASLt workspace). logits:
+// the chunks hold the logits (or E); a shifted call without gradient needs its statistics alone.
+Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes, bool logits = true) {
   const hl_loss_plan_desc_t &d = p.desc;
   const size_t elt = dtype_size(d.weight_dtype);
   Layout L;
   L.ldz = int64_t(round_up(size_t(d.vocab), 16 / elt));
   L.ldt = d.teacher_hidden > 0 ? L.ldz : 0;
   const bool shifted = p.cuda->shifted;  // room for its buffers (shifted.h), after the logits
-  L.row_bytes = size_t(L.ldz + L.ldt) * elt + (shifted ? shifted_row_bytes(p) : 0);
+  L.row_bytes = size_t((logits ? L.ldz : 0) + L.ldt) * elt + (shifted ? shifted_row_bytes(p) : 0);
   L.bias = round_up(cuda_base_workspace(p, rows), 256);  // saturated sizes stay so (refused)
   L.gemm = round_up(sat_add(L.bias, d.grad_bias_mode ? bias_workspace(d.vocab) : 0), 256);
   // past the base, the slack and one row (so that a workspace of min_bytes holds one row)
@@ -60,7 +61,7 @@ Layout layout(const hl_loss_plan_st &p, int64_t rows, size_t bytes) {
   const int64_t fit = bytes > L.fixed ? int64_t((bytes - L.fixed) / L.row_bytes) : 0;
   L.keep = fit >= rows;
   L.chunk = std::min(rows, fit);
-  L.teacher = L.logits + round_up(size_t(L.chunk * L.ldz) * elt, 256);
+  L.teacher = L.logits + (logits ? round_up(size_t(L.chunk * L.ldz) * elt, 256) : 0);
   return L;
 }
 
@@ -135,7 +136,10 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
                                     0, size_t(H) * dtype_size(d.grad_weight_dtype), size_t(V), stream));
     return writes_outputs(phase) ? zero_scalars(p, a, stream) : HL_STATUS_SUCCESS;
   }
-  const Layout L = layout(p, N, workspace_bytes);
+  const bool shifted = p.cuda->shifted && phase != kMiddle && shifted_call(a);
+  // A shifted call without gradient keeps its tile statistics alone (no E): more rows a chunk.
+  const bool logits = !shifted || p.dlogits;
+  const Layout L = layout(p, N, workspace_bytes, logits);
   char *w = static_cast<char *>(workspace);
   const GemmSpace gemm_ws{w + L.gemm, L.gemm_bytes};
   void *z = w + L.logits, *t = w + L.teacher;
@@ -145,9 +149,8 @@ hl_status_t linear_run(const char *fn, const hl_loss_plan_st &p, const hl_loss_a
     return rows_end(p, a, workspace, stream);
   }
   ShiftedBuffers sb{};
-  const bool shifted = p.cuda->shifted && phase != kMiddle && shifted_call(a);
   if (shifted) {  // E where the logits chunk would be, its buffers after it
-    sb.e = z, sb.lde = L.ldz;
+    sb.e = logits ? z : nullptr, sb.lde = L.ldz;
     shifted_buffers(p, L.chunk, w, L.teacher, &sb);
   }
   if (phase != kStats) HL_TRY(rows_begin(fn, p, a, gathered, workspace, stream));

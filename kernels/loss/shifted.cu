@@ -138,6 +138,7 @@ __global__ void __launch_bounds__(32 * kRowWarps) finish_kernel(const __grid_con
     if (k.tok_lse) k.tok_lse[r] = row.lse;
     if (k.tok_argmax) k.tok_argmax[r] = row.argmax;
   }
+  if (!f.e) return;  // no gradient
   // G = p cp + [v = y] cy = alpha E', E' being E with the label's element G_y / alpha.
   bf16 *er = f.e + r * f.lde;
   float alpha = 0.f;
@@ -268,7 +269,8 @@ hl_status_t shifted_chunk(const char *fn, const hl_loss_plan_st &p, Gemms &g, co
     sm90::ShiftedParams P{};
     HL_TRY(map(fn, &P.x, x, H, n, c.hidden_stride, sm90::kBM));
     HL_TRY(map(fn, &P.w, c.weight, H, V, c.weight_stride, sm90::kBN));
-    HL_TRY(map(fn, &P.e, b.e, V, n, b.lde, 64));
+    if (b.e) HL_TRY(map(fn, &P.e, b.e, V, n, b.lde, 64));
+    P.store_e = b.e != nullptr;
     P.stats = static_cast<TileStats *>(b.stats), P.scale = p.opt.scale;
     P.M = int(n), P.N = int(V), P.K = int(H);
     P.tiles_m = int(tiles_of(n, sm90::kBM)), P.tiles_n = int(tiles_of(V, sm90::kBN));

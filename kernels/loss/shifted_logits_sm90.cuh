@@ -42,13 +42,14 @@ struct TileStats {
 
 struct ShiftedParams {
   CUtensorMap x, w;  // X [M][K] in 64 x 128 boxes, W [N][K] in 64 x 256 boxes (K-major, 128-byte swizzle)
-  CUtensorMap e;     // E [M][N] in 64 x 64 boxes (TMA stores)
+  CUtensorMap e;     // E [M][N] in 64 x 64 boxes (TMA stores), with store_e
   const float *shift;          // [M]; null: every row's is kFirstShift
   TileStats *stats;            // [M][tiles_n]
   const unsigned char *redo;   // null: every tile; else only the row blocks b (of kBM rows) with redo[b]
   float scale;                 // z_hat = scale z, scale > 0
   int M, N, K, tiles_m, tiles_n;
   int group_m;  // tiles run in groups of this many row blocks, each group over every column tile
+  int store_e;  // 0: the statistics alone (a call without gradient has no use for E)
 };
 
 // The first pass's shift; rows whose max z_hat - shift falls outside [kLowest, kHighest] run again
@@ -236,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1) shifted_logits_kernel(const __gri
         }
         prev = s, ++it;
       };
-      kblock(0, pend_m0 >= 0);
+      kblock(0, P.store_e && pend_m0 >= 0);
       for (int kb = 1; kb < kblocks; ++kb) kblock(kb, false);
       wgmma_wait<0>();
       __syncwarp();
@@ -246,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1) shifted_logits_kernel(const __gri
       else shifted_epilogue<true>(P, acc, pk, r0, n0, tile_n, shift2, lane);
       pend_m0 = tile_m * kBM + 64 * wg, pend_n0 = n0;
     }
-    if (pend_m0 >= 0) store_tile(P, pk, pend_m0, pend_n0, sm + kOutOff, lane);
+    if (P.store_e && pend_m0 >= 0) store_tile(P, pk, pend_m0, pend_n0, sm + kOutOff, lane);
     if (threadIdx.x % 128 == 0) bulk_wait_all<false>();  // the stores done before the CTA ends
   }
 #endif
