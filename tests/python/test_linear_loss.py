@@ -508,6 +508,27 @@ def test_cuda_shifted(cuda_be, case, mode):
           gtol=1e-2)
 
 
+@pytest.mark.parametrize("case", SHIFTED_CASES)
+def test_cuda_forward_only_chunks(cuda_be, case):
+    """A call without gradient on the shifted path keeps its tile statistics alone (no E): in the
+    least workspace, a few rows' and fast_bytes, the scalars and token outputs match the reference
+    of the unrounded logits (the row path's bf16 logits would miss it), bit for bit between sizes."""
+    be = cuda_be
+    terms, opts, inp = shifted_inputs(case)
+    N, H = inp["hidden"].shape
+    V = inp["weight"].shape[0]
+    plan = LinearLossPlan(V, H, "bfloat16", terms=terms, device="cuda", grad_hidden=None, grad_weight=None, **opts)
+    lo, hi = plan.workspace_sizes(N)
+    want = reference_linear(inp, terms, opts, "cpu")
+    runs = [run_linear(be, inp, terms, opts, grad_hidden=None, grad_weight=None, workspace_bytes=nbytes)
+            for nbytes in (lo, lo + 6 * (hi - lo) // max(N - 1, 1), hi)]
+    for got in runs:
+        check_unrounded_scalars(got[0], want[0])
+        for k in want[1]:
+            assert rel(got[1][k], want[1][k]) < 1e-4, f"token {k}"
+    assert all(np.array_equal(runs[0][1][k], r[1][k]) for r in runs[1:] for k in runs[0][1])
+
+
 @pytest.mark.parametrize("H", [100, 102])
 @pytest.mark.parametrize("mode", ["write", "f32_grads", "accumulate"])
 def test_cuda_shifted_ragged_hidden(cuda_be, H, mode):
