@@ -6,14 +6,8 @@
 //   finish: row_math.h's finish_row turns the merged record into losses, metrics, coefficients;
 //   pass 2: the gradient of the slice from shared memory, fp32, one rounding at the store.
 // Terms that are off cost nothing: the gradient, the soft-cap and distillation are template
-// arguments; the other terms only change per-row coefficients.
-// BULK (sm_90, 16-byte aligned rows; no sparse teacher; a dense teacher only in the whole-row
-// step, its slice beside the student's): the slice is not loaded through registers but copied
-// into shared memory by bulk copies, so the whole slice is in flight at once (1.23x faster at
-// 8192 x 128256 than kBatch register loads; dense JSD 1.4x; see bench/notes/loss.md). The slice streams in
-// chunks, each with a `full` barrier (landed) and an `empty` one (the row's last pass has read
-// it): the next row's chunk is requested as soon as it is free, so its load overlaps this row's
-// gradient pass, and pass 1 starts on the first chunk that lands.
+// arguments; the other terms only change per-row coefficients. BULK: the slice copied into shared
+// memory by bulk copies (row_source.cuh).
 // Dense JSD adds a middle pass (the sums of JSD's log m over the slice, exchanged in the cluster)
 // between the statistics and finish; a sparse teacher's k logits are gathered at the row's start
 // (before any CTA writes the row's gradient: in place, that is over the logits) and its k ids'
@@ -24,390 +18,38 @@
 // records carry its ids' logits (the owner's), so kFinish gathers them from there. Dense JSD has a
 // third phase between them, kMiddle: the merge, then its middle pass into this rank's middle
 // block; kFinish adds the ranks' middle sums instead of that pass.
+// The body's sections are the kernel's roles, their building blocks in headers of their own:
+//   row scheduler      the persistent loop's rows: grid order, the counters, kWhole's hand-out;
+//   slice source       where a row's slice comes from: bulk-copy chunks or register loads, their
+//                      request and release (row_source.cuh);
+//   pass 1             a thread's online statistics of its columns (row_stats.cuh);
+//   cluster merge      the CTA's threads, then the cluster's CTAs through their mailboxes, or the
+//                      ranks' records in the split's later steps (row_merge.cuh);
+//   row finish         the distillation sums, finish_row, the records, the token outputs
+//                      (row_finish.cuh);
+//   gradient epilogue  pass 2 (row_grad.cuh).
+// The body stays one function, its statements in their order: code moved out of it into functions
+// or structs, even unchanged, compiles differently (NVVM orders the values ptxas gets otherwise:
+// phi copies, hoisted loads). The label's few lines after pass 1 as a __forceinline__ function
+// changed the SASS of 3 of rows_f32.cu's 65 sm_80 kernels.
 #pragma once
 
 #include <cooperative_groups.h>
 #include <cuda/ptx>
 
-#include <climits>
 #include <type_traits>
 
 #include "common/bulk_copy.cuh"
-#include "common/dtype.cuh"
-#include "common/fast_math.cuh"
 #include "common/grid_dependency.cuh"
 #include "loss/params.cuh"
+#include "loss/row_finish.cuh"
+#include "loss/row_grad.cuh"
+#include "loss/row_merge.cuh"
+#include "loss/row_source.cuh"
+#include "loss/row_stats.cuh"
 #include "loss/sums.cuh"
 
 namespace hl::loss::dev {
-
-// Distillation modes that read dense teacher logits (a sparse teacher's k logits are gathered).
-template <int DISTILL>
-constexpr bool kDenseTeacher = DISTILL == kDistillFwd || DISTILL == kDistillRev || DISTILL == kDistillJsd;
-
-using hl::dev::Pack;
-using hl::dev::to_float;
-using hl::dev::from_float;
-
-using hl::dev::ex2;
-__device__ __forceinline__ float fast_exp(float x) { return ex2(x * kLog2e); }
-// The column loops' exponential and log for row_math.h (its LibMath is libm's): one MUFU
-// instruction each (lg2.approx: ~2^-22 absolute error).
-struct FastMath {
-  __device__ __forceinline__ float exp(float x) const { return fast_exp(x); }
-  __device__ __forceinline__ float log(float x) const {
-    float y;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y * 0.6931471805599453f;
-  }
-};
-
-// z_hat from a raw logit; with a cap, t = tanh(scale z / cap) is kept for the chain factor.
-template <bool CAP>
-__device__ __forceinline__ float zhat(float x, const Options &o, float &t) {
-  if (!CAP) return x * o.scale;
-  const float y = x * o.scale / o.cap;
-  t = 1.0f - __fdividef(2.0f, __expf(2.0f * y) + 1.0f);
-  return o.cap * t;
-}
-
-// Moves a thread's student sums to a larger max mn (rare: only when a new max appears).
-// Without distillation a thread keeps b as sum e z (one FMA a column), made relative to m only
-// when the block merges (block_merge); with it, as sum e (z - m) like the other sums.
-template <int DISTILL>
-__device__ __forceinline__ void raise_max(RowStats<float> &st, float mn, float inv_ts) {
-  const float f = rescale(st.m, mn), d = shift(st.m, mn);
-  st.b = DISTILL ? moved(f, st.b, st.s, d) : st.b * f;
-  st.s *= f;
-  if (DISTILL) {
-    const float fs = rescale(st.m, mn, inv_ts);
-    st.bs = moved(fs, st.bs, st.ss, d);
-    st.ss *= fs;
-    st.cs *= fs;
-    st.ct += st.st * d;
-  }
-  st.m = mn;
-}
-
-__device__ __forceinline__ void raise_teacher_max(RowStats<float> &st, float mn) {
-  const float f = rescale(st.mt, mn), d = shift(st.mt, mn);
-  st.bt = moved(f, st.bt, st.st, d);
-  st.st *= f;
-  st.ct *= f;
-  st.cs += st.ss * d;
-  st.mt = mn;
-}
-
-// The first column of a pack holding its largest value.
-template <int N>
-__device__ __forceinline__ int find_argmax(const float (&z)[N]) {
-  float zr = z[0];
-#pragma unroll
-  for (int k = 1; k < N; ++k) zr = fmaxf(zr, z[k]);
-  int first = N - 1;
-#pragma unroll
-  for (int k = N - 1; k >= 0; --k) first = z[k] == zr ? k : first;
-  return first;
-}
-
-// Folds n consecutive columns starting at j0 into a thread's statistics. z is z_hat, or without
-// distillation the raw logit with z_hat = zs z: then m stays in z_hat units, b and sum in raw
-// ones (the caller scales them), and zs rides in the exponent's constant (no multiply a column).
-// SUMZ: sum z is kept (label smoothing needs it; an add a column otherwise saved).
-// lazy_pack (no distillation): a new maximum only records this pack's index `pack` there, and
-// the caller finds its column later (find_argmax), with a cheaper rescale: a warp takes this
-// branch whenever any lane meets a new maximum, which is most packs of a row's first pass.
-template <int DISTILL, bool SUMZ, int N>
-__device__ __forceinline__ void accumulate(RowStats<float> &st, const float (&z)[N],
-                                           const float (&v)[N], int64_t j0, float inv_ts,
-                                           float zs = 1.0f, int *lazy_pack = nullptr, int pack = 0) {
-  float zr = z[0];
-#pragma unroll
-  for (int k = 1; k < N; ++k) zr = fmaxf(zr, z[k]);
-  const float zm = zr * zs;
-  if (!DISTILL && lazy_pack && zm > st.m) {
-    const float f = ex2((st.m - zm) * kLog2e);  // 0 from an empty record (m = -inf)
-    st.s *= f, st.b *= f, st.m = zm;
-    *lazy_pack = pack;
-  } else if (zm > st.m) {  // columns only grow, so the first k reaching the new max is the argmax
-    raise_max<DISTILL>(st, zm, inv_ts);
-    st.amax = j0 + find_argmax(z);
-  }
-  if (kDenseTeacher<DISTILL>) {
-    float vm = v[0];
-#pragma unroll
-    for (int k = 1; k < N; ++k) vm = fmaxf(vm, v[k]);
-    if (vm > st.mt) raise_teacher_max(st, vm);
-  }
-  const float ml = st.m * kLog2e, s2 = zs * kLog2e;
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    const float d = z[k] - st.m, e = ex2(fmaf(z[k], s2, -ml));
-    st.s += e;
-    st.b = fmaf(e, DISTILL ? d : z[k], st.b);
-    if (SUMZ) st.sum += z[k];
-    if (DISTILL) {
-      const float es = fast_exp(d * inv_ts);
-      st.ss += es;
-      st.bs = fmaf(es, d, st.bs);
-      if (kDenseTeacher<DISTILL>) {
-        const float dt = v[k] - st.mt, et = fast_exp(dt);
-        st.st += et;
-        st.bt = fmaf(et, dt, st.bt);
-        st.ct = fmaf(et, d, st.ct);
-        st.cs = fmaf(es, dt, st.cs);
-      }
-    }
-  }
-}
-
-// Lane `src` of the warp's record (down-shuffle by off); the teacher fields only with distillation.
-template <int DISTILL>
-__device__ __forceinline__ RowStats<float> shfl_down_stats(const RowStats<float> &a, int off) {
-  RowStats<float> r = a;
-  const auto d = [&](float v) { return __shfl_down_sync(0xffffffffu, v, off); };
-  r.m = d(a.m), r.s = d(a.s), r.b = d(a.b), r.sum = d(a.sum), r.zy = d(a.zy);
-  r.amax = __shfl_down_sync(0xffffffffu, (long long)a.amax, off);
-  if (DISTILL) {
-    r.mt = d(a.mt), r.st = d(a.st), r.bt = d(a.bt), r.ct = d(a.ct);
-    r.ss = d(a.ss), r.bs = d(a.bs), r.cs = d(a.cs);
-  }
-  return r;
-}
-
-// Lanes [0, n) of one warp hold records; lane 0 gets their merge, a fixed tree (deterministic).
-template <int DISTILL>
-__device__ __forceinline__ RowStats<float> warp_tree_merge(RowStats<float> st, int n, float inv_ts) {
-  for (int off = 16; off > 0; off >>= 1) {
-    if (off >= n) continue;  // uniform: every lane skips the same rounds
-    const RowStats<float> o = shfl_down_stats<DISTILL>(st, off);
-    if ((threadIdx.x % 32) + off < n) st = merge<DISTILL != kDistillNone>(st, o, inv_ts);
-  }
-  return st;
-}
-
-// The block's sum of every thread's DivSums (thread 0 gets it): a fixed shuffle tree in each warp,
-// then the warps in order (deterministic). part: a row of shared memory per warp.
-__device__ __forceinline__ DivSums<float> block_sum(DivSums<float> s, DivSums<float> (&part)[kThreads / 32]) {
-  for (int off = 16; off > 0; off >>= 1) {
-    s.loss += __shfl_xor_sync(0xffffffffu, s.loss, off);
-    s.pa += __shfl_xor_sync(0xffffffffu, s.pa, off);
-    s.p += __shfl_xor_sync(0xffffffffu, s.p, off);
-    s.q += __shfl_xor_sync(0xffffffffu, s.q, off);
-  }
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
-  __syncthreads();
-  if (threadIdx.x == 0)
-    for (int w = 1; w < kThreads / 32; ++w) s = add(s, part[w]);
-  return s;
-}
-
-#if __CUDA_ARCH__ >= 900
-// Thread 0 of a CTA: its W 16-byte words into slot `rank` of mailbox `box` in every CTA of the
-// cluster (st.async), completing their bytes on each one's barrier `bar`.
-template <int W, class M>
-__device__ __forceinline__ void post_to_cluster(const M &mine, M *box, uint64_t *bar, int rank, int csize) {
-  static_assert(sizeof(M) >= 16 * W, "the first W 16-byte words of a mailbox slot");
-  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  const uint32_t(&w)[4 * W] = reinterpret_cast<const uint32_t(&)[4 * W]>(mine);
-  for (int c = 0; c < csize; ++c) {
-    uint32_t *dst = reinterpret_cast<uint32_t *>(cluster.map_shared_rank(&box[rank], c));
-    uint64_t *b = cluster.map_shared_rank(bar, c);
-#pragma unroll
-    for (int k = 0; k < W; ++k)
-      ::cuda::ptx::st_async(dst + 4 * k, {w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]}, b);
-  }
-}
-#endif
-
-// Per-warp records of the block-wide merge, two rows deep: a warp may start the next row's merge
-// while warp 0 still reads this one's.
-struct MergeScratch {
-  RowStats<float> warp[2][kThreads / 32];
-};
-
-// Merges every thread's record into one (thread 0 holds it) with one barrier: in each warp the
-// maxima first, then each lane moves its sums to them and plain sums follow; warp 0 then merges
-// the warps' records as a tree.
-template <int DISTILL>
-__device__ __forceinline__ RowStats<float> block_merge(RowStats<float> st, MergeScratch &sh,
-                                                       int parity, float inv_ts) {
-  float M = st.m, Mt = st.mt;
-  for (int off = 16; off > 0; off >>= 1) {
-    M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
-    if (DISTILL) Mt = fmaxf(Mt, __shfl_xor_sync(0xffffffffu, Mt, off));
-  }
-  long long amax = st.m == M ? st.amax : LLONG_MAX;
-  if (st.m < M) raise_max<DISTILL>(st, M, inv_ts);
-  if (!DISTILL) st.b = st.s > 0.0f ? st.b - M * st.s : 0.0f;  // sum e z -> sum e (z - M)
-  if (DISTILL && st.mt < Mt) raise_teacher_max(st, Mt);
-  constexpr int F = DISTILL ? 10 : 4;  // zy (index 3) reduces by max, the rest by sum
-  float f[10] = {st.s, st.b, st.sum, st.zy, st.st, st.bt, st.ct, st.ss, st.bs, st.cs};
-  for (int off = 16; off > 0; off >>= 1) {
-#pragma unroll
-    for (int i = 0; i < F; ++i) {
-      const float o = __shfl_xor_sync(0xffffffffu, f[i], off);
-      f[i] = i == 3 ? fmaxf(f[i], o) : f[i] + o;
-    }
-    const long long o = __shfl_xor_sync(0xffffffffu, amax, off);
-    amax = o < amax ? o : amax;
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    st.m = M, st.mt = Mt, st.amax = amax;
-    st.s = f[0], st.b = f[1], st.sum = f[2], st.zy = f[3];
-    if (DISTILL) st.st = f[4], st.bt = f[5], st.ct = f[6], st.ss = f[7], st.bs = f[8], st.cs = f[9];
-    sh.warp[parity][warp] = st;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    constexpr int W = kThreads / 32;
-    st = lane < W ? sh.warp[parity][lane] : empty_stats<float>();
-    st = warp_tree_merge<DISTILL>(st, W, inv_ts);
-  }
-  return st;
-}
-
-// VEC columns of a row as one 16-byte pack when aligned, else element by element.
-template <class T, int VEC>
-__device__ __forceinline__ Pack<T, VEC> load_cols(const T *p, bool aligned) {
-  if (aligned) return hl::dev::load_pack<T, VEC>(p);
-  Pack<T, VEC> r;
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) r.v[k] = p[k];
-  return r;
-}
-
-// FAST: aligned, no accumulation (a compile-time case: no branches in the column loop).
-template <class G, int VEC, bool FAST>
-__device__ __forceinline__ void store_grad(G *p, const float (&g)[VEC], bool aligned, bool acc) {
-  constexpr int W = 16 / sizeof(G);  // elements per 16-byte store
-  if (FAST) aligned = true, acc = false;
-#pragma unroll
-  for (int h = 0; h < VEC; h += W) {
-    Pack<G, W> out;
-    float f[W];
-    if (acc) out = load_cols<G, W>(p + h, aligned);
-#pragma unroll
-    for (int k = 0; k < W; ++k) f[k] = acc ? to_float(out.v[k]) + g[h + k] : g[h + k];
-    hl::dev::from_floats<G, W>(f, out.v);
-    if (aligned) hl::dev::store_pack<G, W>(p + h, out);
-    else
-#pragma unroll
-      for (int k = 0; k < W; ++k) p[h + k] = out.v[k];
-  }
-}
-
-// How pass 2 forms a gradient element of a row (before the soft-cap's chain factor and the
-// label's term), picked per row so that each column loop is branch-free:
-//   kGeneric  p (cp + cpz z) + cc, distillation terms: grad_elem
-//   kSigned   sign(cp) 2^(z s2 - c2) + cc with log2 |cp| folded into c2 (no entropy loss, cap
-//             or distillation): an FMA a column fewer
-//   kPure     2^(z s2 - c2) where also cp >= 0 and cc == 0 (CE, z-loss, GRPO without smoothing):
-//             nothing after the exponential
-enum GradForm : int { kGeneric, kSigned, kPure };
-template <int F> using Form = std::integral_constant<int, F>;
-
-// A row's constants of pass 2, in base 2: z_hat log2 e = z s2; lse log2 e; c2 (GradForm); sign(cp).
-struct GradConsts {
-  float s2, lse2, c2, sg;
-};
-
-// The gradient of the first n columns of a pack (z, the cap's tanh t, teacher v) in form F.
-template <int F, int DISTILL, bool CAP, int VEC>
-__device__ __forceinline__ void grad_pack(const RowResult<float> &rr, const Options &o,
-                                          const GradConsts &c, const float (&z)[VEC],
-                                          const float (&t)[VEC], const float (&v)[VEC], int n,
-                                          float (&g)[VEC]) {
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) {
-    if (k >= n) break;
-    if (F == kGeneric) {
-      const float pk = ex2(fmaf(z[k], c.s2, -c.lse2));
-      const float gk = grad_elem<DISTILL>(rr, o, z[k], v[k], pk, FastMath{});
-      g[k] = CAP ? gk * fmaf(-t[k], t[k], 1.0f) : gk;
-    } else {
-      const float e = ex2(fmaf(z[k], c.s2, -c.c2));
-      g[k] = F == kPure ? e : fmaf(e, c.sg, rr.cc);
-    }
-  }
-}
-
-// Bytes of a row's record in a CUDA block: RowStats<float>, without the distillation fields when
-// there is no distillation (the layout the header documents).
-template <int DISTILL>
-constexpr int kRecordBytes = DISTILL ? int(sizeof(RowStats<float>)) : int(offsetof(RowStats<float>, mt));
-static_assert(offsetof(RowStats<float>, mt) == 32 && sizeof(RowStats<float>) == 64,
-              "the record layout is documented in headloss.h");
-
-// Row r's record in a block: its offset (a sparse teacher's has its k logits after RowStats).
-template <int DISTILL>
-__device__ __forceinline__ int64_t record_at(const Params &p, int64_t r) {
-  return 64 + (p.row0 + r) * (DISTILL == kDistillSparse ? p.record_bytes : kRecordBytes<DISTILL>);
-}
-
-// Row r's records from every rank's block, merged by one warp (lane 0 gets the result): lane l
-// takes ranks l, l + 32, ..., then a fixed tree; the same bits on every rank.
-template <int DISTILL>
-__device__ RowStats<float> gathered_stats(const Params &p, int64_t r) {
-  constexpr int W = kRecordBytes<DISTILL> / 8;
-  const int lane = threadIdx.x % 32;
-  RowStats<float> all = empty_stats<float>();
-  for (int c = lane; c < p.ranks; c += 32) {
-    const uint2 *rec = reinterpret_cast<const uint2 *>(p.gathered + c * p.block_bytes + record_at<DISTILL>(p, r));
-    RowStats<float> s = empty_stats<float>();
-    uint2 *dst = reinterpret_cast<uint2 *>(&s);
-#pragma unroll
-    for (int k = 0; k < W; ++k) dst[k] = rec[k];
-    all = c == lane ? s : merge<DISTILL != kDistillNone>(all, s, p.o.inv_ts);
-  }
-  return warp_tree_merge<DISTILL>(all, p.ranks < 32 ? p.ranks : 32, p.o.inv_ts);
-}
-
-// Block 0 writes this rank's block header at its first row (again for each chunk of rows of the
-// fused linear form: the same bytes).
-__device__ __forceinline__ void write_header(const Params &p, int64_t r) {
-  if (blockIdx.x == 0 && r == 0)
-    for (int k = 0; k < 8; ++k) reinterpret_cast<int64_t *>(p.block)[k] = p.header[k];
-}
-
-// Row r's record into this rank's block, and the header.
-template <int DISTILL>
-__device__ void write_record(const Params &p, int64_t r, RowStats<float> st) {
-  constexpr int W = kRecordBytes<DISTILL> / 8;
-  if (st.amax != INT64_MAX) st.amax += p.col0;  // a global column
-  uint2 *rec = reinterpret_cast<uint2 *>(p.block + record_at<DISTILL>(p, r));
-  const uint2 *src = reinterpret_cast<const uint2 *>(&st);
-#pragma unroll
-  for (int k = 0; k < W; ++k) rec[k] = src[k];
-  write_header(p, r);
-}
-
-// A sparse teacher's logit z_hat at id k of row r in a block's record (topk_absent: not this
-// block's shard's).
-__device__ __forceinline__ float *topk_logit(const char *block, const Params &p, int64_t r, int k) {
-  return reinterpret_cast<float *>(const_cast<char *>(block) + record_at<kDistillSparse>(p, r) +
-                                   sizeof(RowStats<float>)) + k;
-}
-// Its value merged over the ranks' blocks: the max, i.e. the owner's (exact, any order).
-__device__ __forceinline__ float gathered_topk(const Params &p, int64_t r, int k) {
-  float z = topk_absent<float>();
-  for (int c = 0; c < p.ranks; ++c) z = fmaxf(z, *topk_logit(p.gathered + c * p.block_bytes, p, r, k));
-  return z;
-}
-
-// Dense JSD's middle step: row r's sums over this shard into the middle block; and the finish's
-// sums over the row, the ranks' added in their order in the buffer (the same bits on every rank).
-__device__ __forceinline__ void write_middle(const Params &p, int64_t r, MidSums<float> s) {
-  reinterpret_cast<MidSums<float> *>(p.block + 64)[p.row0 + r] = s;
-  write_header(p, r);
-}
-__device__ __forceinline__ MidSums<float> gathered_middle(const Params &p, int64_t r) {
-  MidSums<float> s{0.0f, 0.0f};
-  for (int c = 0; c < p.ranks; ++c)
-    s = add(s, reinterpret_cast<const MidSums<float> *>(p.gathered_middle + c * p.middle_block_bytes + 64)[p.row0 + r]);
-  return s;
-}
 
 template <class T, bool GRAD, bool CAP, int DISTILL, int PHASE, bool BULK>
 __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel(const Params p) {
@@ -458,7 +100,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
   // (nxt), the one after that (after). In shared memory: registers held across the column loops
   // would spill there.
   __shared__ long long next_sh, nxt, after;
-  __shared__ uint64_t full[kMaxChunks], empty[kMaxChunks];  // BULK: see the top of this file
+  __shared__ uint64_t full[kMaxChunks], empty[kMaxChunks];  // BULK: see row_source.cuh
 #if __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -468,6 +110,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
 #endif
   const Options &o = p.o;
   const int tid = threadIdx.x;
+  // Slice source: this CTA's columns of a row as z values, where they come from, BULK's requests.
   const float zs = RAW ? o.scale : 1.0f;  // z_hat = zs * zval(x)
   const auto zval = [&](float x, float &t) { return RAW ? x : zhat<CAP>(x, o, t); };
   // A pack's columns as z values (see zval).
@@ -500,6 +143,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     if (kDenseTeacher<DISTILL>) hl::dev::bulk_copy(teacher_smem + i0, teacher_of(row) + i0 * VEC, bytes, &full[c]);
   };
 #if __CUDA_ARCH__ >= 900
+  // Cluster merge: the mailboxes' barriers (the scheduler's next_mail's too).
   if (csize > 1) {
     if (tid == 0) {
       hl::dev::mbar_init(&mail_full[0], 1);
@@ -522,12 +166,12 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
     }
     __syncthreads();
   }
-  // Rows: a cluster takes its first two in grid order, then the next free one from a counter, so
-  // that clusters on SMs that get less memory bandwidth take fewer rows and all finish within
-  // about a row of each other (with rows in grid order the first cluster finished at 2/3 of the
-  // kernel's time; bench/notes/loss.md "Loss v7"). Thread 0 knows the row after the current one (nxt)
-  // from the row's start, for its bulk requests; the one after that (after) is taken at the
-  // row's finish, and its round trip hides behind pass 2. kWhole: rank 0 takes rows and hands
+  // Row scheduler: a cluster takes its first two rows in grid order, then the next free one from a
+  // counter, so that clusters on SMs that get less memory bandwidth take fewer rows and all finish
+  // within about a row of each other (with rows in grid order the first cluster finished at 2/3 of
+  // the kernel's time; bench/notes/loss.md "Loss v7"). Thread 0 knows the row after the current
+  // one (nxt) from the row's start, for its bulk requests; the one after that (after) is taken at
+  // the row's finish, and its round trip hides behind pass 2. kWhole: rank 0 takes rows and hands
   // them to its peers (next_mail); kFinish: the CTAs of a cluster do not talk, each takes rows
   // from its rank's counter; kStats: rows in grid order (no prep kernel zeroes a counter).
   constexpr bool DYN = PHASE != kStats;
@@ -556,10 +200,11 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       }
 #endif
     }
-    // The row's last pass over chunk c is done: every thread arrives, and thread 0 requests the
-    // next row's chunk c into it once all have. Each thread's own arrival, not a warp's after
-    // __syncwarp: 2% faster without a gradient (no warp waits for its slowest lane), and what
-    // racecheck can follow (with lane 0 arriving for its warp it reported every pass-1 read).
+    // Slice source, this row. The row's last pass over chunk c is done: every thread arrives, and
+    // thread 0 requests the next row's chunk c into it once all have. Each thread's own arrival,
+    // not a warp's after __syncwarp: 2% faster without a gradient (no warp waits for its slowest
+    // lane), and what racecheck can follow (with lane 0 arriving for its warp it reported every
+    // pass-1 read).
     const auto release = [&](int c) {
       if (!BULK) return;
       hl::dev::mbar_arrive(&empty[c]);
@@ -623,6 +268,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       tk_lq[tid] = ok ? p.topk_lp[r * p.topk_lp_stride + tid] : 0.0f;
       tk_col[tid] = !ok ? kPadding : mine && j >= lo && j < hi ? int(j - lo) : kElsewhere;
     }
+    // Pass 1 and the cluster merge.
     RowStats<float> all;  // the row's merged record (thread 0)
     if (!MERGED) {
     // The label's logit, read by one thread before any gradient of this row is written.
@@ -713,8 +359,9 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       __syncthreads();  // every thread has read the previous row's `row`
       if (tid < 32) all = gathered_stats<DISTILL>(p, r);
     }
-    // Dense JSD and a sparse teacher: sums over the slice (JSD's middle pass) or the k ids, taken
-    // once the row's lse is known; thread 0 gets the row's DistillRow (kMiddle: writes JSD's sums).
+    // Row finish. Dense JSD and a sparse teacher: sums over the slice (JSD's middle pass) or the k
+    // ids, taken once the row's lse is known; thread 0 gets the row's DistillRow (kMiddle: writes
+    // JSD's sums).
     DistillRow<float> dx{};
     if (JSD && PHASE == kFinish) {
       if (tid == 0) dx = dense_row(gathered_middle(p, r));
@@ -788,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, DISTILL ? 2 : kMinBlocks) row_kernel
       if (p.tok_lse) p.tok_lse[r] = row.lse;
       if (p.tok_argmax) p.tok_argmax[r] = row.argmax;
     }
-    if (GRAD) {
+    if (GRAD) {  // the gradient epilogue
       RowResult<float> rr = row;  // coefficients in registers for the loop
       if (RAW) rr.cpz *= zs;      // on the raw logit
       const float lse2 = rr.lse * kLog2e, s2 = zs * kLog2e;

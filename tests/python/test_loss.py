@@ -346,7 +346,7 @@ def test_sizes(be, V):
     check(be, run_lib(be, inp, terms, opts), run_ref(inp, terms, opts), "bfloat16")
 
 
-# The bulk kernels' pass 2 picks a gradient form per row (row_kernel.cuh, GradForm): each case
+# The bulk kernels' pass 2 picks a gradient form per row (row_grad.cuh, GradForm): each case
 # below takes a different one.
 BULK_CASES = {
     "ce_z": (("ce", "z"), {"z_weight": 1e-3, "logit_scale": 1.25}, {"weights": True}),  # kPure

@@ -240,7 +240,7 @@ struct RowResult {
 };
 
 // The exponential and log of a column's math: libm's here (the CPU backend's fp64); the CUDA
-// kernels pass their one-instruction approximations (row_kernel.cuh's FastMath).
+// kernels pass their one-instruction approximations (row_stats.cuh's FastMath).
 template <class F>
 struct LibMath {
   HL_HD F exp(F x) const { return m_exp(x); }
