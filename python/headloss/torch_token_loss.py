@@ -90,12 +90,16 @@ class TokenLossFunction(torch.autograd.Function):
             if group is None:
                 out = fwd(*mats, y, divisor=1.0, token_outputs=True, **_workspace(fwd, mats, max_ws))
             else:
-                ws = _workspace(bwd, mats, max_ws)
-                block = bwd.stats(*mats, y, **ws)
+                # No backward to come (evaluation, reference log-probs): nothing to keep, so no more
+                # than the default workspace.
+                grads = any(ctx.needs_input_grad)
+                stats = bwd if grads else fwd
+                ws = _workspace(stats, mats, DEFAULT_MAX_WORKSPACE_BYTES if max_ws is None and not grads else max_ws)
+                block = stats.stats(*mats, y, **ws)
                 gathered = block.new_empty(dist.get_world_size(group) * block.numel())
                 dist.all_gather_into_tensor(gathered, block, group=group)
                 out = fwd.finish(gathered, *mats, y, divisor=1.0, token_outputs=True, **_workspace(fwd, mats, 0))
-                if _every_row(bwd, ws, mats):
+                if grads and _every_row(bwd, ws, mats):
                     ctx.kept = ws["workspace"]
         ctx.save_for_backward(y, gathered, *inputs)
         ctx.plan, ctx.group, ctx.max_ws = bwd, group, max_ws
